@@ -1,0 +1,1 @@
+"""kvxfer.client: engine-side helpers and the client of a kvxfer sidecar."""

@@ -1,0 +1,92 @@
+"""Every error kvxfer raises on purpose, in one tree.
+
+    KvxferError
+    ├── InvalidInputError (also ValueError)   bad value from a user, a config or the wire;
+    │   │                                     `.field` names the offending field path
+    │   ├── LayoutError                       a layout, group, region or span is malformed
+    │   ├── PlanError                         a request cannot be planned (N, C, spans, ids)
+    │   └── ProfileError                      a model config cannot be read
+    │       └── UnsupportedModelError         a readable config of an architecture not handled yet
+    ├── LimitExceededError                    a configured limit was hit (message names the limit)
+    ├── NegotiationError                      two layouts do not agree; `.mismatches` lists why
+    ├── NotFoundError                         unknown request, engine or peer
+    ├── LeaseError                            a lease expired or was released under a request
+    └── DataPlaneError                        NIXL side of things
+        ├── RegistrationError                 memory could not be opened or registered
+        ├── PeerDisconnectedError             the remote agent went away
+        └── TransferError                     a transfer could not be posted or failed
+
+Errors from lower libraries (nixl, grpc, OS) are translated at the module that
+calls them and re-raised `from exc`, so callers only ever catch these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class KvxferError(Exception):
+    """Base of every error raised on purpose by kvxfer."""
+
+
+class InvalidInputError(KvxferError, ValueError):
+    """A value from a user, a config file or the wire is not acceptable."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.detail = message
+
+
+class LayoutError(InvalidInputError):
+    """A layout, KV group, region or block span is malformed."""
+
+
+class PlanError(InvalidInputError):
+    """A request cannot be planned as given."""
+
+
+class ProfileError(InvalidInputError):
+    """A model config cannot be turned into a layout."""
+
+
+class UnsupportedModelError(ProfileError):
+    """The config is readable but describes an architecture kvxfer does not handle yet."""
+
+
+class LimitExceededError(KvxferError):
+    """A configured limit (message size, blocks per request, in-flight pulls) was exceeded."""
+
+
+class NotFoundError(KvxferError):
+    """An unknown request, engine or peer was named."""
+
+
+class LeaseError(KvxferError):
+    """A lease expired or was released while a request still needed it."""
+
+
+class NegotiationError(KvxferError):
+    """Two layouts do not agree; `mismatches` says where and what to do."""
+
+    def __init__(self, mismatches: Sequence[Any]) -> None:
+        lines = "; ".join(str(m) for m in mismatches)
+        super().__init__(f"layouts do not agree: {lines}")
+        self.mismatches = tuple(mismatches)
+
+
+class DataPlaneError(KvxferError):
+    """Something went wrong on the NIXL side."""
+
+
+class RegistrationError(DataPlaneError):
+    """Engine memory could not be opened or registered with NIXL."""
+
+
+class PeerDisconnectedError(DataPlaneError):
+    """The remote agent went away; its metadata must be loaded again."""
+
+
+class TransferError(DataPlaneError):
+    """A transfer could not be posted, or it failed."""

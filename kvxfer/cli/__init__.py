@@ -1,0 +1,1 @@
+"""`kvxfer-cli`: handshake debugging, planning and the P/D demo."""

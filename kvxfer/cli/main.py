@@ -1,0 +1,104 @@
+"""`kvxfer-cli`: entry point and argument parsing.
+
+Each sub-command lives in its own module and is imported only when run, so
+commands that move no data (`layout`, `plan`) never import torch or nixl.
+Bad input exits non-zero with one line naming the problem, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from kvxfer._exceptions import KvxferError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, without the usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def add_layout_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, help="built-in profile name or path to a config.json"
+    )
+    parser.add_argument("--kv-dtype", default="bfloat16", help="KV cache dtype (bfloat16)")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvxfer-cli", description="kvxfer: KV-cache transfer for P/D serving")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    layout = commands.add_parser("layout", help="KV groups and sizes of a model")
+    add_layout_args(layout)
+    layout.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel size")
+    layout.set_defaults(run=_lazy("kvxfer.cli.planning", "run_layout"))
+
+    plan = commands.add_parser("plan", help="what moves for one request")
+    add_layout_args(plan)
+    plan.add_argument("--tokens", type=positive_int, required=True, help="prompt tokens N")
+    plan.add_argument(
+        "--computed", type=non_negative_int, default=0, help="tokens decode already holds C"
+    )
+    plan.set_defaults(run=_lazy("kvxfer.cli.planning", "run_plan"))
+    return parser
+
+
+def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        import importlib  # noqa: PLC0415
+
+        command: Callable[[argparse.Namespace], int] = getattr(
+            importlib.import_module(module), function
+        )
+        return command(args)
+
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except KvxferError as exc:
+        print(f"kvxfer-cli: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("kvxfer-cli: interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The layout vocabulary: engine layouts, KV groups, regions and block spans.
+
+Everything here is a frozen dataclass that validates itself in
+`__post_init__`, naming the offending field. Nothing here does I/O.
+
+A *group* is a set of layers that share one list of block ids per request.
+A *region* is one registered buffer range holding one layer's sub-tensor
+(K, V, conv state, ssm state) for every block of its group. Two groups may
+point tensors at the same region (a hybrid KV cache manager shares pools), so
+a block id only means something together with its group.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import NewType
+
+from kvxfer._exceptions import LayoutError
+
+GroupId = NewType("GroupId", int)
+BlockId = NewType("BlockId", int)
+
+# Largest block count / byte value accepted anywhere; keeps arithmetic sane
+# against hostile input from the wire.
+MAX_BLOCKS = 1 << 32
+MAX_BYTES = 1 << 50
+
+
+class GroupKind(enum.StrEnum):
+    FULL_ATTENTION = "full_attention"
+    SLIDING_WINDOW = "sliding_window"
+    MAMBA = "mamba"
+
+
+KV_DTYPE_BYTES: Mapping[str, int] = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+def dtype_bytes(kv_dtype: str, field_name: str = "kv_dtype") -> int:
+    try:
+        return KV_DTYPE_BYTES[kv_dtype]
+    except KeyError:
+        known = ", ".join(KV_DTYPE_BYTES)
+        raise LayoutError(field_name, f"unknown dtype {kv_dtype!r} (known: {known})") from None
+
+
+def check_int(name: str, value: int, lo: int, hi: int = MAX_BYTES) -> None:
+    """Raise LayoutError unless lo <= value <= hi (and value is a real int)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LayoutError(name, f"must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise LayoutError(name, f"must be in [{lo}, {hi}], got {value}")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One per-layer sub-tensor of a group; `name` is the region that holds it."""
+
+    name: str
+    layer: int
+    bytes_per_block: int
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise LayoutError("tensor.name", "must not be empty")
+        check_int(f"tensor '{self.name}'.layer", self.layer, 0, 1 << 16)
+        check_int(f"tensor '{self.name}'.bytes_per_block", self.bytes_per_block, 1)
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    group_id: GroupId
+    kind: GroupKind
+    sliding_window: int | None
+    layers: tuple[int, ...]
+    tensors: tuple[TensorSpec, ...]
+
+    def __post_init__(self) -> None:
+        where = f"groups[{self.group_id}]"
+        check_int(f"{where}.group_id", self.group_id, 0, 1 << 16)
+        if not isinstance(self.kind, GroupKind):
+            raise LayoutError(f"{where}.kind", f"unknown group kind {self.kind!r}")
+        if self.kind is GroupKind.SLIDING_WINDOW:
+            if self.sliding_window is None:
+                raise LayoutError(f"{where}.sliding_window", "required for a sliding_window group")
+            check_int(f"{where}.sliding_window", self.sliding_window, 1, 1 << 30)
+        elif self.sliding_window is not None:
+            raise LayoutError(
+                f"{where}.sliding_window", f"must be unset for a {self.kind.value} group"
+            )
+        if not self.layers:
+            raise LayoutError(f"{where}.layers", "a group needs at least one layer")
+        if not self.tensors:
+            raise LayoutError(f"{where}.tensors", "a group needs at least one tensor")
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise LayoutError(f"{where}.tensors", "tensor names repeat within the group")
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one logical block across every tensor of the group."""
+        return sum(t.bytes_per_block for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered buffer range: block b of it starts at offset_bytes + b * stride_bytes."""
+
+    name: str
+    buffer: str
+    offset_bytes: int
+    num_blocks: int
+    stride_bytes: int
+    block_bytes: int
+
+    def __post_init__(self) -> None:
+        where = f"region '{self.name}'"
+        if not self.name:
+            raise LayoutError("region.name", "must not be empty")
+        if not self.buffer:
+            raise LayoutError(f"{where}.buffer", "must not be empty")
+        check_int(f"{where}.offset_bytes", self.offset_bytes, 0)
+        check_int(f"{where}.num_blocks", self.num_blocks, 1, MAX_BLOCKS)
+        check_int(f"{where}.block_bytes", self.block_bytes, 1)
+        check_int(f"{where}.stride_bytes", self.stride_bytes, self.block_bytes)
+
+    @property
+    def end_bytes(self) -> int:
+        """One past the last byte of the region inside its buffer."""
+        return self.offset_bytes + (self.num_blocks - 1) * self.stride_bytes + self.block_bytes
+
+    @property
+    def contiguous(self) -> bool:
+        return self.stride_bytes == self.block_bytes
+
+    def block_offset(self, block_id: int) -> int:
+        if not 0 <= block_id < self.num_blocks:
+            raise LayoutError(
+                "block_ids",
+                f"block {block_id} out of range for region '{self.name}' "
+                f"({self.num_blocks} blocks)",
+            )
+        return self.offset_bytes + block_id * self.stride_bytes
+
+
+@dataclass(frozen=True)
+class BlockSpan:
+    """Block ids of one group for logical blocks first_block, first_block + 1, ..."""
+
+    group_id: GroupId
+    first_block: int
+    block_ids: tuple[BlockId, ...]
+
+    def __post_init__(self) -> None:
+        where = f"spans[group {self.group_id}]"
+        check_int(f"{where}.group_id", self.group_id, 0, 1 << 16)
+        check_int(f"{where}.first_block", self.first_block, 0, MAX_BLOCKS)
+        for i, block_id in enumerate(self.block_ids):
+            check_int(f"{where}.block_ids[{i}]", block_id, 0, MAX_BLOCKS)
+
+    @property
+    def end_block(self) -> int:
+        """One past the last logical block this span covers."""
+        return self.first_block + len(self.block_ids)
+
+    def block_id(self, logical: int) -> BlockId:
+        return self.block_ids[logical - self.first_block]
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """What one engine rank holds: model, dtype, block size, TP placement, groups, regions.
+
+    `regions` is empty for a layout that only describes a model (as the
+    `plan` command uses it); a layout registered by an engine binds every
+    tensor of every group to a region.
+    """
+
+    model: str
+    fingerprint: str
+    kv_dtype: str
+    block_size: int
+    tp_size: int
+    tp_rank: int
+    groups: tuple[KVGroup, ...]
+    regions: tuple[Region, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        dtype_bytes(self.kv_dtype)
+        check_int("block_size", self.block_size, 1, 1 << 20)
+        check_int("tp_size", self.tp_size, 1, 1 << 12)
+        check_int("tp_rank", self.tp_rank, 0, self.tp_size - 1)
+        if not self.groups:
+            raise LayoutError("groups", "a layout needs at least one KV group")
+        for index, group in enumerate(self.groups):
+            if group.group_id != index:
+                raise LayoutError(f"groups[{index}].group_id", f"must equal its position {index}")
+        if self.regions:
+            self._check_regions()
+
+    def _check_regions(self) -> None:
+        by_name = self.region_map
+        if len(by_name) != len(self.regions):
+            raise LayoutError("regions", "region names repeat")
+        for group in self.groups:
+            for tensor in group.tensors:
+                region = by_name.get(tensor.name)
+                where = f"groups[{group.group_id}].tensors['{tensor.name}']"
+                if region is None:
+                    raise LayoutError(where, "no region registered for this tensor")
+                if region.block_bytes != tensor.bytes_per_block:
+                    raise LayoutError(
+                        f"region '{region.name}'.block_bytes",
+                        f"expected {tensor.bytes_per_block} (from the layout), "
+                        f"got {region.block_bytes}",
+                    )
+
+    @property
+    def region_map(self) -> dict[str, Region]:
+        return {r.name: r for r in self.regions}
+
+    def group(self, group_id: int) -> KVGroup:
+        if not 0 <= group_id < len(self.groups):
+            raise LayoutError("group_id", f"unknown group {group_id} ({len(self.groups)} groups)")
+        return self.groups[group_id]
+
+    def with_regions(self, regions: Iterable[Region]) -> EngineLayout:
+        return EngineLayout(
+            model=self.model,
+            fingerprint=self.fingerprint,
+            kv_dtype=self.kv_dtype,
+            block_size=self.block_size,
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+            groups=self.groups,
+            regions=tuple(regions),
+        )

@@ -1,0 +1,329 @@
+"""Which KV blocks a request must move, and the descriptors that move them.
+
+The rules (ARCHITECTURE.md section 5), with N prompt tokens held by the
+source, C tokens the destination already holds, block size B, window W:
+
+- full_attention: tokens [C, N) -> logical blocks floor(C/B) .. ceil(N/B)-1
+- sliding_window: the next decode step at position N attends to [N-W+1, N],
+  so the cached tokens needed are [max(C, N-W+1, 0), N). Computed from N: a
+  fixed cdiv(W, B) can miss a block, cdiv(W, B)+1 often moves one too many.
+- mamba: the single state block (logical block 0) unless C == N.
+
+`plan_transfer` turns that into chunks of consecutive logical blocks of one
+group; inside a chunk, runs of block ids consecutive on both sides become one
+descriptor per region (when both regions are contiguous). Every span and id
+is validated against the regions before any descriptor exists. The planner
+is address-free: descriptors carry buffer names and byte offsets, and the
+data plane binds them to registered memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvxfer._exceptions import LayoutError, PlanError
+from kvxfer.core.layout import (
+    BlockSpan,
+    EngineLayout,
+    GroupId,
+    GroupKind,
+    KVGroup,
+    Region,
+)
+
+DEFAULT_CHUNK_BLOCKS = 256
+
+
+def check_request(num_tokens: int, computed_tokens: int, block_size: int) -> None:
+    """Raise PlanError unless N >= 1, 0 <= C <= N and C is a multiple of B or N."""
+    for name, value in (("num_tokens", num_tokens), ("computed_tokens", computed_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PlanError(name, f"must be an integer, got {value!r}")
+    if num_tokens < 1:
+        raise PlanError("num_tokens", f"must be at least 1, got {num_tokens}")
+    if not 0 <= computed_tokens <= num_tokens:
+        raise PlanError(
+            "computed_tokens", f"must be in [0, num_tokens={num_tokens}], got {computed_tokens}"
+        )
+    if computed_tokens % block_size and computed_tokens != num_tokens:
+        raise PlanError(
+            "computed_tokens",
+            f"must be a multiple of block_size {block_size} or equal num_tokens "
+            f"{num_tokens}, got {computed_tokens}",
+        )
+
+
+def needed_blocks(
+    kind: GroupKind,
+    window: int | None,
+    num_tokens: int,
+    computed_tokens: int,
+    block_size: int,
+) -> range:
+    """Logical blocks of one group that must move (empty when nothing does)."""
+    if computed_tokens >= num_tokens:
+        return range(0)
+    if kind is GroupKind.MAMBA:
+        return range(1)
+    end = -(-num_tokens // block_size)
+    if kind is GroupKind.FULL_ATTENTION:
+        return range(computed_tokens // block_size, end)
+    assert window is not None
+    first_token = max(computed_tokens, num_tokens - window + 1, 0)
+    if first_token >= num_tokens:
+        return range(0)  # W == 1: the next step reads no cached token
+    return range(first_token // block_size, end)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """What moves for one group: its logical blocks and their bytes."""
+
+    group: KVGroup
+    blocks: range
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blocks) * self.group.bytes_per_block
+
+
+def plan_blocks(
+    layout: EngineLayout, num_tokens: int, computed_tokens: int
+) -> tuple[GroupPlan, ...]:
+    """The exact blocks of every group for one request."""
+    check_request(num_tokens, computed_tokens, layout.block_size)
+    return tuple(
+        GroupPlan(
+            group,
+            needed_blocks(
+                group.kind, group.sliding_window, num_tokens, computed_tokens, layout.block_size
+            ),
+        )
+        for group in layout.groups
+    )
+
+
+def full_attention_bytes(layout: EngineLayout, num_tokens: int, computed_tokens: int) -> int:
+    """Bytes moved if every sliding-window group were treated as full attention."""
+    check_request(num_tokens, computed_tokens, layout.block_size)
+    total = 0
+    for group in layout.groups:
+        kind = GroupKind.MAMBA if group.kind is GroupKind.MAMBA else GroupKind.FULL_ATTENTION
+        blocks = needed_blocks(kind, None, num_tokens, computed_tokens, layout.block_size)
+        total += len(blocks) * group.bytes_per_block
+    return total
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """One contiguous copy: `length` bytes from src buffer+offset to dst buffer+offset."""
+
+    src_buffer: str
+    src_offset: int
+    dst_buffer: str
+    dst_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Run:
+    """`count` blocks whose ids are consecutive on both sides."""
+
+    src_block: int
+    dst_block: int
+    count: int
+
+
+@dataclass(frozen=True)
+class RegionPair:
+    """The same tensor on both sides."""
+
+    src: Region
+    dst: Region
+
+    @property
+    def coalescable(self) -> bool:
+        return self.src.contiguous and self.dst.contiguous
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Consecutive logical blocks of one group, all its regions: one NIXL handle."""
+
+    group_id: GroupId
+    blocks: range
+    runs: tuple[Run, ...]
+    regions: tuple[RegionPair, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blocks) * sum(pair.src.block_bytes for pair in self.regions)
+
+    def descriptors(self) -> Iterator[Descriptor]:
+        """Region-major: one descriptor per (region, run), or per block where strided."""
+        for pair in self.regions:
+            size = pair.src.block_bytes
+            for run in self.runs:
+                pieces = [run] if pair.coalescable else _split_run(run)
+                for piece in pieces:
+                    yield Descriptor(
+                        src_buffer=pair.src.buffer,
+                        src_offset=pair.src.offset_bytes + piece.src_block * pair.src.stride_bytes,
+                        dst_buffer=pair.dst.buffer,
+                        dst_offset=pair.dst.offset_bytes + piece.dst_block * pair.dst.stride_bytes,
+                        length=piece.count * size,
+                    )
+
+
+def _split_run(run: Run) -> list[Run]:
+    return [Run(run.src_block + i, run.dst_block + i, 1) for i in range(run.count)]
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    num_tokens: int
+    computed_tokens: int
+    groups: tuple[GroupPlan, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+
+def plan_transfer(
+    src: EngineLayout,
+    dst: EngineLayout,
+    src_spans: Sequence[BlockSpan],
+    dst_spans: Sequence[BlockSpan],
+    num_tokens: int,
+    computed_tokens: int,
+    chunk_blocks: int = DEFAULT_CHUNK_BLOCKS,
+) -> TransferPlan:
+    """Plan one request from the source (prefill) to the destination (decode)."""
+    if chunk_blocks < 1:
+        raise PlanError("chunk_blocks", f"must be at least 1, got {chunk_blocks}")
+    _check_same_shape(src, dst)
+    groups = plan_blocks(src, num_tokens, computed_tokens)
+    src_by_group = _spans_by_group(src_spans, "src_spans", len(src.groups))
+    dst_by_group = _spans_by_group(dst_spans, "dst_spans", len(dst.groups))
+    chunks: list[Chunk] = []
+    for group_plan in groups:
+        if not group_plan.blocks:
+            continue
+        gid = group_plan.group.group_id
+        src_span = _covering_span(src_by_group, gid, group_plan.blocks, "src_spans")
+        dst_span = _covering_span(dst_by_group, gid, group_plan.blocks, "dst_spans")
+        pairs = _region_pairs(src, dst, group_plan.group)
+        _check_ids(src_span, group_plan.blocks, [p.src for p in pairs], "src_spans")
+        _check_ids(dst_span, group_plan.blocks, [p.dst for p in pairs], "dst_spans")
+        for start in range(group_plan.blocks.start, group_plan.blocks.stop, chunk_blocks):
+            blocks = range(start, min(start + chunk_blocks, group_plan.blocks.stop))
+            runs = _runs(src_span, dst_span, blocks)
+            chunks.append(Chunk(gid, blocks, runs, pairs))
+    return TransferPlan(num_tokens, computed_tokens, groups, tuple(chunks))
+
+
+def _check_same_shape(src: EngineLayout, dst: EngineLayout) -> None:
+    """The planner's own precondition; negotiation explains mismatches in detail."""
+    if src.block_size != dst.block_size:
+        raise PlanError(
+            "block_size", f"src has {src.block_size}, dst has {dst.block_size}; must be equal"
+        )
+    if len(src.groups) != len(dst.groups):
+        raise PlanError("groups", f"src has {len(src.groups)} groups, dst has {len(dst.groups)}")
+    for a, b in zip(src.groups, dst.groups, strict=True):
+        where = f"groups[{a.group_id}]"
+        if (a.kind, a.sliding_window) != (b.kind, b.sliding_window):
+            raise PlanError(
+                where,
+                f"src is {a.kind.value} (window {a.sliding_window}), "
+                f"dst is {b.kind.value} (window {b.sliding_window})",
+            )
+        if [(t.name, t.bytes_per_block) for t in a.tensors] != [
+            (t.name, t.bytes_per_block) for t in b.tensors
+        ]:
+            raise PlanError(f"{where}.tensors", "tensor names or sizes differ between src and dst")
+    if not src.regions or not dst.regions:
+        raise PlanError("regions", "both layouts must have registered regions to plan a transfer")
+
+
+def _spans_by_group(spans: Sequence[BlockSpan], name: str, num_groups: int) -> dict[int, BlockSpan]:
+    by_group: dict[int, BlockSpan] = {}
+    for i, span in enumerate(spans):
+        if not 0 <= span.group_id < num_groups:
+            raise PlanError(f"{name}[{i}].group_id", f"unknown group {span.group_id}")
+        if span.group_id in by_group:
+            raise PlanError(f"{name}[{i}].group_id", f"group {span.group_id} appears twice")
+        by_group[span.group_id] = span
+    return by_group
+
+
+def _covering_span(
+    spans: Mapping[int, BlockSpan], group_id: int, blocks: range, name: str
+) -> BlockSpan:
+    span = spans.get(group_id)
+    where = f"{name}[group {group_id}]"
+    if span is None:
+        raise PlanError(where, f"missing; logical blocks {_fmt(blocks)} must move")
+    if span.first_block > blocks.start or span.end_block < blocks.stop:
+        covered = _fmt(range(span.first_block, span.end_block))
+        raise PlanError(where, f"covers logical blocks {covered}, needs {_fmt(blocks)}")
+    return span
+
+
+def _fmt(blocks: range) -> str:
+    return f"{blocks.start}..{blocks.stop - 1}" if blocks else "none"
+
+
+def _region_pairs(src: EngineLayout, dst: EngineLayout, group: KVGroup) -> tuple[RegionPair, ...]:
+    src_regions, dst_regions = src.region_map, dst.region_map
+    return tuple(RegionPair(src_regions[t.name], dst_regions[t.name]) for t in group.tensors)
+
+
+def _check_ids(span: BlockSpan, blocks: range, regions: Sequence[Region], name: str) -> None:
+    """Every id the plan touches must exist in every region of the group."""
+    ids = span.block_ids[blocks.start - span.first_block : blocks.stop - span.first_block]
+    highest = max(ids)
+    for region in regions:
+        if highest >= region.num_blocks:
+            logical = blocks.start + ids.index(highest)
+            raise PlanError(
+                f"{name}[group {span.group_id}].block_ids",
+                f"block {highest} (logical block {logical}) out of range for region "
+                f"'{region.name}' ({region.num_blocks} blocks)",
+            )
+
+
+def _runs(src: BlockSpan, dst: BlockSpan, blocks: range) -> tuple[Run, ...]:
+    """Maximal runs of logical blocks whose ids are consecutive on both sides."""
+    runs: list[Run] = []
+    src_ids = src.block_ids[blocks.start - src.first_block : blocks.stop - src.first_block]
+    dst_ids = dst.block_ids[blocks.start - dst.first_block : blocks.stop - dst.first_block]
+    start_s, start_d, count = src_ids[0], dst_ids[0], 1
+    for s, d in zip(src_ids[1:], dst_ids[1:], strict=True):
+        if s == start_s + count and d == start_d + count:
+            count += 1
+            continue
+        runs.append(Run(start_s, start_d, count))
+        start_s, start_d, count = s, d, 1
+    runs.append(Run(start_s, start_d, count))
+    return tuple(runs)
+
+
+def check_span_ids(layout: EngineLayout, span: BlockSpan, name: str) -> None:
+    """Validate every id of a span against its group's regions (used at publish time)."""
+    try:
+        group = layout.group(span.group_id)
+    except LayoutError as exc:
+        raise PlanError(f"{name}.group_id", exc.detail) from exc
+    if not span.block_ids:
+        return
+    regions = layout.region_map
+    _check_ids(
+        span,
+        range(span.first_block, span.end_block),
+        [regions[t.name] for t in group.tensors],
+        name,
+    )

@@ -1,0 +1,297 @@
+"""Model profiles: a HuggingFace `config.json` becomes an EngineLayout.
+
+Layers are classified from the config (see shared/models/README.md):
+`layer_types` where given; Gemma's `sliding_window_pattern`; Jamba's
+attention period/offset; Falcon-H1's parallel attention + Mamba-2 layers;
+Mistral's model-wide `sliding_window`; plain full attention otherwise.
+One KV group is made per distinct (kind, window), numbered in order of the
+first layer that uses it. Mamba / linear-attention state is sized from the
+config and stored in the KV dtype (one state block per request).
+
+Built-in profiles are the JSON files shipped in `kvxfer/profiles/`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from kvxfer._exceptions import ProfileError, UnsupportedModelError
+from kvxfer.core.layout import (
+    EngineLayout,
+    GroupId,
+    GroupKind,
+    KVGroup,
+    TensorSpec,
+    dtype_bytes,
+)
+
+Config = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class _LayerTensors:
+    """What one layer contributes to one group kind: (name suffix, bytes per block)."""
+
+    kind: GroupKind
+    window: int | None
+    tensors: tuple[tuple[str, int], ...]
+
+
+def builtin_profiles() -> list[str]:
+    """Names of the profiles shipped with kvxfer (usable as `--model NAME`)."""
+    files = resources.files("kvxfer.profiles").iterdir()
+    return sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json"))
+
+
+def load_config(model: str) -> tuple[str, dict[str, Any]]:
+    """Read a built-in profile by name, or a config.json by path; return (name, config)."""
+    if model in builtin_profiles():
+        text = resources.files("kvxfer.profiles").joinpath(f"{model}.json").read_text()
+        return model, _parse_json(text, model)
+    path = Path(model)
+    if not path.is_file():
+        known = ", ".join(builtin_profiles())
+        raise ProfileError("model", f"{model!r} is neither a built-in profile ({known}) nor a file")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ProfileError("model", f"cannot read {model!r}: {exc.strerror}") from exc
+    return path.stem if path.name != "config.json" else path.parent.name or "model", _parse_json(
+        text, model
+    )
+
+
+def _parse_json(text: str, source: str) -> dict[str, Any]:
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProfileError(
+            "model", f"{source!r} is not valid JSON: {exc.msg} at line {exc.lineno}"
+        ) from exc
+    if not isinstance(config, dict):
+        raise ProfileError("model", f"{source!r} must hold a JSON object")
+    return config
+
+
+def layout_for_model(
+    model: str,
+    *,
+    kv_dtype: str = "bfloat16",
+    block_size: int = 16,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+) -> EngineLayout:
+    """Layout of a built-in profile name or a config.json path."""
+    name, config = load_config(model)
+    return layout_from_config(
+        config,
+        name=name,
+        kv_dtype=kv_dtype,
+        block_size=block_size,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+    )
+
+
+def layout_from_config(
+    config: Config,
+    *,
+    name: str,
+    kv_dtype: str = "bfloat16",
+    block_size: int = 16,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+) -> EngineLayout:
+    text = config.get("text_config", config)
+    if not isinstance(text, Mapping):
+        raise ProfileError("text_config", "must be a JSON object")
+    elem = dtype_bytes(kv_dtype)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ProfileError("block_size", f"must be a positive integer, got {block_size!r}")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ProfileError("tp_size", f"must be a positive integer, got {tp_size!r}")
+    sizing = _Sizing(text, elem, block_size, tp_size)
+    per_layer = [_layer_tensors(text, sizing, i) for i in range(sizing.num_layers)]
+    return EngineLayout(
+        model=name,
+        fingerprint=fingerprint(text),
+        kv_dtype=kv_dtype,
+        block_size=block_size,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        groups=_group_layers(per_layer),
+    )
+
+
+def fingerprint(text_config: Config) -> str:
+    """Stable hash of the KV-relevant architecture facts (not of the name)."""
+    canonical = json.dumps(text_config, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+class _Sizing:
+    """Reads sizes out of a text config, validating each field it touches."""
+
+    def __init__(self, text: Config, elem: int, block_size: int, tp_size: int) -> None:
+        self.text = text
+        self.elem = elem
+        self.block_size = block_size
+        self.tp = tp_size
+        self.num_layers = self.positive("num_hidden_layers")
+
+    def positive(self, key: str) -> int:
+        value = self.text.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ProfileError(key, f"must be a positive integer, got {value!r}")
+        return value
+
+    def split(self, key: str, value: int) -> int:
+        """value / tp for a tensor-parallel-sharded dimension; must divide exactly."""
+        if value % self.tp:
+            raise ProfileError(key, f"{value} does not divide by tp_size {self.tp}")
+        return value // self.tp
+
+    def attention_bytes(self) -> int:
+        """Bytes of K (or V) of one layer for one block of block_size tokens, per TP rank."""
+        heads = self.positive("num_attention_heads")
+        kv_heads = self.text.get("num_key_value_heads", heads)
+        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+            raise ProfileError(
+                "num_key_value_heads", f"must be a positive integer, got {kv_heads!r}"
+            )
+        head_dim = self.text.get("head_dim") or self.positive("hidden_size") // heads
+        if kv_heads % self.tp == 0:
+            per_rank = kv_heads // self.tp
+        elif self.tp % kv_heads == 0:
+            per_rank = 1  # KV heads are replicated across ranks
+        else:
+            raise ProfileError(
+                "num_key_value_heads", f"{kv_heads} heads cannot be placed on tp_size {self.tp}"
+            )
+        return self.block_size * per_rank * int(head_dim) * self.elem
+
+
+def _attention(kind: GroupKind, window: int | None, sizing: _Sizing) -> _LayerTensors:
+    size = sizing.attention_bytes()
+    return _LayerTensors(kind, window, (("k", size), ("v", size)))
+
+
+def _state(conv_elems: int, ssm_elems: int, sizing: _Sizing) -> _LayerTensors:
+    return _LayerTensors(
+        GroupKind.MAMBA,
+        None,
+        (("conv", conv_elems * sizing.elem), ("ssm", ssm_elems * sizing.elem)),
+    )
+
+
+def _window(sizing: _Sizing) -> int:
+    return sizing.positive("sliding_window")
+
+
+def _layer_tensors(text: Config, sizing: _Sizing, index: int) -> list[_LayerTensors]:
+    """The group kinds layer `index` takes part in, with its tensors for each."""
+    if "kv_lora_rank" in text:
+        raise UnsupportedModelError(
+            "kv_lora_rank",
+            "multi-head latent attention (MLA, e.g. DeepSeek-V2/V3) is not supported yet",
+        )
+    layer_types = text.get("layer_types")
+    if layer_types is not None:
+        return [_from_layer_type(layer_types, sizing, index)]
+    if "mamba_d_ssm" in text:
+        return _falcon_h1(text, sizing, index)
+    if "attn_layer_period" in text:
+        return [_jamba(text, sizing, index)]
+    pattern = text.get("sliding_window_pattern")
+    if pattern is not None and text.get("sliding_window") is not None:
+        full = (index + 1) % sizing.positive("sliding_window_pattern") == 0
+        if full:
+            return [_attention(GroupKind.FULL_ATTENTION, None, sizing)]
+        return [_attention(GroupKind.SLIDING_WINDOW, _window(sizing), sizing)]
+    if text.get("sliding_window") is not None and text.get("use_sliding_window", True):
+        return [_attention(GroupKind.SLIDING_WINDOW, _window(sizing), sizing)]
+    return [_attention(GroupKind.FULL_ATTENTION, None, sizing)]
+
+
+def _from_layer_type(layer_types: Any, sizing: _Sizing, index: int) -> _LayerTensors:
+    if not isinstance(layer_types, list) or len(layer_types) != sizing.num_layers:
+        raise ProfileError(
+            "layer_types", f"must be a list of num_hidden_layers ({sizing.num_layers}) strings"
+        )
+    kind = layer_types[index]
+    if kind == "full_attention":
+        return _attention(GroupKind.FULL_ATTENTION, None, sizing)
+    if kind == "sliding_attention":
+        return _attention(GroupKind.SLIDING_WINDOW, _window(sizing), sizing)
+    if kind == "linear_attention":
+        return _gated_deltanet(sizing)
+    raise UnsupportedModelError(f"layer_types[{index}]", f"layer type {kind!r} is not supported")
+
+
+def _gated_deltanet(sizing: _Sizing) -> _LayerTensors:
+    """Qwen3-Next linear attention: a recurrent conv + ssm state instead of KV."""
+    key_dim = sizing.positive("linear_key_head_dim")
+    value_dim = sizing.positive("linear_value_head_dim")
+    key_heads = sizing.split("linear_num_key_heads", sizing.positive("linear_num_key_heads"))
+    value_heads = sizing.split("linear_num_value_heads", sizing.positive("linear_num_value_heads"))
+    conv_dim = 2 * key_dim * key_heads + value_dim * value_heads
+    kernel = sizing.positive("linear_conv_kernel_dim")
+    return _state((kernel - 1) * conv_dim, value_heads * value_dim * key_dim, sizing)
+
+
+def _jamba(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
+    period = sizing.positive("attn_layer_period")
+    offset = text.get("attn_layer_offset", 0)
+    if index % period == offset:
+        return _attention(GroupKind.FULL_ATTENTION, None, sizing)
+    intermediate = sizing.split(
+        "mamba_expand", sizing.positive("mamba_expand") * sizing.positive("hidden_size")
+    )
+    conv = (sizing.positive("mamba_d_conv") - 1) * intermediate
+    return _state(conv, intermediate * sizing.positive("mamba_d_state"), sizing)
+
+
+def _falcon_h1(text: Config, sizing: _Sizing, index: int) -> list[_LayerTensors]:
+    """Falcon-H1: a Mamba-2 mixer in every layer, attention beside it (all layers by default)."""
+    attn_layers = text.get("attn_layer_indices")
+    kinds: list[_LayerTensors] = []
+    if attn_layers is None or index in attn_layers:
+        kinds.append(_attention(GroupKind.FULL_ATTENTION, None, sizing))
+    d_state = sizing.positive("mamba_d_state")
+    groups = sizing.positive("mamba_n_groups")
+    conv_dim = sizing.split("mamba_d_ssm", sizing.positive("mamba_d_ssm") + 2 * groups * d_state)
+    conv = (sizing.positive("mamba_d_conv") - 1) * conv_dim
+    heads = sizing.split("mamba_n_heads", sizing.positive("mamba_n_heads"))
+    kinds.append(_state(conv, heads * sizing.positive("mamba_d_head") * d_state, sizing))
+    return kinds
+
+
+def _group_layers(per_layer: list[list[_LayerTensors]]) -> tuple[KVGroup, ...]:
+    """One group per distinct (kind, window), in order of first use."""
+    members: dict[tuple[GroupKind, int | None], list[tuple[int, _LayerTensors]]] = {}
+    for index, contributions in enumerate(per_layer):
+        for part in contributions:
+            members.setdefault((part.kind, part.window), []).append((index, part))
+    groups = []
+    for group_id, ((kind, window), layers) in enumerate(members.items()):
+        tensors = tuple(
+            TensorSpec(name=f"layer.{index}.{suffix}", layer=index, bytes_per_block=size)
+            for index, part in layers
+            for suffix, size in part.tensors
+        )
+        groups.append(
+            KVGroup(
+                group_id=GroupId(group_id),
+                kind=kind,
+                sliding_window=window,
+                layers=tuple(index for index, _ in layers),
+                tensors=tensors,
+            )
+        )
+    return tuple(groups)

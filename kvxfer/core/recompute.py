@@ -1,0 +1,146 @@
+"""Where an engine can resume after a partly failed pull (ARCHITECTURE.md section 6).
+
+`valid_tokens` is the largest s with C <= s <= N such that, for every group
+at once, the KV the engine needs to continue from s is valid:
+
+- full_attention needs tokens [0, s);
+- sliding_window needs tokens [max(0, s-W+1), s);
+- mamba needs its state at exactly s: at C (held locally) or at N (moved, not failed).
+
+Valid KV is what the destination held before the pull ([0, C) for full
+attention, [max(0, C-W+1), C) for sliding window) plus the moved blocks that
+did not fail. s = C always qualifies. Work is proportional to the number of
+failed blocks, not to N.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Collection, Mapping, Sequence
+
+from kvxfer._exceptions import PlanError
+from kvxfer.core.layout import GroupKind, KVGroup
+from kvxfer.core.planner import check_request, needed_blocks
+
+Intervals = list[tuple[int, int]]  # sorted, disjoint, non-adjacent half-open [a, b)
+
+
+def valid_tokens(
+    groups: Sequence[KVGroup],
+    num_tokens: int,
+    computed_tokens: int,
+    block_size: int,
+    failed: Mapping[int, Collection[int]],
+) -> int:
+    """The token the engine resumes from: it recomputes [result, N)."""
+    check_request(num_tokens, computed_tokens, block_size)
+    _check_failed(groups, num_tokens, computed_tokens, block_size, failed)
+    if not any(failed.values()):
+        return num_tokens
+    resume = num_tokens
+    sliding: list[tuple[int, Intervals]] = []
+    for group in groups:
+        if group.kind is GroupKind.MAMBA:
+            if failed.get(group.group_id):
+                return computed_tokens
+            continue
+        valid = _valid(group, num_tokens, computed_tokens, block_size, failed.get(group.group_id))
+        if group.kind is GroupKind.FULL_ATTENTION:
+            resume = min(resume, _first_invalid(valid, num_tokens))
+        else:
+            assert group.sliding_window is not None
+            sliding.append((group.sliding_window, valid))
+    resume = _settle_windows(resume, computed_tokens, sliding)
+    has_mamba = any(g.kind is GroupKind.MAMBA for g in groups)
+    if resume <= computed_tokens or (has_mamba and resume < num_tokens):
+        return computed_tokens
+    return resume
+
+
+def _check_failed(
+    groups: Sequence[KVGroup],
+    num_tokens: int,
+    computed_tokens: int,
+    block_size: int,
+    failed: Mapping[int, Collection[int]],
+) -> None:
+    by_id: dict[int, KVGroup] = {g.group_id: g for g in groups}
+    for group_id, blocks in failed.items():
+        group = by_id.get(group_id)
+        if group is None:
+            raise PlanError("failed_blocks", f"unknown group {group_id}")
+        moved = needed_blocks(
+            group.kind, group.sliding_window, num_tokens, computed_tokens, block_size
+        )
+        stray = sorted(b for b in blocks if b not in moved)
+        if stray:
+            raise PlanError(
+                f"failed_blocks[{group_id}]", f"blocks {stray[:8]} were not part of the transfer"
+            )
+
+
+def _valid(
+    group: KVGroup,
+    num_tokens: int,
+    computed_tokens: int,
+    block_size: int,
+    failed: Collection[int] | None,
+) -> Intervals:
+    """Token intervals of this group holding valid KV after the pull."""
+    held_from = 0
+    if group.kind is GroupKind.SLIDING_WINDOW:
+        assert group.sliding_window is not None
+        held_from = max(0, computed_tokens - group.sliding_window + 1)
+    pieces: Intervals = [(held_from, computed_tokens)] if computed_tokens > held_from else []
+    moved = needed_blocks(group.kind, group.sliding_window, num_tokens, computed_tokens, block_size)
+    start = moved.start
+    for block in [*sorted(set(failed or ())), moved.stop]:
+        if block > start:
+            pieces.append((start * block_size, min(block * block_size, num_tokens)))
+        start = block + 1
+    return _merge(pieces)
+
+
+def _merge(pieces: Intervals) -> Intervals:
+    merged: Intervals = []
+    for a, b in sorted(pieces):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        elif b > a:
+            merged.append((a, b))
+    return merged
+
+
+def _first_invalid(valid: Intervals, num_tokens: int) -> int:
+    """First token of [0, N) without valid KV (N if there is none)."""
+    if valid and valid[0][0] == 0:
+        return min(valid[0][1], num_tokens)
+    return 0
+
+
+def _last_invalid(valid: Intervals, lo: int, hi: int) -> int | None:
+    """Largest token t in [lo, hi) without valid KV, or None."""
+    if hi <= lo:
+        return None
+    starts = [a for a, _ in valid]
+    i = bisect.bisect_right(starts, hi - 1) - 1
+    if i < 0 or valid[i][1] <= hi - 1:
+        return hi - 1  # hi-1 itself is not covered
+    candidate = valid[i][0] - 1  # intervals are non-adjacent, so this one is invalid
+    return candidate if candidate >= lo else None
+
+
+def _settle_windows(resume: int, floor: int, sliding: Sequence[tuple[int, Intervals]]) -> int:
+    """Lower `resume` until every sliding window before it is whole.
+
+    If a window [s-W+1, s) holds an invalid token t, no s' in (t, s] can work
+    (its window holds t as well), so the next candidate is t itself.
+    """
+    changed = True
+    while changed and resume > floor:
+        changed = False
+        for window, valid in sliding:
+            bad = _last_invalid(valid, max(0, resume - window + 1), resume)
+            if bad is not None:
+                resume, changed = bad, True
+    return resume

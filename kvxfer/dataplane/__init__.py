@@ -1,0 +1,1 @@
+"""The NIXL data plane: the only package that imports nixl."""

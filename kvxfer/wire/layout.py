@@ -1,0 +1,134 @@
+"""Layouts and block spans to and from their protobuf messages.
+
+Decoding validates everything through the domain constructors, so a bad
+message becomes a LayoutError whose field path starts at the message
+(`layout.groups[1].sliding_window: ...`), never a half-built object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvxfer._exceptions import LayoutError
+from kvxfer.core.layout import (
+    BlockId,
+    BlockSpan,
+    EngineLayout,
+    GroupId,
+    GroupKind,
+    KVGroup,
+    Region,
+    TensorSpec,
+)
+from kvxfer.v1 import layout_pb2 as pb
+
+_KIND_TO_PB = {
+    GroupKind.FULL_ATTENTION: pb.GROUP_KIND_FULL_ATTENTION,
+    GroupKind.SLIDING_WINDOW: pb.GROUP_KIND_SLIDING_WINDOW,
+    GroupKind.MAMBA: pb.GROUP_KIND_MAMBA,
+}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+
+
+def layout_to_proto(layout: EngineLayout) -> pb.EngineLayout:
+    return pb.EngineLayout(
+        model=layout.model,
+        fingerprint=layout.fingerprint,
+        kv_dtype=layout.kv_dtype,
+        block_size=layout.block_size,
+        tp_size=layout.tp_size,
+        tp_rank=layout.tp_rank,
+        groups=[_group_to_proto(g) for g in layout.groups],
+        regions=[_region_to_proto(r) for r in layout.regions],
+    )
+
+
+def _group_to_proto(group: KVGroup) -> pb.KVGroup:
+    message = pb.KVGroup(
+        group_id=group.group_id,
+        kind=_KIND_TO_PB[group.kind],
+        layers=list(group.layers),
+        tensors=[
+            pb.TensorSpec(name=t.name, layer=t.layer, bytes_per_block=t.bytes_per_block)
+            for t in group.tensors
+        ],
+    )
+    if group.sliding_window is not None:
+        message.sliding_window = group.sliding_window
+    return message
+
+
+def _region_to_proto(region: Region) -> pb.Region:
+    return pb.Region(
+        name=region.name,
+        buffer=region.buffer,
+        offset_bytes=region.offset_bytes,
+        num_blocks=region.num_blocks,
+        stride_bytes=region.stride_bytes,
+        block_bytes=region.block_bytes,
+    )
+
+
+def layout_from_proto(message: pb.EngineLayout, field: str = "layout") -> EngineLayout:
+    try:
+        return EngineLayout(
+            model=message.model,
+            fingerprint=message.fingerprint,
+            kv_dtype=message.kv_dtype,
+            block_size=message.block_size,
+            tp_size=message.tp_size,
+            tp_rank=message.tp_rank,
+            groups=tuple(_group_from_proto(g, i) for i, g in enumerate(message.groups)),
+            regions=tuple(_region_from_proto(r) for r in message.regions),
+        )
+    except LayoutError as exc:
+        raise LayoutError(f"{field}.{exc.field}", exc.detail) from exc
+
+
+def _group_from_proto(message: pb.KVGroup, index: int) -> KVGroup:
+    kind = _KIND_FROM_PB.get(message.kind)
+    if kind is None:
+        raise LayoutError(f"groups[{index}].kind", f"unknown group kind {message.kind}")
+    return KVGroup(
+        group_id=GroupId(message.group_id),
+        kind=kind,
+        sliding_window=message.sliding_window if message.HasField("sliding_window") else None,
+        layers=tuple(message.layers),
+        tensors=tuple(
+            TensorSpec(name=t.name, layer=t.layer, bytes_per_block=t.bytes_per_block)
+            for t in message.tensors
+        ),
+    )
+
+
+def _region_from_proto(message: pb.Region) -> Region:
+    return Region(
+        name=message.name,
+        buffer=message.buffer,
+        offset_bytes=message.offset_bytes,
+        num_blocks=message.num_blocks,
+        stride_bytes=message.stride_bytes,
+        block_bytes=message.block_bytes,
+    )
+
+
+def span_to_proto(span: BlockSpan) -> pb.BlockSpan:
+    return pb.BlockSpan(
+        group_id=span.group_id, first_block=span.first_block, block_ids=list(span.block_ids)
+    )
+
+
+def spans_from_proto(messages: Iterable[pb.BlockSpan], field: str) -> tuple[BlockSpan, ...]:
+    spans = []
+    for i, message in enumerate(messages):
+        try:
+            spans.append(
+                BlockSpan(
+                    group_id=GroupId(message.group_id),
+                    first_block=message.first_block,
+                    block_ids=tuple(BlockId(b) for b in message.block_ids),
+                )
+            )
+        except LayoutError as exc:
+            raise LayoutError(f"{field}[{i}]", exc.detail) from exc
+    return tuple(spans)

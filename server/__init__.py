@@ -1,0 +1,1 @@
+"""kvxfer.server: the sidecar process (`kvxfer-server`)."""

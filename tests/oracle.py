@@ -1,0 +1,83 @@
+"""Brute-force, token-level oracles, written independently of kvxfer.core.
+
+They work from the definitions, one token at a time, and share no code with
+the planner or the recompute rule: a bug in one is not a bug in both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from itertools import accumulate
+
+from kvxfer.core.layout import GroupKind, KVGroup
+
+
+def attended_cached_positions(group: KVGroup, num_tokens: int) -> range:
+    """Cached positions the decode step at position N reads in this group."""
+    if group.kind is GroupKind.SLIDING_WINDOW:
+        window = group.sliding_window
+        assert window is not None
+        # Position N attends to p with N - p < W, i.e. the W positions ending at N.
+        return range(max(0, num_tokens - window + 1), num_tokens)
+    return range(num_tokens)
+
+
+def oracle_blocks(group: KVGroup, num_tokens: int, computed: int, block_size: int) -> set[int]:
+    """Logical blocks holding at least one needed token the destination lacks."""
+    if computed == num_tokens:
+        return set()
+    if group.kind is GroupKind.MAMBA:
+        return {0}
+    needed = [p for p in attended_cached_positions(group, num_tokens) if p >= computed]
+    return {p // block_size for p in needed}
+
+
+def oracle_valid_tokens(
+    groups: Sequence[KVGroup],
+    num_tokens: int,
+    computed: int,
+    block_size: int,
+    failed: Mapping[int, Collection[int]],
+) -> int:
+    """Try every s from N down to C against a per-token validity map of each group."""
+    invalid_prefix: dict[int, list[int]] = {}
+    mamba_ok = True
+    for group in groups:
+        lost = set(failed.get(group.group_id, ()))
+        if group.kind is GroupKind.MAMBA:
+            mamba_ok = mamba_ok and not lost
+            continue
+        moved = oracle_blocks(group, num_tokens, computed, block_size)
+        valid = bytearray(num_tokens)
+        held_from = 0
+        if group.kind is GroupKind.SLIDING_WINDOW:
+            assert group.sliding_window is not None
+            held_from = max(0, computed - group.sliding_window + 1)
+        for t in range(held_from, computed):
+            valid[t] = 1
+        for t in range(computed, num_tokens):
+            block = t // block_size
+            if block in moved and block not in lost:
+                valid[t] = 1
+        invalid_prefix[group.group_id] = [0, *accumulate(1 - v for v in valid)]
+
+    def invalid_in(group_id: int, lo: int, hi: int) -> int:
+        prefix = invalid_prefix[group_id]
+        return prefix[hi] - prefix[lo]
+
+    has_mamba = any(g.kind is GroupKind.MAMBA for g in groups)
+    for s in range(num_tokens, computed, -1):
+        if has_mamba and not (s == num_tokens and mamba_ok):
+            continue
+        ok = True
+        for group in groups:
+            if group.kind is GroupKind.FULL_ATTENTION:
+                ok = invalid_in(group.group_id, 0, s) == 0
+            elif group.kind is GroupKind.SLIDING_WINDOW:
+                assert group.sliding_window is not None
+                ok = invalid_in(group.group_id, max(0, s - group.sliding_window + 1), s) == 0
+            if not ok:
+                break
+        if ok:
+            return s
+    return computed

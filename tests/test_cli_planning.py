@@ -1,0 +1,134 @@
+"""`kvxfer-cli layout` / `plan` as a user runs them: the installed console script."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CLI = shutil.which("kvxfer-cli") or str(Path(sys.executable).parent / "kvxfer-cli")
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=30, check=False)
+
+
+def test_plan_json_gemma_32k() -> None:
+    result = run("plan", "--model", "gemma-3-4b-it", "--tokens", "32768", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report) == {
+        "model",
+        "tokens",
+        "block_size",
+        "computed_tokens",
+        "kv_dtype",
+        "groups",
+        "total_bytes",
+        "full_attention_bytes",
+    }
+    assert report["model"] == "gemma-3-4b-it" and report["tokens"] == 32768
+    sliding, full = report["groups"]
+    assert set(sliding) == {
+        "kind",
+        "sliding_window",
+        "num_layers",
+        "first_block",
+        "last_block",
+        "num_blocks",
+        "bytes",
+    }
+    assert (sliding["kind"], sliding["sliding_window"], sliding["num_layers"]) == (
+        "sliding_window",
+        1024,
+        29,
+    )
+    assert (sliding["first_block"], sliding["last_block"], sliding["num_blocks"]) == (
+        1984,
+        2047,
+        64,
+    )
+    assert (full["first_block"], full["last_block"], full["num_blocks"]) == (0, 2047, 2048)
+    assert report["total_bytes"] == sliding["bytes"] + full["bytes"]
+    assert report["total_bytes"] * 5 < report["full_attention_bytes"]
+
+
+def test_plan_full_hit_has_null_blocks() -> None:
+    report = json.loads(
+        run(
+            "plan", "--model", "jamba-mini-1.5", "--tokens", "100", "--computed", "100", "--json"
+        ).stdout
+    )
+    assert all(g["first_block"] is None and g["num_blocks"] == 0 for g in report["groups"])
+    assert report["total_bytes"] == 0
+
+
+def test_plan_table_is_readable() -> None:
+    result = run("plan", "--model", "gpt-oss-20b", "--tokens", "1000", "--computed", "512")
+    assert result.returncode == 0
+    assert "sliding_window(W=128)" in result.stdout and "saved" in result.stdout
+
+
+def test_layout_json_and_table() -> None:
+    report = json.loads(run("layout", "--model", "qwen3-next-80b-a3b", "--json").stdout)
+    assert [g["kind"] for g in report["groups"]] == ["mamba", "full_attention"]
+    assert report["groups"][0]["bytes_per_token"] is None
+    assert report["groups"][1]["bytes_per_token"] == 12 * 2 * 2 * 256 * 2
+    assert "bytes/block" in run("layout", "--model", "llama-3.1-8b", "--tp-size", "2").stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ["plan", "--model", "llama-3.1-8b", "--tokens", "100", "--computed", "200"],
+            "computed_tokens: must be in [0, num_tokens=100]",
+        ),
+        (
+            ["plan", "--model", "llama-3.1-8b", "--tokens", "100", "--computed", "7"],
+            "computed_tokens: must be a multiple of block_size 16",
+        ),
+        (["plan", "--model", "llama-3.1-8b", "--tokens", "0"], "--tokens: must be at least 1"),
+        (["plan", "--model", "nope", "--tokens", "10"], "'nope' is neither a built-in profile"),
+        (["plan", "--model", "deepseek-v2-lite", "--tokens", "10"], "MLA"),
+        (["plan", "--model", "llama-3.1-8b", "--tokens", "ten"], "not an integer: 'ten'"),
+        (["layout", "--model", "llama-3.1-8b", "--kv-dtype", "int2"], "unknown dtype 'int2'"),
+        (["layout", "--model", "llama-3.1-8b", "--tp-size", "3"], "cannot be placed on tp_size 3"),
+    ],
+)
+def test_bad_input_is_one_line_without_traceback(args: list[str], needle: str) -> None:
+    result = run(*args)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_malformed_config_file(tmp_path: Path) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    result = run("plan", "--model", str(bad), "--tokens", "10")
+    assert result.returncode == 1 and "is not valid JSON" in result.stderr
+
+
+def test_planning_commands_import_neither_torch_nor_nixl() -> None:
+    code = (
+        "import sys; from kvxfer.cli.main import main; "
+        "rc = main(['plan', '--model', 'gpt-oss-20b', '--tokens', '999', '--json']); "
+        "heavy = [m for m in ('torch', 'nixl_cu12', 'nixl', 'grpc', 'numpy') if m in sys.modules]; "
+        "print(heavy, file=sys.stderr); sys.exit(rc or bool(heavy))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,125 @@
+"""The planner against the token-level oracle, on every supported built-in profile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from oracle import oracle_blocks
+from strategies import PROFILES, layouts, requests
+
+from kvxfer.core.layout import GroupKind, KVGroup
+from kvxfer.core.planner import full_attention_bytes, needed_blocks, plan_blocks
+from kvxfer.core.profiles import layout_for_model
+
+
+@given(st.data())
+def test_plan_matches_token_oracle(data: st.DataObject) -> None:
+    layout = data.draw(layouts())
+    num_tokens, computed = data.draw(requests(layout.block_size))
+    plans = plan_blocks(layout, num_tokens, computed)
+    total = 0
+    for plan in plans:
+        expected = oracle_blocks(plan.group, num_tokens, computed, layout.block_size)
+        assert set(plan.blocks) == expected, plan.group
+        assert plan.nbytes == len(expected) * plan.group.bytes_per_block
+        total += plan.nbytes
+    assert sum(p.nbytes for p in plans) == total
+
+
+@given(st.data())
+def test_full_attention_bytes_treats_windows_as_full(data: st.DataObject) -> None:
+    layout = data.draw(layouts(vary_window=False))
+    num_tokens, computed = data.draw(requests(layout.block_size))
+    expected = 0
+    for group in layout.groups:
+        if group.kind is GroupKind.SLIDING_WINDOW:
+            as_full = KVGroup(
+                group.group_id, GroupKind.FULL_ATTENTION, None, group.layers, group.tensors
+            )
+            expected += len(oracle_blocks(as_full, num_tokens, computed, layout.block_size)) * (
+                group.bytes_per_block
+            )
+        else:
+            blocks = oracle_blocks(group, num_tokens, computed, layout.block_size)
+            expected += len(blocks) * group.bytes_per_block
+    assert full_attention_bytes(layout, num_tokens, computed) == expected
+
+
+def _fixed_count_blocks(num_tokens: int, block_size: int, count: int) -> set[int]:
+    """What a connector moving a fixed number of trailing blocks would move."""
+    last = math.ceil(num_tokens / block_size) - 1
+    return set(range(max(0, last - count + 1), last + 1))
+
+
+def test_fixed_window_rules_are_wrong_and_kvxfer_is_exact() -> None:
+    """cdiv(W, B)+1 moves one block too many and cdiv(W, B) misses one, depending on N."""
+    layout = layout_for_model("gpt-oss-20b", block_size=16)
+    group = next(g for g in layout.groups if g.kind is GroupKind.SLIDING_WINDOW)
+    window, block = 128, 16
+    assert group.sliding_window == window
+    plus_one_count, plain_count = math.ceil(window / block) + 1, math.ceil(window / block)
+
+    # N = 143: the window [16, 143) starts on a block boundary -> blocks 1..8, eight blocks.
+    exact = oracle_blocks(group, 143, 0, block)
+    assert exact == set(range(1, 9))
+    assert set(needed_blocks(group.kind, window, 143, 0, block)) == exact
+    assert _fixed_count_blocks(143, block, plus_one_count) - exact == {0}  # one wasted block
+
+    # N = 130: the window [3, 130) touches blocks 0..8, nine blocks.
+    exact = oracle_blocks(group, 130, 0, block)
+    assert exact == set(range(9))
+    assert set(needed_blocks(group.kind, window, 130, 0, block)) == exact
+    assert exact - _fixed_count_blocks(130, block, plain_count) == {0}  # one block missed
+
+    # And over every alignment of N, each fixed rule is wrong somewhere; kvxfer never is.
+    over = under = 0
+    for num_tokens in range(window, window + 4 * block):
+        exact = oracle_blocks(group, num_tokens, 0, block)
+        assert set(needed_blocks(group.kind, window, num_tokens, 0, block)) == exact
+        over += len(_fixed_count_blocks(num_tokens, block, plus_one_count)) > len(exact)
+        under += not exact <= _fixed_count_blocks(num_tokens, block, plain_count)
+    assert over > 0 and under > 0
+
+
+def test_unaligned_window_missed_by_cdiv() -> None:
+    """Window 100 with B = 16 (not aligned): cdiv(W, B) = 7 blocks misses one at N = 113."""
+    layout = layout_for_model("mistral-7b-v0.1", block_size=16)
+    group = layout.groups[0]
+    exact = set(needed_blocks(GroupKind.SLIDING_WINDOW, 100, 113, 0, 16))
+    # tokens [14, 113) -> blocks 0..7: 8 blocks, more than cdiv(100, 16) = 7
+    assert exact == set(range(8))
+    assert exact == oracle_blocks(
+        KVGroup(group.group_id, GroupKind.SLIDING_WINDOW, 100, group.layers, group.tensors),
+        113,
+        0,
+        16,
+    )
+    assert len(_fixed_count_blocks(113, 16, math.ceil(100 / 16))) == 7
+
+
+@pytest.mark.parametrize("model", PROFILES)
+def test_full_prefix_hit_moves_nothing(model: str) -> None:
+    layout = layout_for_model(model)
+    for plan in plan_blocks(layout, 1000, 1000):
+        assert not plan.blocks and plan.nbytes == 0
+
+
+def test_mamba_moves_one_state_block_unless_fully_computed() -> None:
+    layout = layout_for_model("jamba-mini-1.5")
+    mamba = next(p for p in plan_blocks(layout, 5000, 4992) if p.group.kind is GroupKind.MAMBA)
+    assert list(mamba.blocks) == [0]
+    assert mamba.nbytes == mamba.group.bytes_per_block
+
+
+def test_gemma_32k_moves_far_less_than_full_attention() -> None:
+    layout = layout_for_model("gemma-3-4b-it")
+    total = sum(p.nbytes for p in plan_blocks(layout, 32768, 0))
+    full = full_attention_bytes(layout, 32768, 0)
+    # 5 full layers move everything; 29 sliding layers move 64 of 2048 blocks.
+    per_layer_block = 2 * 16 * 4 * 256 * 2
+    assert total == per_layer_block * (5 * 2048 + 29 * 64)
+    assert full == per_layer_block * 34 * 2048
+    assert total < full / 5

@@ -1,0 +1,151 @@
+"""Model profiles: layer classification and sizes follow shared/models/README.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvxfer._exceptions import LayoutError, ProfileError, UnsupportedModelError
+from kvxfer.core.layout import GroupKind
+from kvxfer.core.profiles import builtin_profiles, layout_for_model, layout_from_config
+
+EXPECTED_BUILTINS = {
+    "gpt-oss-20b",
+    "gpt-oss-120b",
+    "gemma-3-4b-it",
+    "gemma-3-27b-it",
+    "llama-3.1-8b",
+    "mistral-7b-v0.1",
+    "qwen3-next-80b-a3b",
+    "jamba-mini-1.5",
+    "falcon-h1-7b",
+}
+
+
+def kinds(model: str, **kw: int) -> list[tuple[str, int | None, int]]:
+    layout = layout_for_model(model, **kw)  # type: ignore[arg-type]
+    return [(g.kind.value, g.sliding_window, len(g.layers)) for g in layout.groups]
+
+
+def test_builtins_are_shipped() -> None:
+    assert set(builtin_profiles()) >= EXPECTED_BUILTINS
+
+
+def test_group_structure_of_each_builtin() -> None:
+    assert kinds("gemma-3-4b-it") == [("sliding_window", 1024, 29), ("full_attention", None, 5)]
+    assert kinds("gemma-3-27b-it") == [("sliding_window", 1024, 52), ("full_attention", None, 10)]
+    assert kinds("gpt-oss-20b") == [("sliding_window", 128, 12), ("full_attention", None, 12)]
+    assert kinds("gpt-oss-120b") == [("sliding_window", 128, 18), ("full_attention", None, 18)]
+    assert kinds("llama-3.1-8b") == [("full_attention", None, 32)]
+    assert kinds("mistral-7b-v0.1") == [("sliding_window", 4096, 32)]
+    assert kinds("qwen3-next-80b-a3b") == [("mamba", None, 36), ("full_attention", None, 12)]
+    assert kinds("jamba-mini-1.5") == [("mamba", None, 28), ("full_attention", None, 4)]
+    assert kinds("falcon-h1-7b") == [("full_attention", None, 44), ("mamba", None, 44)]
+
+
+def test_jamba_attention_layers() -> None:
+    layout = layout_for_model("jamba-mini-1.5")
+    assert layout.groups[1].layers == (4, 12, 20, 28)
+
+
+def test_attention_bytes_per_block() -> None:
+    # llama: 8 KV heads x 128 dims x bf16 x 16 tokens, for K and for V
+    layout = layout_for_model("llama-3.1-8b", block_size=16)
+    assert layout.groups[0].tensors[0].bytes_per_block == 8 * 128 * 2 * 16
+    assert layout.groups[0].bytes_per_block == 32 * 2 * 8 * 128 * 2 * 16
+    # fp8 halves it, TP 2 halves it again
+    fp8_tp2 = layout_for_model("llama-3.1-8b", kv_dtype="float8_e4m3fn", tp_size=2)
+    assert fp8_tp2.groups[0].bytes_per_block == layout.groups[0].bytes_per_block // 4
+
+
+def test_state_sizes_follow_the_readme() -> None:
+    qwen = layout_for_model("qwen3-next-80b-a3b").groups[0].tensors
+    conv_dim = 2 * 128 * 16 + 128 * 32
+    assert qwen[0].bytes_per_block == 3 * conv_dim * 2
+    assert qwen[1].bytes_per_block == 32 * 128 * 128 * 2
+    jamba = layout_for_model("jamba-mini-1.5").groups[0].tensors
+    assert jamba[0].bytes_per_block == 3 * 8192 * 2
+    assert jamba[1].bytes_per_block == 8192 * 16 * 2
+    falcon = layout_for_model("falcon-h1-7b").groups[1].tensors
+    assert falcon[0].bytes_per_block == 3 * (3072 + 2 * 256) * 2
+    assert falcon[1].bytes_per_block == 24 * 128 * 256 * 2
+    # state does not depend on the block size
+    assert layout_for_model("jamba-mini-1.5", block_size=256).groups[0].tensors == jamba
+
+
+def test_mla_is_refused_with_a_reason() -> None:
+    with pytest.raises(UnsupportedModelError, match=r"MLA.*not supported yet"):
+        layout_for_model("deepseek-v2-lite")
+
+
+def test_config_path_and_text_config_nesting(tmp_path: Path) -> None:
+    config = {
+        "text_config": {
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "hidden_size": 256,
+        }
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    layout = layout_for_model(str(path))
+    assert layout.groups[0].kind is GroupKind.FULL_ATTENTION
+    assert layout.groups[0].tensors[0].bytes_per_block == 2 * 64 * 2 * 16
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"num_hidden_layers": 0}, "num_hidden_layers"),
+        ({"num_hidden_layers": 2, "num_attention_heads": "x"}, "num_attention_heads"),
+        (
+            {
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 3,
+                "hidden_size": 64,
+            },
+            "num_key_value_heads",
+        ),
+        (
+            {
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "hidden_size": 64,
+                "layer_types": ["full_attention"],
+            },
+            "layer_types",
+        ),
+        (
+            {
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "hidden_size": 64,
+                "layer_types": ["cross_attention"],
+            },
+            "layer_types[0]",
+        ),
+        ({"text_config": 5}, "text_config"),
+    ],
+)
+def test_malformed_configs_name_the_field(config: dict[str, object], field: str) -> None:
+    with pytest.raises(ProfileError) as info:
+        layout_from_config(config, name="bad", tp_size=2)
+    assert info.value.field == field
+
+
+def test_bad_parameters_are_refused() -> None:
+    with pytest.raises(LayoutError, match="kv_dtype: unknown dtype 'int3'"):
+        layout_for_model("llama-3.1-8b", kv_dtype="int3")
+    with pytest.raises(ProfileError, match="neither a built-in profile"):
+        layout_for_model("no-such-model")
+
+
+def test_fingerprint_depends_on_architecture_not_name() -> None:
+    a = layout_for_model("gpt-oss-20b")
+    b = layout_for_model("gpt-oss-120b")
+    assert a.fingerprint != b.fingerprint
+    assert a.fingerprint == layout_for_model("gpt-oss-20b", block_size=32).fingerprint
