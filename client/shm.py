@@ -1,0 +1,147 @@
+"""Engine side, DRAM: allocate a layout's KV regions in POSIX shared memory.
+
+CPU engines, the simulated engine, the demo and the tests use this. Each KV
+group gets one segment holding its tensors one after another (tensor-major:
+all blocks of `layer.0.k`, then all blocks of `layer.0.v`, ...), so a run of
+consecutive block ids is one contiguous range per tensor. Segments are
+created 0600 and unlinked by `close()` (also on garbage collection).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer._exceptions import LayoutError, RegistrationError
+from kvxfer.core.buffers import BufferHandle, MemoryKind
+from kvxfer.core.layout import EngineLayout, GroupKind, Region, check_int
+
+SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class _Segment:
+    handle: BufferHandle
+    mapping: mmap.mmap
+
+
+class ShmKVCache:
+    """A layout's KV regions in shared memory, owned by the engine process."""
+
+    def __init__(
+        self,
+        layout: EngineLayout,
+        num_blocks: int,
+        prefix: str = "kvxfer",
+        num_state_blocks: int = 8,
+    ) -> None:
+        """`num_blocks` per attention group; `num_state_blocks` per Mamba group (one
+        state block per running request, each often tens of MiB)."""
+        check_int("num_blocks", num_blocks, 1, 1 << 32)
+        check_int("num_state_blocks", num_state_blocks, 1, 1 << 32)
+        tag = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._segments: list[_Segment] = []
+        regions: list[Region] = []
+        try:
+            for group in layout.groups:
+                count = num_state_blocks if group.kind is GroupKind.MAMBA else num_blocks
+                size = count * group.bytes_per_block
+                name = f"{tag}-g{group.group_id}"
+                self._segments.append(_Segment(_create(name, size), _map(name, size)))
+                offset = 0
+                for tensor in group.tensors:
+                    regions.append(
+                        Region(
+                            tensor.name,
+                            name,
+                            offset,
+                            count,
+                            tensor.bytes_per_block,
+                            tensor.bytes_per_block,
+                        )
+                    )
+                    offset += count * tensor.bytes_per_block
+        except BaseException:
+            self.close()
+            raise
+        self.layout = layout.with_regions(regions)
+        self.num_blocks = num_blocks
+        self._finalizer = weakref.finalize(
+            self, _unlink_all, [s.handle.shm_name for s in self._segments]
+        )
+
+    @property
+    def buffers(self) -> list[BufferHandle]:
+        return [s.handle for s in self._segments]
+
+    def view(self, buffer: str) -> npt.NDArray[np.uint8]:
+        """The whole segment as bytes (writable); for filling and checking."""
+        for segment in self._segments:
+            if segment.handle.name == buffer:
+                return np.frombuffer(segment.mapping, dtype=np.uint8)
+        raise LayoutError("buffer", f"unknown buffer {buffer!r}")
+
+    def block(self, tensor: str, block_id: int) -> npt.NDArray[np.uint8]:
+        region = self.layout.region_map[tensor]
+        start = region.block_offset(block_id)
+        return self.view(region.buffer)[start : start + region.block_bytes]
+
+    def close(self) -> None:
+        """Unmap and unlink every segment (idempotent)."""
+        names = [s.handle.shm_name for s in self._segments]
+        for segment in self._segments:
+            # A numpy view may still exist; the unlink below frees the name regardless.
+            with contextlib.suppress(BufferError):
+                segment.mapping.close()
+        self._segments = []
+        _unlink_all(names)
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+
+
+def _create(name: str, size: int) -> BufferHandle:
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as exc:
+        raise RegistrationError(f"cannot create shared memory {name!r}: {exc.strerror}") from exc
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return BufferHandle(name=name, kind=MemoryKind.DRAM, size_bytes=size, shm_name=name)
+
+
+def _map(name: str, size: int) -> mmap.mmap:
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _unlink_all(names: list[str]) -> None:
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+
+
+@contextmanager
+def shm_kv_cache(
+    layout: EngineLayout, num_blocks: int, prefix: str = "kvxfer", num_state_blocks: int = 8
+) -> Iterator[ShmKVCache]:
+    cache = ShmKVCache(layout, num_blocks, prefix, num_state_blocks)
+    try:
+        yield cache
+    finally:
+        cache.close()

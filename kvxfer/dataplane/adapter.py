@@ -1,0 +1,397 @@
+"""The NIXL adapter: the only module in kvxfer that imports nixl.
+
+One `NixlAgent` owns one NIXL agent and one dedicated thread. Every NIXL call
+runs on that thread (NIXL is not guaranteed thread-safe); asyncio callers get
+`concurrent.futures` results wrapped for their loop, so the event loop never
+blocks and never polls. The thread also polls in-flight transfer handles
+(NIXL reports status per handle) and enforces each chunk's stall deadline,
+which NIXL itself does not have: a chunk not done by then is released and
+reported TIMED_OUT.
+
+NIXL's string states and exceptions stop here: callers see `TransferStatus`
+and kvxfer errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer._exceptions import (
+    DataPlaneError,
+    PeerDisconnectedError,
+    RegistrationError,
+    TransferError,
+)
+from kvxfer.core.buffers import MemoryKind
+from kvxfer.dataplane.memory import MappedBuffer
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DescArray = npt.NDArray[np.uint64]  # N x 3: (address, length, device id)
+
+_POLL_S = 0.0001  # wait between polls while transfers are in flight
+_IDLE_S = 0.005  # wait for commands (and notification polls) when idle
+
+
+class TransferStatus(enum.Enum):
+    DONE = "done"
+    FAILED = "failed"  # NIXL reported an error for the handle
+    TIMED_OUT = "timed_out"  # not done by the stall deadline
+    DISCONNECTED = "disconnected"  # the remote agent is gone
+    CANCELLED = "cancelled"  # the adapter shut down first
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    """One NIXL handle: a READ of `remote` descriptors into `local` ones."""
+
+    peer: str
+    local: DescArray
+    remote: DescArray
+    local_kind: MemoryKind
+    remote_kind: MemoryKind
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    backends: tuple[str, ...] = ("UCX",)
+    num_threads: int = 0
+    enable_prog_thread: bool = True
+    backend_params: tuple[tuple[str, str], ...] = ()
+
+
+class TransferBackend(Protocol):
+    """What the executor and the sidecar need from a data plane (real or fault-injecting)."""
+
+    @property
+    def name(self) -> str: ...
+
+    async def metadata(self) -> bytes: ...
+
+    async def register(self, buffers: Sequence[MappedBuffer]) -> None: ...
+
+    async def deregister(self, buffers: Sequence[MappedBuffer]) -> None: ...
+
+    async def add_peer(self, metadata: bytes) -> str: ...
+
+    async def remove_peer(self, peer: str) -> None: ...
+
+    async def read(self, job: ChunkJob) -> TransferStatus: ...
+
+    async def notify(self, peer: str, message: bytes) -> None: ...
+
+    def on_notification(self, callback: Callable[[str, bytes], None]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class _InFlight:
+    handle: Any
+    deadline: float
+    future: concurrent.futures.Future[TransferStatus]
+
+
+@dataclass
+class _State:
+    agent: Any = None
+    inflight: list[_InFlight] = field(default_factory=list)
+    registered: dict[str, Any] = field(default_factory=dict)  # buffer name -> reg descs
+    stuck: list[Any] = field(default_factory=list)  # handles NIXL would not release yet
+
+
+def _nixl() -> Any:
+    """The nixl API module: the `nixl` meta package where present, else the cu12 wheel."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
+    except ImportError:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
+    return nixl_agent, nixl_agent_config
+
+
+def _is_disconnect(exc: BaseException) -> bool:
+    return type(exc).__name__ == "nixlRemoteDisconnectError"
+
+
+class NixlAgent:
+    """A NIXL agent on its own thread. Implements TransferBackend."""
+
+    def __init__(self, name: str = "kvxfer", options: AgentOptions | None = None) -> None:
+        self._name = f"{name}-{os.getpid()}-{secrets.token_hex(3)}"
+        self._options = options or AgentOptions()
+        self._commands: queue.SimpleQueue[
+            tuple[Callable[[_State], Any], concurrent.futures.Future[Any]]
+        ] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._notify_callback: Callable[[str, bytes], None] | None = None
+        self._notify_loop: asyncio.AbstractEventLoop | None = None
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(started,), name=f"nixl-{self._name}", daemon=True
+        )
+        self._thread.start()
+        started.result()  # re-raises a failed agent creation here
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    # -- the NIXL thread ---------------------------------------------------
+
+    def _run(self, started: concurrent.futures.Future[None]) -> None:
+        state = _State()
+        try:
+            state.agent = self._create_agent()
+        except Exception as exc:
+            started.set_exception(DataPlaneError(f"cannot create NIXL agent: {exc}"))
+            return
+        started.set_result(None)
+        next_notif_poll = 0.0
+        while not self._stopping.is_set() or not self._commands.empty():
+            self._run_commands(state, _POLL_S if state.inflight else _IDLE_S)
+            self._poll_transfers(state)
+            now = time.monotonic()
+            if self._notify_callback is not None and now >= next_notif_poll:
+                self._poll_notifications(state)
+                next_notif_poll = now + _IDLE_S
+        self._shutdown(state)
+
+    def _create_agent(self) -> Any:
+        nixl_agent, nixl_agent_config = _nixl()
+        config = nixl_agent_config(
+            enable_prog_thread=self._options.enable_prog_thread,
+            backends=[],
+            num_threads=self._options.num_threads,
+        )
+        agent = nixl_agent(self._name, config)
+        for backend in self._options.backends:
+            params = dict(self._options.backend_params)
+            if self._options.num_threads:
+                params.setdefault("num_threads", str(self._options.num_threads))
+            agent.create_backend(backend, params)
+        return agent
+
+    def _run_commands(self, state: _State, wait_s: float) -> None:
+        try:
+            command, future = self._commands.get(timeout=wait_s)
+        except queue.Empty:
+            return
+        while True:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(command(state))
+                except BaseException as exc:
+                    future.set_exception(exc)
+            try:
+                command, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _poll_transfers(self, state: _State) -> None:
+        if not state.inflight and not state.stuck:
+            return
+        now = time.monotonic()
+        still: list[_InFlight] = []
+        for item in state.inflight:
+            status = self._check(state, item.handle)
+            if status is None and now >= item.deadline:
+                status = TransferStatus.TIMED_OUT
+            if status is None:
+                still.append(item)
+                continue
+            self._release(state, item.handle)
+            item.future.set_result(status)
+        state.inflight = still
+        if state.stuck:
+            retry, state.stuck = state.stuck, []
+            for handle in retry:
+                self._release(state, handle)
+
+    @staticmethod
+    def _check(state: _State, handle: Any) -> TransferStatus | None:
+        try:
+            text = state.agent.check_xfer_state(handle)
+        except Exception as exc:
+            return TransferStatus.DISCONNECTED if _is_disconnect(exc) else TransferStatus.FAILED
+        if text == "DONE":
+            return TransferStatus.DONE
+        if text == "PROC":
+            return None
+        return TransferStatus.FAILED
+
+    @staticmethod
+    def _release(state: _State, handle: Any) -> None:
+        try:
+            state.agent.release_xfer_handle(handle)
+        except Exception as exc:  # still busy in the backend: try again later
+            log.debug("xfer handle not released yet: %s", exc)
+            state.stuck.append(handle)
+
+    def _poll_notifications(self, state: _State) -> None:
+        callback, loop = self._notify_callback, self._notify_loop
+        try:
+            notifs = state.agent.get_new_notifs()
+        except Exception as exc:
+            log.warning("polling NIXL notifications failed: %s", exc)
+            return
+        for peer, messages in notifs.items():
+            for message in messages:
+                if loop is not None and callback is not None:
+                    loop.call_soon_threadsafe(callback, peer, bytes(message))
+
+    def _shutdown(self, state: _State) -> None:
+        for item in state.inflight:
+            self._release(state, item.handle)
+            item.future.set_result(TransferStatus.CANCELLED)
+        state.inflight = []
+        for descs in state.registered.values():
+            try:
+                state.agent.deregister_memory(descs)
+            except Exception as exc:
+                log.warning("deregistering memory failed: %s", exc)
+        state.registered.clear()
+        state.agent = None
+
+    # -- the asyncio side --------------------------------------------------
+
+    def _submit(self, command: Callable[[_State], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._stopping.is_set():
+            future.set_exception(DataPlaneError(f"NIXL agent {self._name} is closed"))
+            return future
+        self._commands.put((command, future))
+        return future
+
+    async def _call(self, command: Callable[[_State], T]) -> T:
+        return await asyncio.wrap_future(self._submit(command))
+
+    async def metadata(self) -> bytes:
+        return await self._call(lambda s: bytes(s.agent.get_agent_metadata()))
+
+    async def register(self, buffers: Sequence[MappedBuffer]) -> None:
+        def command(state: _State) -> None:
+            for buffer in buffers:
+                if buffer.name in state.registered:
+                    raise RegistrationError(f"buffer '{buffer.name}' is already registered")
+                region = [(buffer.address, buffer.handle.size_bytes, buffer.device_id, buffer.name)]
+                try:
+                    state.registered[buffer.name] = state.agent.register_memory(
+                        region, buffer.handle.kind.value
+                    )
+                except Exception as exc:
+                    raise RegistrationError(
+                        f"NIXL could not register buffer '{buffer.name}' "
+                        f"({buffer.handle.size_bytes} bytes, {buffer.handle.kind.value}): {exc}"
+                    ) from exc
+
+        await self._call(command)
+
+    async def deregister(self, buffers: Sequence[MappedBuffer]) -> None:
+        def command(state: _State) -> None:
+            for buffer in buffers:
+                descs = state.registered.pop(buffer.name, None)
+                if descs is not None:
+                    state.agent.deregister_memory(descs)
+
+        await self._call(command)
+
+    async def add_peer(self, metadata: bytes) -> str:
+        def command(state: _State) -> str:
+            try:
+                peer = state.agent.add_remote_agent(metadata)
+                return peer.decode() if isinstance(peer, bytes) else str(peer)
+            except Exception as exc:
+                raise DataPlaneError(f"cannot load peer NIXL metadata: {exc}") from exc
+
+        return await self._call(command)
+
+    async def remove_peer(self, peer: str) -> None:
+        def command(state: _State) -> None:
+            try:
+                state.agent.remove_remote_agent(peer)
+            except Exception as exc:
+                log.info("removing NIXL peer %s: %s", peer, exc)
+
+        await self._call(command)
+
+    async def read(self, job: ChunkJob) -> TransferStatus:
+        """Post one chunk and wait for it: DONE, or why not. Never raises for the
+        transfer itself; raises TransferError only for malformed descriptors."""
+        outcome: concurrent.futures.Future[TransferStatus] = concurrent.futures.Future()
+
+        def command(state: _State) -> None:
+            try:
+                handle = self._post(state, job)
+            except PeerDisconnectedError:
+                outcome.set_result(TransferStatus.DISCONNECTED)
+                return
+            except TransferError as exc:
+                log.warning("chunk to %s not posted: %s", job.peer, exc)
+                outcome.set_result(TransferStatus.FAILED)
+                return
+            deadline = time.monotonic() + job.deadline_s
+            state.inflight.append(_InFlight(handle, deadline, outcome))
+
+        await self._call(command)
+        return await asyncio.wrap_future(outcome)
+
+    @staticmethod
+    def _post(state: _State, job: ChunkJob) -> Any:
+        agent = state.agent
+        try:
+            local = agent.get_xfer_descs(job.local, job.local_kind.value)
+            remote = agent.get_xfer_descs(job.remote, job.remote_kind.value)
+            handle = agent.initialize_xfer("READ", local, remote, job.peer)
+        except Exception as exc:
+            if _is_disconnect(exc):
+                raise PeerDisconnectedError(f"peer {job.peer} disconnected") from exc
+            raise TransferError(f"cannot create transfer to {job.peer}: {exc}") from exc
+        try:
+            status = agent.transfer(handle)
+        except Exception as exc:
+            NixlAgent._release(state, handle)
+            if _is_disconnect(exc):
+                raise PeerDisconnectedError(f"peer {job.peer} disconnected") from exc
+            raise TransferError(f"cannot post transfer to {job.peer}: {exc}") from exc
+        if status == "ERR":
+            NixlAgent._release(state, handle)
+            raise TransferError(f"NIXL refused the transfer to {job.peer}")
+        return handle
+
+    async def notify(self, peer: str, message: bytes) -> None:
+        def command(state: _State) -> None:
+            try:
+                state.agent.send_notif(peer, message)
+            except Exception as exc:
+                if _is_disconnect(exc):
+                    raise PeerDisconnectedError(f"peer {peer} disconnected") from exc
+                raise TransferError(f"cannot notify {peer}: {exc}") from exc
+
+        await self._call(command)
+
+    def on_notification(self, callback: Callable[[str, bytes], None]) -> None:
+        """Deliver NIXL notifications (peer agent name, message) on the caller's loop."""
+        self._notify_loop = asyncio.get_running_loop()
+        self._notify_callback = callback
+
+    async def close(self) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        await asyncio.to_thread(self._thread.join, 10.0)

@@ -1,0 +1,83 @@
+"""Bind a planned chunk to registered memory: N x 3 NIXL descriptor arrays.
+
+The same descriptors as `Chunk.descriptors()` (region-major, one per run, or
+per block where a region is strided), built with numpy so that a 128k-token
+request costs microseconds, not a Python loop per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer._exceptions import PlanError
+from kvxfer.core.buffers import MemoryKind
+from kvxfer.core.layout import Region
+from kvxfer.core.planner import Chunk
+
+DescArray = npt.NDArray[np.uint64]
+
+
+@dataclass(frozen=True)
+class BoundBuffer:
+    """Where a named buffer sits in the address space of the agent that registered it."""
+
+    address: int
+    size_bytes: int
+    device_id: int
+    kind: MemoryKind
+
+
+def chunk_arrays(
+    chunk: Chunk, src: Mapping[str, BoundBuffer], dst: Mapping[str, BoundBuffer]
+) -> tuple[DescArray, DescArray]:
+    """(src descriptors, dst descriptors) for one chunk."""
+    src_block = np.fromiter((r.src_block for r in chunk.runs), dtype=np.uint64)
+    dst_block = np.fromiter((r.dst_block for r in chunk.runs), dtype=np.uint64)
+    count = np.fromiter((r.count for r in chunk.runs), dtype=np.uint64)
+    src_parts, dst_parts = [], []
+    for pair in chunk.regions:
+        s, d, n = src_block, dst_block, count
+        if not pair.coalescable:
+            s, d, n = _per_block(src_block, dst_block, count)
+        length = n * np.uint64(pair.src.block_bytes)
+        src_parts.append(_side(pair.src, src, s, length))
+        dst_parts.append(_side(pair.dst, dst, d, length))
+    return np.concatenate(src_parts), np.concatenate(dst_parts)
+
+
+def _per_block(
+    src_block: DescArray, dst_block: DescArray, count: DescArray
+) -> tuple[DescArray, DescArray, DescArray]:
+    counts = count.astype(np.int64)
+    run_starts = np.repeat(np.cumsum(counts) - counts, counts)
+    steps = (np.arange(int(counts.sum()), dtype=np.int64) - run_starts).astype(np.uint64)
+    return (
+        np.repeat(src_block, counts) + steps,
+        np.repeat(dst_block, counts) + steps,
+        np.ones_like(steps),
+    )
+
+
+def _side(
+    region: Region, buffers: Mapping[str, BoundBuffer], blocks: DescArray, length: DescArray
+) -> DescArray:
+    buffer = buffers.get(region.buffer)
+    if buffer is None:
+        raise PlanError(f"region '{region.name}'.buffer", f"buffer {region.buffer!r} is not bound")
+    if region.end_bytes > buffer.size_bytes:
+        raise PlanError(
+            f"region '{region.name}'",
+            f"ends at byte {region.end_bytes}, past buffer {region.buffer!r} "
+            f"({buffer.size_bytes} bytes)",
+        )
+    out = np.empty((len(blocks), 3), dtype=np.uint64)
+    out[:, 0] = np.uint64(buffer.address + region.offset_bytes) + blocks * np.uint64(
+        region.stride_bytes
+    )
+    out[:, 1] = length
+    out[:, 2] = buffer.device_id
+    return out

@@ -1,0 +1,103 @@
+"""Opening engine buffers in the sidecar: POSIX shared memory or CUDA IPC.
+
+The sidecar maps what the engine allocated; it never copies KV bytes. DRAM
+segments live under /dev/shm and are mapped with mmap (not
+multiprocessing.shared_memory, whose resource tracker would unlink the
+engine's segment when the sidecar exits). VRAM handles are opened with CuPy,
+imported only when a VRAM buffer is actually opened.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvxfer._exceptions import RegistrationError
+from kvxfer.core.buffers import BufferHandle, MemoryKind
+
+SHM_DIR = Path("/dev/shm")
+
+
+@dataclass
+class MappedBuffer:
+    """One engine buffer as this process sees it: an address NIXL can register."""
+
+    handle: BufferHandle
+    address: int
+    _keepalive: list[Any] = field(default_factory=list, repr=False)
+    _close: list[Any] = field(default_factory=list, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.handle.name
+
+    @property
+    def device_id(self) -> int:
+        return self.handle.device_id if self.handle.kind is MemoryKind.VRAM else 0
+
+    def close(self) -> None:
+        self._keepalive.clear()
+        while self._close:
+            self._close.pop()()
+
+
+def open_buffer(handle: BufferHandle) -> MappedBuffer:
+    if handle.kind is MemoryKind.DRAM:
+        return _open_shm(handle)
+    return _open_cuda_ipc(handle)
+
+
+def _open_shm(handle: BufferHandle) -> MappedBuffer:
+    path = SHM_DIR / handle.shm_name
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise RegistrationError(
+            f"buffer '{handle.name}': cannot open shared memory {handle.shm_name!r}: {exc.strerror}"
+        ) from exc
+    try:
+        actual = os.fstat(fd).st_size
+        if actual < handle.size_bytes:
+            raise RegistrationError(
+                f"buffer '{handle.name}': shared memory {handle.shm_name!r} holds {actual} "
+                f"bytes, the engine declared {handle.size_bytes}"
+            )
+        mapping = mmap.mmap(fd, handle.size_bytes)
+    finally:
+        os.close(fd)
+    anchor = ctypes.c_char.from_buffer(mapping)
+    address = ctypes.addressof(anchor)
+    buffer = MappedBuffer(handle, address, _keepalive=[anchor])
+    buffer._close.append(mapping.close)
+    return buffer
+
+
+def _open_cuda_ipc(handle: BufferHandle) -> MappedBuffer:
+    try:
+        import cupy  # noqa: PLC0415  (optional `gpu` extra)
+    except ImportError as exc:
+        raise RegistrationError(
+            f"buffer '{handle.name}' is VRAM but CuPy is not installed (pip install 'kvxfer[gpu]')"
+        ) from exc
+    try:
+        with cupy.cuda.Device(handle.device_id):
+            base = cupy.cuda.runtime.ipcOpenMemHandle(
+                handle.ipc_handle, cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess
+            )
+    except Exception as exc:  # CuPy raises CUDARuntimeError and friends
+        raise RegistrationError(
+            f"buffer '{handle.name}': cannot open CUDA IPC handle on device "
+            f"{handle.device_id}: {exc}"
+        ) from exc
+    buffer = MappedBuffer(handle, int(base) + handle.offset_bytes)
+
+    def close() -> None:
+        with cupy.cuda.Device(handle.device_id):
+            cupy.cuda.runtime.ipcCloseMemHandle(base)
+
+    buffer._close.append(close)
+    return buffer

@@ -1,0 +1,293 @@
+"""Real NIXL, two agents in two processes, shared-memory regions of real profiles.
+
+Source and destination are filled with distinct known patterns; after a pull
+exactly the planned (tensor, block) ranges of the destination must hold the
+source's bytes and every other destination byte must be untouched. The
+expected state is computed from the token-level oracle, not from the planner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from kvxfer.client.shm import ShmKVCache
+from nixl_peer import LocalSide, SourcePeer
+from oracle import oracle_blocks, oracle_valid_tokens
+
+from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
+from kvxfer.core.planner import plan_transfer
+from kvxfer.core.profiles import layout_for_model
+from kvxfer.dataplane.adapter import TransferStatus
+from kvxfer.dataplane.executor import ExecOptions, RequestStatus, execute_plan
+from kvxfer.dataplane.faults import FaultInjectingBackend, fail_chunks
+
+pytestmark = pytest.mark.nixl
+
+BLOCK = 16
+NUM_BLOCKS = 96  # attention blocks per group: up to 1536 tokens
+STATE_BLOCKS = 3
+
+
+def fill(cache: ShmKVCache, seed: int) -> None:
+    """A byte pattern with period 251 (prime, so it never lines up with a block)."""
+    pattern = ((np.arange(251) * 131 + seed) % 251).astype(np.uint8)
+    for i, handle in enumerate(cache.buffers):
+        view = cache.view(handle.name)
+        view[:] = np.resize(np.roll(pattern, i), view.size)
+
+
+def spans(layout: EngineLayout, rng: random.Random, num_tokens: int) -> list[BlockSpan]:
+    """Ids from logical block 0: shuffled runs, so some coalesce and some do not."""
+    out = []
+    for group in layout.groups:
+        if group.kind is GroupKind.MAMBA:
+            ids = [rng.randrange(STATE_BLOCKS)]
+        else:
+            pieces, start = [], 0
+            while start < NUM_BLOCKS:
+                length = rng.randint(1, 9)
+                pieces.append(list(range(start, min(start + length, NUM_BLOCKS))))
+                start += length
+            rng.shuffle(pieces)
+            ids = [b for piece in pieces for b in piece][: -(-num_tokens // BLOCK)]
+        out.append(BlockSpan(GroupId(group.group_id), 0, tuple(BlockId(b) for b in ids)))
+    return out
+
+
+def expected_after(
+    src: ShmKVCache,
+    dst_before: dict[str, np.ndarray],
+    layout: EngineLayout,
+    src_spans: list[BlockSpan],
+    dst_spans: list[BlockSpan],
+    num_tokens: int,
+    computed: int,
+    lost: dict[int, set[int]] | None = None,
+) -> dict[str, np.ndarray]:
+    expected = {name: view.copy() for name, view in dst_before.items()}
+    for group, s_span, d_span in zip(layout.groups, src_spans, dst_spans, strict=True):
+        for block in oracle_blocks(group, num_tokens, computed, BLOCK):
+            if lost and block in lost.get(group.group_id, set()):
+                continue
+            for tensor in group.tensors:
+                s_reg = src.layout.region_map[tensor.name]
+                d_reg = layout.region_map[tensor.name]
+                s_off = s_reg.block_offset(s_span.block_ids[block])
+                d_off = d_reg.block_offset(d_span.block_ids[block])
+                size = tensor.bytes_per_block
+                expected[d_reg.buffer][d_off : d_off + size] = src.view(s_reg.buffer)[
+                    s_off : s_off + size
+                ]
+    return expected
+
+
+class Pair:
+    def __init__(self, model: str) -> None:
+        layout = layout_for_model(model, block_size=BLOCK)
+        self.src = ShmKVCache(layout, NUM_BLOCKS, "t-src", STATE_BLOCKS)
+        self.dst = ShmKVCache(layout, NUM_BLOCKS, "t-dst", STATE_BLOCKS)
+        fill(self.src, seed=3)
+        self.peer = SourcePeer(self.src.buffers)
+
+    def close(self) -> None:
+        self.peer.stop()
+        self.src.close()
+        self.dst.close()
+
+
+@pytest.fixture(
+    params=["gpt-oss-20b", "gemma-3-4b-it", "qwen3-next-80b-a3b", "jamba-mini-1.5", "llama-3.1-8b"]
+)
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    p = Pair(request.param)
+    yield p
+    p.close()
+
+
+# (N, C): no hit aligned / unaligned, partial hit aligned / unaligned, full hit
+REQUESTS = [(1536, 0), (1201, 0), (1536, 1024), (1499, 1200), (777, 777), (17, 16)]
+
+
+async def test_pull_moves_exactly_the_planned_bytes(pair: Pair) -> None:
+    rng = random.Random(7)
+    async with LocalSide(pair.dst.buffers) as local:
+        peer = await local.backend.add_peer(pair.peer.metadata)
+        for num_tokens, computed in REQUESTS:
+            fill(pair.dst, seed=rng.randrange(1000))
+            before = {h.name: pair.dst.view(h.name).copy() for h in pair.dst.buffers}
+            src_spans = spans(pair.src.layout, rng, num_tokens)
+            dst_spans = spans(pair.dst.layout, rng, num_tokens)
+            plan = plan_transfer(
+                pair.src.layout,
+                pair.dst.layout,
+                src_spans,
+                dst_spans,
+                num_tokens,
+                computed,
+                chunk_blocks=32,
+            )
+            result = await execute_plan(
+                plan,
+                backend=local.backend,
+                peer=peer,
+                local=local.buffers,
+                remote=pair.peer.buffers,
+                block_size=BLOCK,
+            )
+            assert result.status is RequestStatus.OK
+            assert result.valid_tokens == num_tokens and not result.failed_blocks
+            assert result.bytes_moved == plan.nbytes == result.bytes_planned
+            want = expected_after(
+                pair.src, before, pair.dst.layout, src_spans, dst_spans, num_tokens, computed
+            )
+            for name, view in want.items():
+                got = pair.dst.view(name)
+                assert np.array_equal(got, view), f"{name}: {(got != view).sum()} bytes differ"
+            if computed < num_tokens:
+                assert any(not np.array_equal(want[n], before[n]) for n in want)
+
+
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-next-80b-a3b", "gemma-3-4b-it"])
+async def test_injected_chunk_failures_match_the_recompute_oracle(model: str) -> None:
+    p = Pair(model)
+    try:
+        rng = random.Random(11)
+        for failing in ({0}, {1, 3}, {2}, set(range(40))):
+            fill(p.dst, seed=5)
+            before = {h.name: p.dst.view(h.name).copy() for h in p.dst.buffers}
+            num_tokens, computed = 1445, 512
+            src_spans = spans(p.src.layout, rng, num_tokens)
+            dst_spans = spans(p.dst.layout, rng, num_tokens)
+            plan = plan_transfer(
+                p.src.layout,
+                p.dst.layout,
+                src_spans,
+                dst_spans,
+                num_tokens,
+                computed,
+                chunk_blocks=16,
+            )
+            lost: dict[int, set[int]] = {}
+            for index in failing & set(range(len(plan.chunks))):
+                chunk = plan.chunks[index]
+                lost.setdefault(chunk.group_id, set()).update(chunk.blocks)
+            async with LocalSide(p.dst.buffers) as local:
+                backend = FaultInjectingBackend(local.backend, fail_chunks(failing))
+                peer = await backend.add_peer(p.peer.metadata)
+                result = await execute_plan(
+                    plan,
+                    backend=backend,
+                    peer=peer,
+                    local=local.buffers,
+                    remote=p.peer.buffers,
+                    block_size=BLOCK,
+                    options=ExecOptions(max_inflight=1),
+                )
+            assert {g: set(b) for g, b in result.failed_blocks.items()} == lost
+            assert result.valid_tokens == oracle_valid_tokens(
+                p.src.layout.groups, num_tokens, computed, BLOCK, lost
+            )
+            want = expected_after(
+                p.src, before, p.dst.layout, src_spans, dst_spans, num_tokens, computed, lost
+            )
+            for name, view in want.items():
+                assert np.array_equal(p.dst.view(name), view), name
+    finally:
+        p.close()
+
+
+async def test_stalled_chunk_fails_at_its_deadline() -> None:
+    p = Pair("llama-3.1-8b")
+    try:
+        src_spans = spans(p.src.layout, random.Random(1), 1000)
+        plan = plan_transfer(
+            p.src.layout, p.dst.layout, src_spans, src_spans, 1000, 0, chunk_blocks=16
+        )
+        async with LocalSide(p.dst.buffers) as local:
+            backend = FaultInjectingBackend(local.backend, fail_chunks((), stalling={2}))
+            peer = await backend.add_peer(p.peer.metadata)
+            start = time.monotonic()
+            result = await execute_plan(
+                plan,
+                backend=backend,
+                peer=peer,
+                local=local.buffers,
+                remote=p.peer.buffers,
+                block_size=BLOCK,
+                options=ExecOptions(stall_deadline_s=0.5),
+            )
+            assert 0.5 <= time.monotonic() - start < 5
+        assert result.chunk_statuses[2] is TransferStatus.TIMED_OUT
+        assert result.failed_blocks == {0: tuple(range(32, 48))}
+        assert result.valid_tokens == 32 * BLOCK
+        assert result.status is RequestStatus.PARTIAL
+    finally:
+        p.close()
+
+
+async def test_killed_peer_fails_pending_chunks_and_agent_keeps_working() -> None:
+    """Kill the source during a large pull: every chunk ends (done or failed) within the
+    deadline, failed blocks and valid_tokens follow the rule, and the same agent then
+    pulls from another peer."""
+    layout = layout_for_model("llama-3.1-8b", block_size=BLOCK)
+    big_blocks = 1024  # 2 MiB per block: 2 GiB per side
+    src = ShmKVCache(layout, big_blocks, "kill-src")
+    dst = ShmKVCache(layout, big_blocks, "kill-dst")
+    other = Pair("llama-3.1-8b")
+    peer_proc = SourcePeer(src.buffers)
+    try:
+        ids = tuple(BlockId(b) for b in range(big_blocks))
+        span = [BlockSpan(GroupId(0), 0, ids)]
+        num_tokens = big_blocks * BLOCK
+        plan = plan_transfer(src.layout, dst.layout, span, span, num_tokens, 0, chunk_blocks=8)
+        async with LocalSide(dst.buffers + other.dst.buffers) as local:
+            peer = await local.backend.add_peer(peer_proc.metadata)
+            deadline = 3.0
+            task = asyncio.create_task(
+                execute_plan(
+                    plan,
+                    backend=local.backend,
+                    peer=peer,
+                    local=local.buffers,
+                    remote=peer_proc.buffers,
+                    block_size=BLOCK,
+                    options=ExecOptions(stall_deadline_s=deadline, max_inflight=4),
+                )
+            )
+            await asyncio.sleep(0.3)
+            peer_proc.kill()
+            killed_at = time.monotonic()
+            result = await asyncio.wait_for(task, timeout=60)
+            assert time.monotonic() - killed_at < deadline + 5
+            assert result.status is not RequestStatus.OK, "the kill came after the pull ended"
+            failed = set(result.failed_blocks.get(0, ()))
+            assert failed, result.chunk_statuses
+            assert result.valid_tokens == oracle_valid_tokens(
+                layout.groups, num_tokens, 0, BLOCK, {0: failed}
+            )
+            assert (
+                result.bytes_moved == plan.nbytes - len(failed) * layout.groups[0].bytes_per_block
+            )
+            # The same agent still works for another peer.
+            other_peer = await local.backend.add_peer(other.peer.metadata)
+            small = spans(other.src.layout, random.Random(2), 800)
+            plan2 = plan_transfer(other.src.layout, other.dst.layout, small, small, 800, 0)
+            result2 = await execute_plan(
+                plan2,
+                backend=local.backend,
+                peer=other_peer,
+                local=local.buffers,
+                remote=other.peer.buffers,
+                block_size=BLOCK,
+            )
+            assert result2.status is RequestStatus.OK
+    finally:
+        peer_proc.kill()
+        other.close()
+        src.close()
+        dst.close()

@@ -1,0 +1,112 @@
+"""Data-plane logic that needs no second process: descriptor binding, handles, shm."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kvxfer.client.cuda_ipc import buffer_from_ipc
+from kvxfer.client.shm import ShmKVCache
+from strategies import layouts, requests
+from test_transfer_plan import bind, spans_for
+
+from kvxfer._exceptions import LayoutError, PlanError, RegistrationError
+from kvxfer.core.buffers import BufferHandle, MemoryKind
+from kvxfer.core.planner import plan_transfer
+from kvxfer.core.profiles import layout_for_model
+from kvxfer.dataplane.descriptors import BoundBuffer, chunk_arrays
+from kvxfer.dataplane.memory import open_buffer
+
+
+@given(st.data())
+def test_arrays_equal_the_planners_descriptors(data: st.DataObject) -> None:
+    base = data.draw(layouts())
+    num_tokens, computed = data.draw(requests(base.block_size, max_tokens=3000))
+    num_blocks = -(-num_tokens // base.block_size) + 2
+    src = bind(base, num_blocks, "p", strided=data.draw(st.booleans()))
+    dst = bind(base, num_blocks, "d")
+    rng = random.Random(data.draw(st.integers(0, 1000)))
+    src_spans = spans_for(src, num_tokens, num_blocks, rng, 0.3)
+    dst_spans = spans_for(dst, num_tokens, num_blocks, rng, 0.1)
+    plan = plan_transfer(src, dst, src_spans, dst_spans, num_tokens, computed, 64)
+    size = 1 << 44
+    src_bases = {r.buffer: BoundBuffer(1 << 40, size, 0, MemoryKind.DRAM) for r in src.regions}
+    dst_bases = {r.buffer: BoundBuffer(1 << 41, size, 3, MemoryKind.DRAM) for r in dst.regions}
+    for chunk in plan.chunks:
+        s, d = chunk_arrays(chunk, src_bases, dst_bases)
+        want = list(chunk.descriptors())
+        assert s.shape == d.shape == (len(want), 3)
+        assert [int(x) for x in s[:, 0]] == [(1 << 40) + w.src_offset for w in want]
+        assert [int(x) for x in d[:, 0]] == [(1 << 41) + w.dst_offset for w in want]
+        assert [int(x) for x in s[:, 1]] == [w.length for w in want] == list(d[:, 1])
+        assert set(d[:, 2].tolist()) == {3}
+
+
+def test_region_past_the_buffer_is_refused() -> None:
+    base = layout_for_model("llama-3.1-8b")
+    src, dst = bind(base, 4, "p"), bind(base, 4, "d")
+    span = spans_for(src, 64, 4, random.Random(0), 0)
+    plan = plan_transfer(src, dst, span, span, 64, 0)
+    tiny = {"p0": BoundBuffer(4096, 100, 0, MemoryKind.DRAM)}
+    with pytest.raises(PlanError, match=r"region 'layer.0.k': ends at byte 131072, past buffer"):
+        chunk_arrays(plan.chunks[0], tiny, tiny)
+
+
+def test_buffer_handle_validation() -> None:
+    with pytest.raises(LayoutError, match=r"buffer 'b'.shm_name: must be 1-200 characters"):
+        BufferHandle("b", MemoryKind.DRAM, 10, shm_name="../etc/passwd")
+    with pytest.raises(LayoutError, match=r"ipc_handle: must be 64 bytes, got 3"):
+        buffer_from_ipc("v", 0, b"abc", 0, 10)
+    handle = buffer_from_ipc("v", 1, bytes(64), 512, 4096)
+    assert (handle.kind, handle.device_id, handle.offset_bytes) == (MemoryKind.VRAM, 1, 512)
+
+
+def test_opening_missing_or_short_shm_is_a_clear_error() -> None:
+    with pytest.raises(RegistrationError, match="cannot open shared memory 'kvxfer-nope'"):
+        open_buffer(BufferHandle("x", MemoryKind.DRAM, 10, shm_name="kvxfer-nope"))
+    cache = ShmKVCache(layout_for_model("llama-3.1-8b"), 2, "short")
+    try:
+        real = cache.buffers[0]
+        lying = BufferHandle("x", MemoryKind.DRAM, real.size_bytes * 2, shm_name=real.shm_name)
+        with pytest.raises(RegistrationError, match=r"holds .* bytes, the engine declared"):
+            open_buffer(lying)
+    finally:
+        cache.close()
+
+
+def test_shm_cache_layout_permissions_and_cleanup() -> None:
+    layout = layout_for_model("jamba-mini-1.5", block_size=16)
+    cache = ShmKVCache(layout, 10, "unit", num_state_blocks=2)
+    names = [b.shm_name for b in cache.buffers]
+    assert len(names) == 2
+    for name in names:
+        assert os.stat(f"/dev/shm/{name}").st_mode & 0o777 == 0o600
+    mamba = cache.layout.region_map["layer.0.conv"]
+    assert mamba.num_blocks == 2
+    cache.block("layer.4.k", 9)[:] = 7
+    mapped = open_buffer(cache.buffers[1])
+    view = np.ctypeslib.as_array(
+        (np.ctypeslib.ctypes.c_uint8 * 16).from_address(
+            mapped.address + cache.layout.region_map["layer.4.k"].block_offset(9)
+        )
+    )
+    assert view.tolist() == [7] * 16  # the sidecar's mapping sees the engine's bytes
+    del view
+    mapped.close()
+    cache.close()
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+
+
+def test_vram_needs_a_gpu() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+    from kvxfer.client.cuda_ipc import export_cuda_tensor  # noqa: PLC0415
+
+    tensor = torch.arange(1024, dtype=torch.uint8, device="cuda")
+    handle = export_cuda_tensor("kv", tensor)
+    assert handle.kind is MemoryKind.VRAM and handle.size_bytes == 1024
