@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 DescArray = npt.NDArray[np.uint64]  # N x 3: (address, length, device id)
 
-_POLL_S = 0.0001  # wait between polls while transfers are in flight
+_POLL_S = 0.000001  # poll (and so drive UCX progress) tightly while transfers are in flight
 _IDLE_S = 0.005  # wait for commands (and notification polls) when idle
 
 
@@ -384,6 +384,11 @@ class NixlAgent:
                 raise TransferError(f"cannot notify {peer}: {exc}") from exc
 
         await self._call(command)
+
+    async def run_on_agent(self, function: Callable[[Any], T]) -> T:
+        """Run `function(nixl_agent)` on the NIXL thread. For benchmarks that measure raw
+        NIXL on the same agent and buffers; kvxfer itself never needs it."""
+        return await self._call(lambda state: function(state.agent))
 
     def on_notification(self, callback: Callable[[str, bytes], None]) -> None:
         """Deliver NIXL notifications (peer agent name, message) on the caller's loop."""

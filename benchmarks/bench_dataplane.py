@@ -1,0 +1,238 @@
+"""Data-plane benchmark: kvxfer vs raw NIXL vs per-block descriptors vs memcpy.
+
+One run, the same two processes and the same shared-memory buffers for every
+method, so the ratios are side by side:
+
+- memcpy:    numpy copy of the same planned bytes inside one process (host limit)
+- raw:       one NIXL READ handle, one descriptor per contiguous region range (the ceiling)
+- per_block: one descriptor per (region, block), from prepared descriptor lists,
+             as vLLM's NIXL connector posts them
+- kvxfer:    execute_plan: chunked handles, coalesced descriptors, deadlines, result
+
+Usage: .venv/bin/python benchmarks/bench_dataplane.py [--models ...] [--sizes 1k 16k 128k]
+       [--repeat R] [--json]
+This is a script, not a test: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from kvxfer.client.shm import ShmKVCache
+from nixl_peer import LocalSide, SourcePeer
+
+from kvxfer.core.layout import BlockId, BlockSpan, GroupId, GroupKind
+from kvxfer.core.planner import DEFAULT_CHUNK_BLOCKS, TransferPlan, plan_transfer
+from kvxfer.core.profiles import layout_for_model
+from kvxfer.dataplane.adapter import NixlAgent
+from kvxfer.dataplane.descriptors import chunk_arrays
+from kvxfer.dataplane.executor import ExecOptions, execute_plan
+
+SIZES = {"1k": 1024, "16k": 16384, "128k": 131072}
+BLOCK = 16
+
+
+def _wait(agent: Any, handle: Any) -> None:
+    while (state := agent.check_xfer_state(handle)) == "PROC":
+        pass
+    agent.release_xfer_handle(handle)
+    if state != "DONE":
+        raise RuntimeError(f"raw transfer ended {state}")
+
+
+def raw_read(agent: Any, peer: str, local: np.ndarray, remote: np.ndarray) -> float:
+    start = time.perf_counter()
+    handle = agent.initialize_xfer(
+        "READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer
+    )
+    agent.transfer(handle)
+    _wait(agent, handle)
+    return time.perf_counter() - start
+
+
+def per_block_read(agent: Any, peer: str, local: np.ndarray, remote: np.ndarray) -> float:
+    """Prepared lists of per-block descriptors (prep cost excluded, as a connector
+    prepares once per peer), then one make_prepped_xfer with every index."""
+    local_list = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
+    remote_list = agent.prep_xfer_dlist(peer, remote, "DRAM")
+    indices = np.arange(len(local), dtype=np.int32)
+    start = time.perf_counter()
+    handle = agent.make_prepped_xfer("READ", local_list, indices, remote_list, indices)
+    agent.transfer(handle)
+    _wait(agent, handle)
+    elapsed = time.perf_counter() - start
+    agent.release_dlist_handle(local_list)
+    agent.release_dlist_handle(remote_list)
+    return elapsed
+
+
+def split_per_block(
+    src: np.ndarray, dst: np.ndarray, block_bytes: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Cut each coalesced descriptor into block-sized descriptors."""
+    out_s, out_d = [], []
+    for (s_addr, length, s_dev), (d_addr, _, d_dev), size in zip(
+        src, dst, block_bytes, strict=True
+    ):
+        count = int(length) // size
+        offsets = np.arange(count, dtype=np.uint64) * np.uint64(size)
+        out_s.append(
+            np.stack(
+                [
+                    s_addr + offsets,
+                    np.full(count, size, np.uint64),
+                    np.full(count, s_dev, np.uint64),
+                ],
+                axis=1,
+            )
+        )
+        out_d.append(
+            np.stack(
+                [
+                    d_addr + offsets,
+                    np.full(count, size, np.uint64),
+                    np.full(count, d_dev, np.uint64),
+                ],
+                axis=1,
+            )
+        )
+    return np.concatenate(out_s), np.concatenate(out_d)
+
+
+async def bench_case(
+    model: str, tokens: int, repeat: int, options: ExecOptions, chunk_blocks: int
+) -> dict[str, Any]:
+    layout = layout_for_model(model, block_size=BLOCK)
+    num_blocks = -(-tokens // BLOCK)
+    src = ShmKVCache(layout, num_blocks, "bench-src", num_state_blocks=1)
+    dst = ShmKVCache(layout, num_blocks, "bench-dst", num_state_blocks=1)
+    spans = [
+        BlockSpan(
+            GroupId(g.group_id),
+            0,
+            tuple(BlockId(b) for b in range(1 if g.kind is GroupKind.MAMBA else num_blocks)),
+        )
+        for g in layout.groups
+    ]
+    plan = plan_transfer(src.layout, dst.layout, spans, spans, tokens, 0, chunk_blocks)
+    whole = plan_transfer(src.layout, dst.layout, spans, spans, tokens, 0, chunk_blocks=1 << 30)
+    for cache in (src, dst):  # pre-touch every page: first-touch faults are not transfer cost
+        for handle in cache.buffers:
+            cache.view(handle.name)[:] = 1
+    peer_proc = SourcePeer(src.buffers)
+    try:
+        async with LocalSide(dst.buffers) as side:
+            assert isinstance(side.backend, NixlAgent)
+            agent = side.backend
+            peer = await agent.add_peer(peer_proc.metadata)
+            remote_bases, local_bases = peer_proc.buffers, side.buffers
+            pieces = [chunk_arrays(c, remote_bases, local_bases) for c in whole.chunks]
+            remote = np.concatenate([p[0] for p in pieces])
+            local = np.concatenate([p[1] for p in pieces])
+            sizes = [pair.src.block_bytes for c in whole.chunks for pair in c.regions]
+            block_remote, block_local = split_per_block(remote, local, sizes)
+            times: dict[str, list[float]] = {
+                k: [] for k in ("memcpy", "raw", "per_block", "kvxfer")
+            }
+            for i in range(repeat + 1):  # the first round warms up and is dropped
+                t_mem = memcpy_round(src, dst, whole)
+                t_raw = await agent.run_on_agent(lambda a: raw_read(a, peer, local, remote))
+                t_blk = await agent.run_on_agent(
+                    lambda a: per_block_read(a, peer, block_local, block_remote)
+                )
+                t0 = time.perf_counter()
+                result = await execute_plan(
+                    plan,
+                    backend=agent,
+                    peer=peer,
+                    local=local_bases,
+                    remote=remote_bases,
+                    block_size=BLOCK,
+                    options=options,
+                )
+                t_kvx = time.perf_counter() - t0
+                assert result.bytes_moved == plan.nbytes, result
+                if i:
+                    for key, value in zip(times, (t_mem, t_raw, t_blk, t_kvx), strict=True):
+                        times[key].append(value)
+    finally:
+        peer_proc.stop()
+        src.close()
+        dst.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    gbps = {k: plan.nbytes / v / 1e9 for k, v in med.items()}
+    return {
+        "model": model,
+        "tokens": tokens,
+        "bytes": plan.nbytes,
+        "descriptors_raw": len(local),
+        "descriptors_per_block": len(block_local),
+        "chunks_kvxfer": len(plan.chunks),
+        "memcpy_gbps": gbps["memcpy"],
+        "raw_nixl_gbps": gbps["raw"],
+        "per_block_gbps": gbps["per_block"],
+        "kvxfer_gbps": gbps["kvxfer"],
+        "kvxfer_vs_raw": gbps["kvxfer"] / gbps["raw"],
+        "per_block_vs_raw": gbps["per_block"] / gbps["raw"],
+        "raw_ms_p50": med["raw"] * 1e3,
+        "kvxfer_ms_p50": med["kvxfer"] * 1e3,
+        "overhead_ms_p50": (med["kvxfer"] - med["raw"]) * 1e3,
+    }
+
+
+def memcpy_round(src: ShmKVCache, dst: ShmKVCache, whole: TransferPlan) -> float:
+    start = time.perf_counter()
+    for chunk in whole.chunks:
+        for d in chunk.descriptors():
+            dst.view(d.dst_buffer)[d.dst_offset : d.dst_offset + d.length] = src.view(d.src_buffer)[
+                d.src_offset : d.src_offset + d.length
+            ]
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["gpt-oss-20b", "gemma-3-4b-it", "llama-3.1-8b", "qwen3-next-80b-a3b"],
+    )
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--chunk-blocks", type=int, default=DEFAULT_CHUNK_BLOCKS)
+    parser.add_argument("--max-inflight", type=int, default=ExecOptions().max_inflight)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    for model in args.models:
+        for size in args.sizes:
+            options = ExecOptions(max_inflight=args.max_inflight)
+            row = asyncio.run(
+                bench_case(model, SIZES[size], args.repeat, options, args.chunk_blocks)
+            )
+            rows.append(row)
+            if not args.json:
+                print(
+                    f"{model:20s} {size:>5s} {row['bytes'] / 2**20:9.1f} MiB  "
+                    f"memcpy {row['memcpy_gbps']:5.2f}  raw {row['raw_nixl_gbps']:5.2f}  "
+                    f"per-block {row['per_block_gbps']:5.2f}  kvxfer {row['kvxfer_gbps']:5.2f} GB/s"
+                    f"  kvxfer/raw {row['kvxfer_vs_raw']:.3f}  per-block/raw "
+                    f"{row['per_block_vs_raw']:.3f}  overhead p50 {row['overhead_ms_p50']:+.2f} ms",
+                    flush=True,
+                )
+    if args.json:
+        print(json.dumps({"cases": rows}))
+
+
+if __name__ == "__main__":
+    main()
