@@ -86,27 +86,15 @@ def split_per_block(
     ):
         count = int(length) // size
         offsets = np.arange(count, dtype=np.uint64) * np.uint64(size)
-        out_s.append(
-            np.stack(
-                [
-                    s_addr + offsets,
-                    np.full(count, size, np.uint64),
-                    np.full(count, s_dev, np.uint64),
-                ],
-                axis=1,
-            )
-        )
-        out_d.append(
-            np.stack(
-                [
-                    d_addr + offsets,
-                    np.full(count, size, np.uint64),
-                    np.full(count, d_dev, np.uint64),
-                ],
-                axis=1,
-            )
-        )
+        out_s.append(_blocks(s_addr + offsets, size, s_dev))
+        out_d.append(_blocks(d_addr + offsets, size, d_dev))
     return np.concatenate(out_s), np.concatenate(out_d)
+
+
+def _blocks(addresses: np.ndarray, size: int, device: int) -> np.ndarray:
+    count = len(addresses)
+    columns = [addresses, np.full(count, size, np.uint64), np.full(count, device, np.uint64)]
+    return np.stack(columns, axis=1)
 
 
 async def bench_case(

@@ -16,8 +16,10 @@ from multiprocessing.connection import Connection
 from types import TracebackType
 
 from kvxfer.core.buffers import BufferHandle
+from kvxfer.core.planner import TransferPlan
 from kvxfer.dataplane.adapter import NixlAgent, TransferBackend
 from kvxfer.dataplane.descriptors import BoundBuffer
+from kvxfer.dataplane.executor import TransferResult, execute_plan
 from kvxfer.dataplane.memory import MappedBuffer, open_buffer
 
 
@@ -96,6 +98,19 @@ class LocalSide:
         await self.backend.register(self.mapped)
         self.buffers = bind(self.mapped)
         return self
+
+    async def pull(
+        self, plan: TransferPlan, peer: str, remote: Mapping[str, BoundBuffer], block_size: int
+    ) -> TransferResult:
+        """Carry out `plan` from `peer` with this side's backend and default options."""
+        return await execute_plan(
+            plan,
+            backend=self.backend,
+            peer=peer,
+            local=self.buffers,
+            remote=remote,
+            block_size=block_size,
+        )
 
     async def __aexit__(
         self,

@@ -131,14 +131,7 @@ async def test_pull_moves_exactly_the_planned_bytes(pair: Pair) -> None:
                 computed,
                 chunk_blocks=32,
             )
-            result = await execute_plan(
-                plan,
-                backend=local.backend,
-                peer=peer,
-                local=local.buffers,
-                remote=pair.peer.buffers,
-                block_size=BLOCK,
-            )
+            result = await local.pull(plan, peer, pair.peer.buffers, BLOCK)
             assert result.status is RequestStatus.OK
             assert result.valid_tokens == num_tokens and not result.failed_blocks
             assert result.bytes_moved == plan.nbytes == result.bytes_planned
@@ -277,14 +270,7 @@ async def test_killed_peer_fails_pending_chunks_and_agent_keeps_working() -> Non
             other_peer = await local.backend.add_peer(other.peer.metadata)
             small = spans(other.src.layout, random.Random(2), 800)
             plan2 = plan_transfer(other.src.layout, other.dst.layout, small, small, 800, 0)
-            result2 = await execute_plan(
-                plan2,
-                backend=local.backend,
-                peer=other_peer,
-                local=local.buffers,
-                remote=other.peer.buffers,
-                block_size=BLOCK,
-            )
+            result2 = await local.pull(plan2, other_peer, other.peer.buffers, BLOCK)
             assert result2.status is RequestStatus.OK
     finally:
         peer_proc.kill()
