@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from kvxfer.client.shm import ShmKVCache
 from nixl_peer import LocalSide, SourcePeer
 
+from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId, GroupKind
 from kvxfer.core.planner import DEFAULT_CHUNK_BLOCKS, TransferPlan, plan_transfer
 from kvxfer.core.profiles import layout_for_model

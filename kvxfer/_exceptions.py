@@ -11,6 +11,8 @@
     ├── NegotiationError                      two layouts do not agree; `.mismatches` lists why
     ├── NotFoundError                         unknown request, engine or peer
     ├── LeaseError                            a lease expired or was released under a request
+    ├── PeerUnavailableError                  a peer sidecar cannot be reached over gRPC
+    ├── ShuttingDownError                     the sidecar is draining and takes no new work
     └── DataPlaneError                        NIXL side of things
         ├── RegistrationError                 memory could not be opened or registered
         ├── PeerDisconnectedError             the remote agent went away
@@ -74,6 +76,14 @@ class NegotiationError(KvxferError):
         lines = "; ".join(str(m) for m in mismatches)
         super().__init__(f"layouts do not agree: {lines}")
         self.mismatches = tuple(mismatches)
+
+
+class PeerUnavailableError(KvxferError):
+    """A peer sidecar (or this engine's sidecar) could not be reached over gRPC."""
+
+
+class ShuttingDownError(KvxferError):
+    """The sidecar is shutting down and accepts no new work."""
 
 
 class DataPlaneError(KvxferError):

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from kvxfer.client.shm import ShmKVCache
 from nixl_peer import LocalSide, SourcePeer
 from oracle import oracle_blocks, oracle_valid_tokens
 
+from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
 from kvxfer.core.planner import plan_transfer
 from kvxfer.core.profiles import layout_for_model

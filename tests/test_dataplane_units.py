@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvxfer.client.cuda_ipc import buffer_from_ipc
-from kvxfer.client.shm import ShmKVCache
 from strategies import layouts, requests
 from test_transfer_plan import bind, spans_for
 
 from kvxfer._exceptions import LayoutError, PlanError, RegistrationError
+from kvxfer.client.cuda_ipc import buffer_from_ipc
+from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.planner import plan_transfer
 from kvxfer.core.profiles import layout_for_model

@@ -72,6 +72,53 @@ def build_parser() -> argparse.ArgumentParser:
         "--computed", type=non_negative_int, default=0, help="tokens decode already holds C"
     )
     plan.set_defaults(run=_lazy("kvxfer.cli.planning", "run_plan"))
+
+    sim = commands.add_parser("engine-sim", help="a simulated engine on shared memory")
+    sim.add_argument(
+        "--sidecar", required=True, help="sidecar engine address (unix:PATH|HOST:PORT)"
+    )
+    sim.add_argument(
+        "--model", required=True, help="built-in profile name or path to a config.json"
+    )
+    sim.add_argument("--role", required=True, choices=["prefill", "decode"])
+    sim.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    sim.add_argument("--num-blocks", type=positive_int, default=1024, help="blocks per group")
+    sim.add_argument(
+        "--state-blocks", type=positive_int, default=8, help="state blocks per Mamba group"
+    )
+    sim.add_argument("--kv-dtype", default="bfloat16", help="KV cache dtype (bfloat16)")
+    sim.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel size")
+    sim.add_argument("--tp-rank", type=non_negative_int, default=0, help="this engine's rank")
+    sim.add_argument("--seed", type=non_negative_int, default=0, help="pattern seed")
+    sim.add_argument("--name", default="", help="engine name shown by status")
+    sim.set_defaults(run=_lazy("kvxfer.cli.engine_sim", "run_engine_sim"))
+
+    handshake = commands.add_parser(
+        "handshake", help="dry-run negotiation against a peer sidecar's engine"
+    )
+    handshake.add_argument("--peer", required=True, help="peer sidecar address HOST:PORT")
+    handshake.add_argument(
+        "--layout", required=True, help="the model of the engine asking (profile or config.json)"
+    )
+    handshake.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    handshake.add_argument("--kv-dtype", default="bfloat16", help="KV cache dtype")
+    handshake.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel size")
+    handshake.add_argument("--tp-rank", type=non_negative_int, default=0, help="rank asking")
+    handshake.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+    handshake.add_argument("--json", action="store_true", help="print one JSON object")
+    handshake.set_defaults(run=_lazy("kvxfer.cli.admin", "run_handshake"))
+
+    for name, text in (
+        ("peers", "peers a sidecar knows: epochs, agreements, last handshake"),
+        ("status", "a sidecar's engines, leases and pulls in flight"),
+    ):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument(
+            "--sidecar", required=True, help="sidecar address (HOST:PORT or unix:PATH)"
+        )
+        sub.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+        sub.add_argument("--json", action="store_true", help="print one JSON object")
+        sub.set_defaults(run=_lazy("kvxfer.cli.admin", f"run_{name}"))
     return parser
 
 

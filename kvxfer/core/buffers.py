@@ -57,3 +57,13 @@ class BufferHandle:
                 )
         else:
             raise LayoutError(f"{where}.kind", f"unknown memory kind {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class BoundBuffer:
+    """Where a named buffer sits in the address space of the agent that registered it."""
+
+    address: int
+    size_bytes: int
+    device_id: int
+    kind: MemoryKind

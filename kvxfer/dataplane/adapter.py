@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -122,7 +123,15 @@ def _nixl() -> Any:
         from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
     except ImportError:
         from nixl_cu12._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
+    _logs_to_stderr()
     return nixl_agent, nixl_agent_config
+
+
+def _logs_to_stderr() -> None:
+    """NIXL logs to stdout; stdout belongs to the program (JSON output, ready lines)."""
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
 
 
 def _is_disconnect(exc: BaseException) -> bool:

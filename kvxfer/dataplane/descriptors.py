@@ -8,27 +8,18 @@ request costs microseconds, not a Python loop per block.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer._exceptions import PlanError
-from kvxfer.core.buffers import MemoryKind
+from kvxfer.core.buffers import BoundBuffer
 from kvxfer.core.layout import Region
 from kvxfer.core.planner import Chunk
 
 DescArray = npt.NDArray[np.uint64]
 
-
-@dataclass(frozen=True)
-class BoundBuffer:
-    """Where a named buffer sits in the address space of the agent that registered it."""
-
-    address: int
-    size_bytes: int
-    device_id: int
-    kind: MemoryKind
+__all__ = ["BoundBuffer", "DescArray", "chunk_arrays"]
 
 
 def chunk_arrays(

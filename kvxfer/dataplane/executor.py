@@ -42,6 +42,8 @@ class TransferResult:
     bytes_planned: int
     duration_s: float
     chunk_statuses: tuple[TransferStatus, ...]
+    descriptors: int = 0
+    bind_s: float = 0.0  # building every chunk's descriptor arrays, before the first post
 
 
 async def execute_plan(
@@ -53,16 +55,21 @@ async def execute_plan(
     remote: Mapping[str, BoundBuffer],
     block_size: int,
     options: ExecOptions | None = None,
+    cancel: asyncio.Event | None = None,
 ) -> TransferResult:
-    """Pull `plan` from `peer` (src = remote, dst = local)."""
+    """Pull `plan` from `peer` (src = remote, dst = local). Once `cancel` is set, chunks
+    not yet posted end CANCELLED; posted ones finish or fail by their deadline."""
     options = options or ExecOptions()
     start = time.perf_counter()
     # Bind every chunk before posting any: a bad address fails the request up front.
     jobs = [(chunk, _job(chunk, peer, local, remote, options)) for chunk in plan.chunks]
+    bound = time.perf_counter()
     gate = asyncio.Semaphore(options.max_inflight)
 
     async def run(job: ChunkJob) -> TransferStatus:
         async with gate:
+            if cancel is not None and cancel.is_set():
+                return TransferStatus.CANCELLED
             return await backend.read(job)
 
     statuses = await asyncio.gather(*(run(job) for _, job in jobs))
@@ -84,6 +91,8 @@ async def execute_plan(
         bytes_planned=plan.nbytes,
         duration_s=time.perf_counter() - start,
         chunk_statuses=tuple(statuses),
+        descriptors=sum(len(job.local) for _, job in jobs),
+        bind_s=bound - start,
     )
 
 

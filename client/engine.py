@@ -1,0 +1,242 @@
+"""The engine's client of its sidecar: register buffers, publish, pull, watch, abort.
+
+`EngineClient` is asyncio (grpc.aio); `SyncEngineClient` wraps it on a private
+event-loop thread for engines that are not asyncio. Every call has a
+deadline, and failed RPCs raise the kvxfer error their status stands for
+(`NegotiationError` with its mismatches, `PeerUnavailableError` naming the
+address, ...).
+
+    async with EngineClient("unix:/tmp/kvxfer-engine.sock") as client:
+        await client.register(cache.layout, cache.buffers, name="prefill-0")
+        params = await client.publish("req-1", num_tokens, spans)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from kvxfer._exceptions import InvalidInputError, KvxferError
+from kvxfer.core.buffers import BufferHandle
+from kvxfer.core.layout import BlockSpan, EngineLayout
+from kvxfer.core.requests import EngineEvent, PullAccepted, TransferParams, check_address
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.errors import rpc_error
+from kvxfer.wire.layout import layout_to_proto, span_to_proto
+from kvxfer.wire.sidecar import (
+    event_from_proto,
+    handle_to_proto,
+    params_from_proto,
+    params_to_proto,
+)
+
+T = TypeVar("T")
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Registration:
+    engine_id: str
+    epoch: int
+    peer_address: str
+
+
+class EngineClient:
+    def __init__(self, address: str, *, engine_id: str = "", timeout_s: float = 30.0) -> None:
+        self.address = check_address(address, "sidecar address", allow_unix=True)
+        self.engine_id = engine_id
+        self._timeout_s = timeout_s
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        self._channel = grpc.aio.insecure_channel(address, options=options)
+        self._stub = pb_grpc.EngineServiceStub(self._channel)
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, what: str, rpc: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await rpc()
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(exc, f"{what} at sidecar {self.address}") from exc
+
+    def _engine(self) -> str:
+        if not self.engine_id:
+            raise InvalidInputError("engine_id", "register first (or pass engine_id=)")
+        return self.engine_id
+
+    async def register(
+        self, layout: EngineLayout, buffers: Sequence[BufferHandle], name: str = ""
+    ) -> Registration:
+        request = pb.RegisterEngineRequest(
+            layout=layout_to_proto(layout),
+            buffers=[handle_to_proto(b) for b in buffers],
+            engine_name=name,
+        )
+        reply = await self._call(
+            "register", lambda: self._stub.RegisterEngine(request, timeout=self._timeout_s)
+        )
+        self.engine_id = reply.engine_id
+        return Registration(reply.engine_id, reply.epoch, reply.peer_address)
+
+    async def publish(
+        self, request_id: str, num_tokens: int, spans: Sequence[BlockSpan]
+    ) -> TransferParams:
+        request = pb.PublishRequest(
+            engine_id=self._engine(),
+            request_id=request_id,
+            num_tokens=num_tokens,
+            spans=[span_to_proto(s) for s in spans],
+        )
+        reply = await self._call(
+            "publish", lambda: self._stub.Publish(request, timeout=self._timeout_s)
+        )
+        return params_from_proto(reply.params, "params")
+
+    async def pull(
+        self, params: TransferParams, local_spans: Sequence[BlockSpan], computed_tokens: int
+    ) -> PullAccepted:
+        request = pb.PullRequest(
+            engine_id=self._engine(),
+            params=params_to_proto(params),
+            local_spans=[span_to_proto(s) for s in local_spans],
+            computed_tokens=computed_tokens,
+        )
+        reply = await self._call("pull", lambda: self._stub.Pull(request, timeout=self._timeout_s))
+        return PullAccepted(
+            bytes_planned=reply.bytes_planned,
+            full_attention_bytes=reply.full_attention_bytes,
+            chunks=reply.chunks,
+            descriptors=reply.descriptors,
+        )
+
+    async def abort(self, request_id: str) -> str:
+        request = pb.AbortRequest(engine_id=self._engine(), request_id=request_id)
+        reply = await self._call(
+            "abort", lambda: self._stub.Abort(request, timeout=self._timeout_s)
+        )
+        return reply.state
+
+    async def events(self) -> AsyncIterator[EngineEvent]:
+        """This engine's events, as they happen, until the sidecar ends the stream."""
+        call = self._stub.WatchEvents(pb.WatchEventsRequest(engine_id=self._engine()))
+        try:
+            async for message in call:
+                yield event_from_proto(message)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.CANCELLED:
+                raise rpc_error(exc, f"watch events at sidecar {self.address}") from exc
+        finally:
+            call.cancel()
+
+    async def unregister(self) -> tuple[int, int]:
+        request = pb.UnregisterRequest(engine_id=self._engine())
+        reply = await self._call(
+            "unregister", lambda: self._stub.Unregister(request, timeout=self._timeout_s)
+        )
+        return reply.released_leases, reply.cancelled_pulls
+
+
+class SyncEngineClient:
+    """`EngineClient` for threads: each call blocks until done (or its deadline)."""
+
+    def __init__(self, address: str, *, engine_id: str = "", timeout_s: float = 30.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._timeout_s = timeout_s
+
+        async def make() -> EngineClient:
+            return EngineClient(address, engine_id=engine_id, timeout_s=timeout_s)
+
+        self._client = self._run(make())
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(self._timeout_s + 5)
+        except concurrent.futures.TimeoutError as exc:
+            future.cancel()
+            raise KvxferError(f"sidecar call did not finish in {self._timeout_s}s") from exc
+
+    @property
+    def engine_id(self) -> str:
+        return self._client.engine_id
+
+    def register(
+        self, layout: EngineLayout, buffers: Sequence[BufferHandle], name: str = ""
+    ) -> Registration:
+        return self._run(self._client.register(layout, buffers, name))
+
+    def publish(
+        self, request_id: str, num_tokens: int, spans: Sequence[BlockSpan]
+    ) -> TransferParams:
+        return self._run(self._client.publish(request_id, num_tokens, spans))
+
+    def pull(
+        self, params: TransferParams, local_spans: Sequence[BlockSpan], computed_tokens: int
+    ) -> PullAccepted:
+        return self._run(self._client.pull(params, local_spans, computed_tokens))
+
+    def abort(self, request_id: str) -> str:
+        return self._run(self._client.abort(request_id))
+
+    def unregister(self) -> tuple[int, int]:
+        return self._run(self._client.unregister())
+
+    def events(self, timeout_s: float | None = None) -> Iterator[EngineEvent]:
+        """Blocking iterator over events; stops after `timeout_s` without one."""
+        inbox: queue.Queue[EngineEvent | BaseException | None] = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for event in self._client.events():
+                    inbox.put(event)
+            except BaseException as exc:
+                inbox.put(exc)
+                return
+            inbox.put(None)
+
+        task = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while True:
+                try:
+                    item = inbox.get(timeout=timeout_s)
+                except queue.Empty:
+                    return
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            task.cancel()
+
+    def close(self) -> None:
+        self._run(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()

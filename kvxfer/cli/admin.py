@@ -1,0 +1,201 @@
+"""`kvxfer-cli handshake | peers | status`: look at sidecars without moving data.
+
+`handshake` is a dry run: it asks the peer sidecar for its registered
+engine's layout (no NIXL metadata is handed out and no agent is added) and
+negotiates locally, as a decode engine with the given model would. Exit 0
+when compatible; 1 with each mismatch (or one line naming the unreachable
+address) otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+from google.protobuf.message import Message
+
+from kvxfer.cli.main import EXIT_FAILED, EXIT_OK
+from kvxfer.cli.planning import human_bytes
+from kvxfer.core.negotiation import PROTOCOL_VERSION, find_mismatches, negotiate
+from kvxfer.core.profiles import layout_for_model
+from kvxfer.core.requests import check_address
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.errors import rpc_error
+from kvxfer.wire.layout import layout_to_proto
+from kvxfer.wire.sidecar import hello_from_proto
+
+T = TypeVar("T")
+
+
+async def _call(address: str, what: str, rpc: Callable[[grpc.aio.Channel], Awaitable[T]]) -> T:
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            return await rpc(channel)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(exc, f"{what} at {address}") from exc
+
+
+def run_handshake(args: argparse.Namespace) -> int:
+    check_address(args.peer, "--peer")
+    local = layout_for_model(
+        args.layout,
+        kv_dtype=args.kv_dtype,
+        block_size=args.block_size,
+        tp_size=args.tp_size,
+        tp_rank=args.tp_rank,
+    )
+    request = pb.HandshakeRequest(
+        protocol_version=PROTOCOL_VERSION,
+        epoch=1,
+        sidecar_id="kvxfer-cli",
+        layout=layout_to_proto(local),
+        dry_run=True,
+    )
+    start = time.perf_counter()
+    reply = asyncio.run(
+        _call(
+            args.peer,
+            "handshake",
+            lambda ch: pb_grpc.PeerServiceStub(ch).Handshake(request, timeout=args.timeout),
+        )
+    )
+    elapsed_ms = (time.perf_counter() - start) * 1000
+    hello = hello_from_proto(reply, dry_run=True)
+    mismatches = find_mismatches(local, hello.layout, PROTOCOL_VERSION, hello.protocol_version)
+    agreement = None if mismatches else negotiate(local, hello.layout)
+    report: dict[str, Any] = {
+        "compatible": not mismatches,
+        "mismatches": [asdict(m) for m in mismatches],
+        "agreement": None if agreement is None else asdict(agreement),
+        "peer": {
+            "engine_id": hello.engine_id,
+            "epoch": hello.epoch,
+            "protocol_version": hello.protocol_version,
+            "sidecar_id": hello.sidecar_id,
+            "model": hello.layout.model,
+        },
+        "handshake_ms": round(elapsed_ms, 3),
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_handshake_text(args.peer, report))
+    return EXIT_OK if not mismatches else EXIT_FAILED
+
+
+def _handshake_text(address: str, report: dict[str, Any]) -> str:
+    peer = report["peer"]
+    lines = [
+        f"peer {address}: engine {peer['engine_id']} ({peer['model']}), epoch {peer['epoch']}, "
+        f"protocol {peer['protocol_version']}, {report['handshake_ms']:.1f} ms"
+    ]
+    if report["compatible"]:
+        agreement = report["agreement"]
+        lines.append(
+            f"compatible: {agreement['model']}, {agreement['kv_dtype']}, block size "
+            f"{agreement['block_size']}, TP {agreement['tp_size']} (rank "
+            f"{agreement['tp_rank']} <- rank {agreement['tp_rank']})"
+        )
+        for group in agreement["groups"]:
+            window = f" W={group['sliding_window']}" if group["sliding_window"] else ""
+            lines.append(
+                f"  group {group['local_group']} <- peer group {group['peer_group']}: "
+                f"{group['kind']}{window}, {group['num_layers']} layers, "
+                f"{human_bytes(group['bytes_per_block'])}/block"
+            )
+        return "\n".join(lines)
+    lines.append(f"NOT compatible: {len(report['mismatches'])} mismatch(es)")
+    for m in report["mismatches"]:
+        lines.append(f"  {m['field']}: local {m['local']}, peer {m['peer']}")
+        lines.append(f"    hint: {m['hint']}")
+    return "\n".join(lines)
+
+
+def run_peers(args: argparse.Namespace) -> int:
+    check_address(args.sidecar, "--sidecar", allow_unix=True)
+    reply = asyncio.run(
+        _call(
+            args.sidecar,
+            "list peers",
+            lambda ch: pb_grpc.AdminServiceStub(ch).ListPeers(
+                pb.ListPeersRequest(), timeout=args.timeout
+            ),
+        )
+    )
+    if args.json:
+        print(json.dumps(_as_dict(reply)))
+        return EXIT_OK
+    if not reply.peers:
+        print("no peers yet (a peer is added by the first pull from it)")
+    for p in reply.peers:
+        when = time.strftime("%H:%M:%S", time.localtime(p.last_handshake_unix_ms / 1000))
+        print(
+            f"{p.address} rank {p.tp_rank}: epoch {p.epoch}, engine {p.engine_id} ({p.model}, "
+            f"{p.groups} groups), {p.handshakes} handshake(s), last {when}, "
+            f"agent {'loaded' if p.agent_loaded else 'stale'}"
+        )
+    return EXIT_OK
+
+
+def run_status(args: argparse.Namespace) -> int:
+    check_address(args.sidecar, "--sidecar", allow_unix=True)
+    reply = asyncio.run(
+        _call(
+            args.sidecar,
+            "status",
+            lambda ch: pb_grpc.AdminServiceStub(ch).GetStatus(
+                pb.GetStatusRequest(), timeout=args.timeout
+            ),
+        )
+    )
+    if args.json:
+        print(json.dumps(_as_dict(reply)))
+        return EXIT_OK
+    print(
+        f"sidecar {reply.sidecar_id} at {reply.peer_address}, epoch {reply.epoch}, "
+        f"up {reply.uptime_ms / 1000:.0f}s"
+    )
+    print(f"engines: {len(reply.engines)}")
+    for e in reply.engines:
+        print(
+            f"  {e.engine_id} {e.engine_name}: {e.model} rank {e.tp_rank}, {e.buffers} buffers, "
+            f"{human_bytes(e.registered_bytes)}"
+        )
+    print(f"leases: {len(reply.leases)}")
+    for lease in reply.leases:
+        state = "reading" if lease.reading else "held"
+        print(
+            f"  {lease.request_id}: {lease.blocks} blocks, {state}, "
+            f"expires in {lease.expires_in_ms / 1000:.1f}s"
+        )
+    print(f"pulls in flight: {len(reply.pulls)}")
+    for pull in reply.pulls:
+        print(
+            f"  {pull.request_id} from {pull.peer_address}: {human_bytes(pull.bytes_planned)}, "
+            f"{pull.running_ms} ms"
+        )
+    return EXIT_OK
+
+
+def _as_dict(message: Message) -> dict[str, Any]:
+    """Every field, integers as JSON numbers (proto3's JSON mapping would quote uint64)."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None and field.is_repeated:
+            out[field.name] = [_as_dict(item) for item in value]
+        elif field.message_type is not None:
+            out[field.name] = _as_dict(value)
+        elif field.is_repeated:
+            out[field.name] = list(value)
+        else:
+            out[field.name] = value
+    return out

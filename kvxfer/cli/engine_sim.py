@@ -1,0 +1,72 @@
+"""`kvxfer-cli engine-sim`: a simulated engine for tests, the demo and trying kvxfer by hand.
+
+It allocates a model profile's KV regions in shared memory, fills every
+buffer with a known pattern (`kvxfer.client.patterns`, salted by role, seed
+and buffer index), registers them with its sidecar and stays up until
+SIGTERM or SIGINT, then unregisters and unlinks its segments. Its first
+stdout line is JSON: engine id, epoch, the sidecar's peer address, and the
+buffers and regions, so a driver can publish, pull and verify bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+
+from kvxfer._exceptions import KvxferError
+from kvxfer.client.engine import EngineClient
+from kvxfer.client.patterns import fill, salt_for
+from kvxfer.client.shm import ShmKVCache, shm_kv_cache
+from kvxfer.core.profiles import layout_for_model
+
+
+def run_engine_sim(args: argparse.Namespace) -> int:
+    layout = layout_for_model(
+        args.model,
+        kv_dtype=args.kv_dtype,
+        block_size=args.block_size,
+        tp_size=args.tp_size,
+        tp_rank=args.tp_rank,
+    )
+    with shm_kv_cache(
+        layout, args.num_blocks, prefix=f"kvxfer-{args.role}", num_state_blocks=args.state_blocks
+    ) as cache:
+        for index, handle in enumerate(cache.buffers):
+            fill(cache.view(handle.name), salt_for(args.role, args.seed, index))
+        return asyncio.run(_serve(args, cache))
+
+
+async def _serve(args: argparse.Namespace, cache: ShmKVCache) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with EngineClient(args.sidecar) as client:
+        name = args.name or f"{args.role}-{os.getpid()}"
+        registration = await client.register(cache.layout, cache.buffers, name=name)
+        ready = {
+            "engine_id": registration.engine_id,
+            "epoch": registration.epoch,
+            "peer_address": registration.peer_address,
+            "role": args.role,
+            "seed": args.seed,
+            "model": args.model,
+            "kv_dtype": args.kv_dtype,
+            "block_size": args.block_size,
+            "num_blocks": args.num_blocks,
+            "state_blocks": args.state_blocks,
+            "pid": os.getpid(),
+            "buffers": [dataclasses.asdict(h) | {"kind": h.kind.value} for h in cache.buffers],
+            "regions": [dataclasses.asdict(r) for r in cache.layout.regions],
+        }
+        print(json.dumps(ready, default=str), flush=True)
+        await stop.wait()
+        try:
+            await client.unregister()
+        except KvxferError as exc:  # the sidecar may be gone first; the segments still go
+            print(f"kvxfer-cli engine-sim: unregister: {exc}", flush=True)
+    return 0

@@ -1,0 +1,314 @@
+"""Negotiation: do two engine layouts agree, and if not, exactly where and why?
+
+A pure function of two layouts (ARCHITECTURE.md section 4). The result is an
+`Agreement` (which local group maps to which peer group, per-region block
+sizes, block-size ratio, TP mapping) or a `NegotiationError` whose
+`mismatches` each name the field path, the local value, the peer value and a
+hint. Nothing is ever downgraded: a sliding-window or Mamba group is never
+treated as full attention, and a group that exists on one side only is a
+mismatch, not something to drop.
+
+Not supported yet, and refused with a message that says so: different block
+sizes, different tensor-parallel sizes, MLA (refused earlier, by the profiles).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvxfer._exceptions import NegotiationError
+from kvxfer.core.layout import EngineLayout, KVGroup
+
+PROTOCOL_VERSION = 1
+SUPPORTED_PROTOCOLS = frozenset({1})
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    field: str
+    local: str
+    peer: str
+    hint: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: local {self.local}, peer {self.peer} ({self.hint})"
+
+
+@dataclass(frozen=True)
+class GroupMapping:
+    local_group: int
+    peer_group: int
+    kind: str
+    sliding_window: int | None
+    num_layers: int
+    bytes_per_block: int
+
+
+@dataclass(frozen=True)
+class RegionSizes:
+    name: str
+    local_block_bytes: int
+    peer_block_bytes: int
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What both sides agreed on; the planner can take any request from here."""
+
+    model: str
+    fingerprint: str
+    kv_dtype: str
+    block_size: int
+    block_size_ratio: int  # peer block size / local block size; 1 until heterogeneous sizes
+    tp_size: int
+    tp_rank: int  # local rank r pulls from peer rank r
+    groups: tuple[GroupMapping, ...]
+    regions: tuple[RegionSizes, ...]
+
+
+def negotiate(
+    local: EngineLayout,
+    peer: EngineLayout,
+    local_protocol: int = PROTOCOL_VERSION,
+    peer_protocol: int = PROTOCOL_VERSION,
+) -> Agreement:
+    """The agreement between `local` (the pulling side) and `peer`, or NegotiationError."""
+    mismatches = find_mismatches(local, peer, local_protocol, peer_protocol)
+    if mismatches:
+        raise NegotiationError(mismatches)
+    return Agreement(
+        model=local.model,
+        fingerprint=local.fingerprint,
+        kv_dtype=local.kv_dtype,
+        block_size=local.block_size,
+        block_size_ratio=1,
+        tp_size=local.tp_size,
+        tp_rank=local.tp_rank,
+        groups=tuple(_mapping(a) for a in local.groups),
+        regions=_region_sizes(local, peer),
+    )
+
+
+def find_mismatches(
+    local: EngineLayout,
+    peer: EngineLayout,
+    local_protocol: int = PROTOCOL_VERSION,
+    peer_protocol: int = PROTOCOL_VERSION,
+) -> list[Mismatch]:
+    """Every disagreement between the two layouts, in field order (empty when they agree)."""
+    if peer_protocol not in SUPPORTED_PROTOCOLS or local_protocol != peer_protocol:
+        return [
+            Mismatch(
+                "protocol_version",
+                str(local_protocol),
+                str(peer_protocol),
+                "run the same kvxfer protocol version on both sidecars (upgrade the older one)",
+            )
+        ]
+    found = _top_level(local, peer)
+    found += _groups(local.groups, peer.groups)
+    return found
+
+
+def _top_level(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
+    found: list[Mismatch] = []
+    if local.fingerprint != peer.fingerprint:
+        found.append(
+            Mismatch(
+                "layout.fingerprint",
+                f"{local.fingerprint} ({local.model})",
+                f"{peer.fingerprint} ({peer.model})",
+                "prefill and decode must serve the same model config; "
+                "start both engines with the same model",
+            )
+        )
+    if local.kv_dtype != peer.kv_dtype:
+        found.append(
+            Mismatch(
+                "layout.kv_dtype",
+                local.kv_dtype,
+                peer.kv_dtype,
+                "KV bytes are copied as they are; set the same --kv-dtype on both engines",
+            )
+        )
+    if local.block_size != peer.block_size:
+        found.append(
+            Mismatch(
+                "layout.block_size",
+                str(local.block_size),
+                str(peer.block_size),
+                "different block sizes are not supported yet; "
+                "give both engines the same --block-size",
+            )
+        )
+    if local.tp_size != peer.tp_size:
+        found.append(
+            Mismatch(
+                "layout.tp_size",
+                str(local.tp_size),
+                str(peer.tp_size),
+                "different tensor-parallel sizes are not supported yet; "
+                "run prefill and decode with equal TP",
+            )
+        )
+    elif local.tp_rank != peer.tp_rank:
+        found.append(
+            Mismatch(
+                "layout.tp_rank",
+                str(local.tp_rank),
+                str(peer.tp_rank),
+                "decode rank r pulls from prefill rank r; register every rank on both sides",
+            )
+        )
+    return found
+
+
+def _groups(local: tuple[KVGroup, ...], peer: tuple[KVGroup, ...]) -> list[Mismatch]:
+    found: list[Mismatch] = []
+    for index in range(max(len(local), len(peer))):
+        where = f"layout.groups[{index}]"
+        if index >= len(local):
+            found.append(
+                Mismatch(
+                    where,
+                    "absent",
+                    _describe(peer[index]),
+                    "the peer has a KV group this engine lacks; "
+                    "kvxfer never drops a group, so the layouts must match",
+                )
+            )
+        elif index >= len(peer):
+            found.append(
+                Mismatch(
+                    where,
+                    _describe(local[index]),
+                    "absent",
+                    "this engine has a KV group the peer lacks; "
+                    "kvxfer never drops a group, so the layouts must match",
+                )
+            )
+        else:
+            found += _group(where, local[index], peer[index])
+    return found
+
+
+def _group(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
+    found: list[Mismatch] = []
+    if a.kind is not b.kind:
+        found.append(
+            Mismatch(
+                f"{where}.kind",
+                a.kind.value,
+                b.kind.value,
+                "kvxfer never treats sliding-window or Mamba layers as full attention; "
+                "configure both engines' hybrid KV cache the same way",
+            )
+        )
+    elif a.sliding_window != b.sliding_window:
+        found.append(
+            Mismatch(
+                f"{where}.sliding_window",
+                str(a.sliding_window),
+                str(b.sliding_window),
+                "the window decides which blocks move; both engines must use the same window",
+            )
+        )
+    if a.layers != b.layers:
+        found.append(
+            Mismatch(
+                f"{where}.layers",
+                _layers(a),
+                _layers(b),
+                "the group must hold the same layers on both sides",
+            )
+        )
+    found += _tensors(where, a, b)
+    return found
+
+
+def _tensors(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
+    """One mismatch per differing tensor when few differ; one summary when many do
+    (a different model would otherwise list every layer)."""
+    found = _tensor_differences(where, a, b)
+    if len(found) <= 2:
+        return found
+    examples = "; ".join(
+        f"{m.field.removeprefix(where + '.')}: {m.local} vs {m.peer}" for m in found[:3]
+    )
+    return [
+        Mismatch(
+            f"{where}.tensors",
+            f"{len(a.tensors)} tensors",
+            f"{len(b.tensors)} tensors",
+            f"{len(found)} tensors differ (e.g. {examples}); "
+            "check head counts, head size, layer placement and TP on both sides",
+        )
+    ]
+
+
+def _tensor_differences(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
+    peer_tensors = {t.name: t for t in b.tensors}
+    local_names = {t.name for t in a.tensors}
+    found: list[Mismatch] = []
+    for tensor in a.tensors:
+        other = peer_tensors.get(tensor.name)
+        if other is None:
+            found.append(
+                Mismatch(
+                    f"{where}.tensors['{tensor.name}']",
+                    f"{tensor.bytes_per_block} bytes/block",
+                    "absent",
+                    "both sides must hold the same per-layer tensors",
+                )
+            )
+        elif other.bytes_per_block != tensor.bytes_per_block:
+            found.append(
+                Mismatch(
+                    f"{where}.tensors['{tensor.name}'].bytes_per_block",
+                    str(tensor.bytes_per_block),
+                    str(other.bytes_per_block),
+                    "per-block sizes differ: check head counts, head size and TP on both sides",
+                )
+            )
+    for tensor in b.tensors:
+        if tensor.name not in local_names:
+            found.append(
+                Mismatch(
+                    f"{where}.tensors['{tensor.name}']",
+                    "absent",
+                    f"{tensor.bytes_per_block} bytes/block",
+                    "both sides must hold the same per-layer tensors",
+                )
+            )
+    return found
+
+
+def _describe(group: KVGroup) -> str:
+    window = f" W={group.sliding_window}" if group.sliding_window is not None else ""
+    return f"{group.kind.value}{window}, {len(group.layers)} layers"
+
+
+def _layers(group: KVGroup) -> str:
+    layers = list(group.layers)
+    shown = ",".join(str(x) for x in layers[:8])
+    return f"[{shown}{',...' if len(layers) > 8 else ''}] ({len(layers)} layers)"
+
+
+def _mapping(group: KVGroup) -> GroupMapping:
+    return GroupMapping(
+        local_group=group.group_id,
+        peer_group=group.group_id,
+        kind=group.kind.value,
+        sliding_window=group.sliding_window,
+        num_layers=len(group.layers),
+        bytes_per_block=group.bytes_per_block,
+    )
+
+
+def _region_sizes(local: EngineLayout, peer: EngineLayout) -> tuple[RegionSizes, ...]:
+    peer_regions = peer.region_map
+    return tuple(
+        RegionSizes(r.name, r.block_bytes, peer_regions[r.name].block_bytes)
+        for r in local.regions
+        if r.name in peer_regions
+    )

@@ -1,0 +1,128 @@
+"""Requests and what happens to them: transfer params, pull outcomes, lease events.
+
+These are the domain objects the engine link speaks (ARCHITECTURE.md section
+2): `TransferParams` go from the prefill engine through the router to the
+decode engine; `PullDone`, `Released` and `LeaseExpired` are the events an
+engine watches. All validate themselves, so a value decoded from the wire is
+either whole or a field-named error.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvxfer._exceptions import InvalidInputError
+from kvxfer.core.layout import BlockSpan, check_int
+
+_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")  # printable ASCII, no spaces
+_HOST = re.compile(r"^[A-Za-z0-9.-]{1,253}$")
+MAX_EPOCH = (1 << 53) - 1  # exact in a float, so it can be a Prometheus sample too
+
+
+def check_request_id(value: str, field: str = "request_id") -> str:
+    if not isinstance(value, str) or not _REQUEST_ID.match(value):
+        raise InvalidInputError(
+            field, f"must be 1-256 printable ASCII characters without spaces, got {value!r}"
+        )
+    return value
+
+
+def check_address(
+    value: str, field: str, *, allow_unix: bool = False, allow_port_zero: bool = False
+) -> str:
+    """`HOST:PORT` (IPv6 as `[::1]:PORT`), or `unix:PATH` where allowed. Port 0 (pick a
+    free one) only for addresses this process binds."""
+    if allow_unix and value.startswith("unix:"):
+        if len(value) <= len("unix:") or len(value) > 108 + len("unix:"):
+            raise InvalidInputError(field, f"unix socket path must be 1-108 bytes, got {value!r}")
+        return value
+    host, sep, port = value.rpartition(":")
+    lowest = 0 if allow_port_zero else 1
+    if not sep or not port.isdigit() or not lowest <= int(port) < 65536:
+        form = "HOST:PORT or unix:PATH" if allow_unix else "HOST:PORT"
+        raise InvalidInputError(
+            field, f"must be {form} with a port in {lowest}-65535, got {value!r}"
+        )
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError as exc:
+            raise InvalidInputError(field, f"bad IPv6 address in {value!r}") from exc
+    elif not _HOST.match(host):
+        raise InvalidInputError(field, f"bad host in {value!r}")
+    return value
+
+
+class PullStatus(enum.StrEnum):
+    OK = "ok"  # every planned block arrived
+    PARTIAL = "partial"  # some blocks failed; resume from valid_tokens
+    FAILED = "failed"  # nothing usable arrived beyond what was held
+    ABORTED = "aborted"  # an engine aborted the request first
+
+
+class ReleaseReason(enum.StrEnum):
+    CONSUMED = "consumed"
+    ABORTED = "aborted"
+    UNREGISTERED = "unregistered"
+
+
+@dataclass(frozen=True)
+class TransferParams:
+    """Everything the decode side needs to pull one published request."""
+
+    peer_address: str
+    engine_id: str
+    epoch: int
+    tp_rank: int
+    request_id: str
+    num_tokens: int
+    spans: tuple[BlockSpan, ...]
+
+    def __post_init__(self) -> None:
+        check_address(self.peer_address, "params.peer_address")
+        check_request_id(self.engine_id, "params.engine_id")
+        check_int("params.epoch", self.epoch, 1, MAX_EPOCH)
+        check_int("params.tp_rank", self.tp_rank, 0, 1 << 12)
+        check_request_id(self.request_id, "params.request_id")
+        check_int("params.num_tokens", self.num_tokens, 1, 1 << 40)
+
+
+@dataclass(frozen=True)
+class PullAccepted:
+    """A pull the decode sidecar planned and started; its outcome comes as PullDone."""
+
+    bytes_planned: int
+    full_attention_bytes: int
+    chunks: int
+    descriptors: int
+
+
+@dataclass(frozen=True)
+class PullDone:
+    request_id: str
+    status: PullStatus
+    failed_blocks: Mapping[int, tuple[int, ...]]  # group id -> logical block indices
+    valid_tokens: int
+    bytes_moved: int
+    duration_s: float
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Released:
+    request_id: str
+    reason: ReleaseReason
+    bytes_read: int = 0
+
+
+@dataclass(frozen=True)
+class LeaseExpired:
+    request_id: str
+    held_s: float
+
+
+EngineEvent = PullDone | Released | LeaseExpired

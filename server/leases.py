@@ -1,0 +1,137 @@
+"""Leases on published requests: the serving side's promise to keep blocks intact.
+
+A published request is held until the reader says it is done (`end_read`),
+an engine aborts it, or its lease expires. A reader renews the lease by
+heartbeat while its pull runs. A block is never released while a read of it
+is in flight: aborting a request that is being read only marks it, and the
+release happens when the reader ends its read (it learns of the abort from
+its next heartbeat) or stops heartbeating for a whole TTL (it is presumed
+gone, and its stall deadline, which is shorter than the TTL, has ended every
+read it posted).
+
+The table is plain synchronous code over an injected clock, so it is tested
+without sleeping; the sidecar sweeps it on a timer.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvxfer._exceptions import InvalidInputError, LeaseError, LimitExceededError, NotFoundError
+from kvxfer.core.layout import BlockSpan
+
+
+class LeaseState(enum.StrEnum):
+    HELD = "held"  # published, nobody reading
+    READING = "reading"  # a reader began and has not ended
+    ABORTED = "aborted"  # aborted while being read: released when the read ends
+
+
+@dataclass
+class Lease:
+    engine_id: str
+    request_id: str
+    num_tokens: int
+    spans: tuple[BlockSpan, ...]
+    created: float
+    expires: float
+    state: LeaseState = LeaseState.HELD
+
+    @property
+    def blocks(self) -> int:
+        return sum(len(s.block_ids) for s in self.spans)
+
+
+class LeaseTable:
+    def __init__(self, ttl_s: float, max_leases: int, clock: Callable[[], float]) -> None:
+        self.ttl_s = ttl_s
+        self._max = max_leases
+        self._clock = clock
+        self._leases: dict[tuple[str, str], Lease] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def all(self) -> list[Lease]:
+        return list(self._leases.values())
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(lease.blocks for lease in self._leases.values())
+
+    def add(
+        self, engine_id: str, request_id: str, num_tokens: int, spans: tuple[BlockSpan, ...]
+    ) -> Lease:
+        key = (engine_id, request_id)
+        if key in self._leases:
+            raise InvalidInputError(
+                "request_id", f"request {request_id!r} is already published and held"
+            )
+        if len(self._leases) >= self._max:
+            raise LimitExceededError(
+                f"limits.max_leases: {self._max} requests already held; "
+                "consume, abort or let them expire first"
+            )
+        now = self._clock()
+        lease = Lease(engine_id, request_id, num_tokens, spans, now, now + self.ttl_s)
+        self._leases[key] = lease
+        return lease
+
+    def get(self, engine_id: str, request_id: str) -> Lease:
+        lease = self._leases.get((engine_id, request_id))
+        if lease is None:
+            raise NotFoundError(
+                f"request {request_id!r} is not held here (never published, "
+                "already consumed, aborted or expired)"
+            )
+        return lease
+
+    def begin_read(self, engine_id: str, request_id: str) -> Lease:
+        lease = self.get(engine_id, request_id)
+        if lease.state is LeaseState.ABORTED:
+            raise LeaseError(f"request {request_id!r} was aborted by its publisher")
+        if lease.state is LeaseState.READING:
+            raise LeaseError(f"request {request_id!r} is already being read")
+        lease.state = LeaseState.READING
+        lease.expires = self._clock() + self.ttl_s
+        return lease
+
+    def renew(self, engine_id: str, request_ids: Iterable[str]) -> list[LeaseState | None]:
+        """Extend each lease by a TTL; None for requests no longer held."""
+        now = self._clock()
+        states: list[LeaseState | None] = []
+        for request_id in request_ids:
+            lease = self._leases.get((engine_id, request_id))
+            if lease is not None:
+                lease.expires = now + self.ttl_s
+            states.append(None if lease is None else lease.state)
+        return states
+
+    def end_read(self, engine_id: str, request_id: str) -> Lease:
+        lease = self.get(engine_id, request_id)
+        if lease.state is LeaseState.HELD:
+            raise LeaseError(f"request {request_id!r} has no read in progress to end")
+        return self._leases.pop((engine_id, request_id))
+
+    def abort(self, engine_id: str, request_id: str) -> tuple[LeaseState, Lease | None]:
+        """Abort a held request: (its state before, the lease if released right away)."""
+        lease = self.get(engine_id, request_id)
+        before = lease.state
+        if lease.state is LeaseState.HELD:
+            return before, self._leases.pop((engine_id, request_id))
+        lease.state = LeaseState.ABORTED
+        return before, None
+
+    def expire(self) -> list[Lease]:
+        now = self._clock()
+        gone = [key for key, lease in self._leases.items() if lease.expires <= now]
+        return [self._leases.pop(key) for key in gone]
+
+    def drop_engine(self, engine_id: str) -> list[Lease]:
+        gone = [key for key in self._leases if key[0] == engine_id]
+        return [self._leases.pop(key) for key in gone]
+
+    def expires_in(self, lease: Lease) -> float:
+        return max(0.0, lease.expires - self._clock())

@@ -1,0 +1,213 @@
+"""`kvxfer-server`: the sidecar process.
+
+Starts two gRPC servers (PeerService for peer sidecars, EngineService for
+engines; AdminService, health checking and reflection on both), the
+Prometheus endpoint and the NIXL agent, then prints one JSON line with the
+bound addresses and epoch to stdout (port 0 binds a free port) and serves
+until SIGTERM or SIGINT. Shutdown is graceful: no new work, in-flight pulls
+get the grace period, leases are released and reported, buffers deregistered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from kvxfer._exceptions import InvalidInputError, KvxferError
+from kvxfer.dataplane.adapter import AgentOptions, NixlAgent
+from kvxfer.server.metrics import Metrics
+from kvxfer.server.peers import channel_options
+from kvxfer.server.servicers import AdminServicer, EngineServicer, PeerServicer
+from kvxfer.server.settings import Settings, load_settings
+from kvxfer.server.sidecar import Sidecar
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvxfer.server")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = load_settings(sys.argv[1:] if argv is None else argv)
+    except InvalidInputError as exc:
+        print(f"kvxfer-server: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return asyncio.run(serve(settings))
+    except KvxferError as exc:
+        print(f"kvxfer-server: {exc}", file=sys.stderr)
+        return 1
+
+
+async def serve(settings: Settings) -> int:
+    nixl = settings.nixl
+    backend = NixlAgent(
+        "kvxfer-sidecar",
+        AgentOptions(
+            backends=nixl.backends,
+            num_threads=nixl.num_threads,
+            enable_prog_thread=nixl.enable_prog_thread,
+            backend_params=tuple(nixl.backend_params.items()),
+        ),
+    )
+    metrics = Metrics()
+    sidecar = Sidecar(settings, backend, metrics)
+    peer_server = _server(
+        settings, [("peer", PeerServicer(sidecar, settings.tls)), ("admin", AdminServicer(sidecar))]
+    )
+    engine_server = _server(
+        settings, [("engine", EngineServicer(sidecar)), ("admin", AdminServicer(sidecar))]
+    )
+    try:
+        peer_port = _bind_peer(peer_server, settings)
+        engine_address = _bind_engine(engine_server, settings.engine_address)
+        metrics_http, metrics_port = _start_metrics(settings.metrics_address, metrics)
+    except KvxferError:
+        await backend.close()
+        raise
+    if settings.advertise_address is None:
+        sidecar.address = _with_port(settings.peer_address, peer_port)
+    await peer_server.start()
+    with _private_umask(settings.engine_address):
+        await engine_server.start()
+    sidecar.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ready = {
+        "peer_address": sidecar.address,
+        "engine_address": engine_address,
+        "metrics_address": _with_port(settings.metrics_address, metrics_port),
+        "epoch": sidecar.epoch,
+        "sidecar_id": sidecar.sidecar_id,
+        "pid": os.getpid(),
+    }
+    print(json.dumps(ready), flush=True)
+    log.info("serving: %s", ready)
+    await stop.wait()
+    log.info("shutting down (grace %.1fs)", settings.shutdown_grace_s)
+    await sidecar.shutdown(settings.shutdown_grace_s)
+    await engine_server.stop(1.0)
+    await peer_server.stop(1.0)
+    metrics_http.shutdown()
+    await backend.close()
+    log.info("stopped")
+    return 0
+
+
+def _server(settings: Settings, servicers: list[tuple[str, Any]]) -> grpc.aio.Server:
+    server = grpc.aio.server(options=channel_options(settings))
+    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    health = HealthServicer()
+    for kind, servicer in servicers:
+        if kind == "peer":
+            pb_grpc.add_PeerServiceServicer_to_server(servicer, server)
+            names.append(pb.DESCRIPTOR.services_by_name["PeerService"].full_name)
+        elif kind == "engine":
+            pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
+            names.append(pb.DESCRIPTOR.services_by_name["EngineService"].full_name)
+        else:
+            pb_grpc.add_AdminServiceServicer_to_server(servicer, server)
+            names.append(pb.DESCRIPTOR.services_by_name["AdminService"].full_name)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(names, server)
+    return server
+
+
+def _bind_peer(server: grpc.aio.Server, settings: Settings) -> int:
+    tls = settings.tls
+    try:
+        if tls.enabled:
+            assert tls.cert_file and tls.key_file and tls.ca_file
+            credentials = grpc.ssl_server_credentials(
+                [(tls.key_file.read_bytes(), tls.cert_file.read_bytes())],
+                root_certificates=tls.ca_file.read_bytes(),
+                require_client_auth=True,
+            )
+            port = server.add_secure_port(settings.peer_address, credentials)
+        else:
+            host = settings.peer_address.rpartition(":")[0]
+            if host not in ("127.0.0.1", "localhost", "[::1]"):
+                log.warning(
+                    "PeerService on %s without TLS: any host that reaches it can read "
+                    "registered KV memory; configure tls.* outside a trusted network",
+                    settings.peer_address,
+                )
+            port = server.add_insecure_port(settings.peer_address)
+    except RuntimeError as exc:
+        raise InvalidInputError(
+            "peer_address", f"cannot bind {settings.peer_address}: {exc}"
+        ) from exc
+    if port == 0:
+        raise InvalidInputError("peer_address", f"cannot bind {settings.peer_address}")
+    return port
+
+
+def _bind_engine(server: grpc.aio.Server, address: str) -> str:
+    if address.startswith("unix:"):
+        path = address.removeprefix("unix:")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a socket left by a killed sidecar
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise InvalidInputError("engine_address", f"cannot bind {address}: {exc}") from exc
+    if address.startswith("unix:"):
+        return address
+    if port == 0:
+        raise InvalidInputError("engine_address", f"cannot bind {address}")
+    return _with_port(address, port)
+
+
+@contextlib.contextmanager
+def _private_umask(address: str) -> Any:
+    """The engine socket is created 0600: only the engine's user may connect."""
+    if not address.startswith("unix:"):
+        yield
+        return
+    old = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(old)
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(address.removeprefix("unix:"), 0o600)
+
+
+def _start_metrics(address: str, metrics: Metrics) -> tuple[Any, int]:
+    host, _, port = address.rpartition(":")
+    try:
+        http, _thread = start_http_server(int(port), host.strip("[]"), registry=metrics.registry)
+    except OSError as exc:
+        raise InvalidInputError(
+            "metrics_address", f"cannot bind {address}: {exc.strerror}"
+        ) from exc
+    return http, int(http.server_port)
+
+
+def _with_port(address: str, port: int) -> str:
+    return f"{address.rpartition(':')[0]}:{port}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The sidecar's Prometheus metrics (ARCHITECTURE.md section 8).
+
+One registry per sidecar (no process-global state). Names carry their units;
+labels are bounded: `peer` (a peer sidecar's address), `group_kind`,
+`direction` (`read`: this sidecar pulled), `result`. Never request ids.
+
+Throughput is bytes over wall time: `kvxfer_transfer_active_seconds_total`
+grows only while at least one pull is in flight, whatever the overlap, so
+`rate(kvxfer_bytes_moved_total[1m]) / rate(kvxfer_transfer_active_seconds_total[1m])`
+is the real throughput, where summed per-pull durations would understate it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class ActiveClock:
+    """Wall time during which at least one transfer was in flight."""
+
+    def __init__(self, counter: Counter, clock: Callable[[], float] = time.monotonic) -> None:
+        self._counter = counter
+        self._clock = clock
+        self._active = 0
+        self._since = 0.0
+
+    def start(self) -> None:
+        if self._active == 0:
+            self._since = self._clock()
+        self._active += 1
+
+    def stop(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self._counter.inc(self._clock() - self._since)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.bytes_moved = Counter(
+            "kvxfer_bytes_moved", "KV bytes moved", ["peer", "group_kind", "direction"], registry=r
+        )
+        self.bytes_served = Counter(
+            "kvxfer_bytes_served", "KV bytes peers reported reading from this sidecar", registry=r
+        )
+        self.full_attention_bytes = Counter(
+            "kvxfer_full_attention_bytes",
+            "Bytes a transfer treating every attention group as full attention would move",
+            ["peer", "direction"],
+            registry=r,
+        )
+        self.requests = Counter("kvxfer_requests", "Pulls finished", ["peer", "result"], registry=r)
+        self.transfer_duration = Histogram(
+            "kvxfer_transfer_duration_seconds",
+            "Pull duration, from accepted to PullDone",
+            ["peer", "result"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.post_duration = Histogram(
+            "kvxfer_post_duration_seconds",
+            "Time to build a pull's descriptors before its first NIXL post",
+            ["peer"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.active_seconds = Counter(
+            "kvxfer_transfer_active_seconds",
+            "Wall time with at least one pull in flight (the throughput denominator)",
+            registry=r,
+        )
+        self.descriptors = Counter(
+            "kvxfer_descriptors", "NIXL descriptors posted", ["peer"], registry=r
+        )
+        self.chunks = Counter(
+            "kvxfer_chunks", "NIXL handles (chunks)", ["peer", "result"], registry=r
+        )
+        self.failed_blocks = Counter(
+            "kvxfer_failed_blocks",
+            "Blocks reported failed to the engine",
+            ["peer", "group_kind"],
+            registry=r,
+        )
+        self.truncations = Counter(
+            "kvxfer_valid_token_truncations",
+            "Pulls whose valid_tokens fell short of num_tokens",
+            ["peer"],
+            registry=r,
+        )
+        self.handshakes = Counter(
+            "kvxfer_handshakes", "Handshakes with peers", ["peer", "result"], registry=r
+        )
+        self.handshake_duration = Histogram(
+            "kvxfer_handshake_duration_seconds",
+            "Handshake round trip, negotiation included",
+            ["peer"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.active_leases = Gauge("kvxfer_active_leases", "Requests held for readers", registry=r)
+        self.held_blocks = Gauge("kvxfer_held_blocks", "Blocks held under leases", registry=r)
+        self.expired_leases = Counter(
+            "kvxfer_expired_leases", "Leases that expired unconsumed", registry=r
+        )
+        self.released_leases = Counter(
+            "kvxfer_released_leases", "Leases released", ["reason"], registry=r
+        )
+        self.inflight_pulls = Gauge(
+            "kvxfer_inflight_pulls", "Pulls in flight", ["peer"], registry=r
+        )
+        self.peers = Gauge("kvxfer_peers", "Peers with a live agreement", registry=r)
+        self.peer_epoch = Gauge(
+            "kvxfer_peer_epoch", "Current epoch of each peer", ["peer"], registry=r
+        )
+        self.peer_restarts = Counter(
+            "kvxfer_peer_epoch_changes", "Peer restarts seen (new epoch)", ["peer"], registry=r
+        )
+        self.engines = Gauge("kvxfer_registered_engines", "Engines registered", registry=r)
+        self.registered_bytes = Gauge(
+            "kvxfer_registered_bytes", "Engine buffer bytes registered with NIXL", registry=r
+        )
+        self.events_dropped = Counter(
+            "kvxfer_events_dropped",
+            "Engine events dropped: queue full and nobody watching",
+            registry=r,
+        )
+        self.active = ActiveClock(self.active_seconds)

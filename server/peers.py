@@ -1,0 +1,262 @@
+"""Links to peer sidecars: gRPC channels, handshakes, agreements, NIXL peers.
+
+One `PeerLink` per (peer address, TP rank) holds what the last handshake
+returned: the peer's epoch, engine, layout, registered buffers and the NIXL
+agent loaded from its metadata. Agreements are negotiated per local engine
+and cached on the link. A link is handshaken again when the params of a
+pull name another epoch or engine than the cached one (the peer restarted
+or its engine re-registered), when the peer's registrations changed (its
+metadata is reloaded in place), or after a transfer saw the peer disconnect.
+A new epoch drops the stale NIXL agent before loading the new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import grpc
+import grpc.aio
+
+from kvxfer._exceptions import (
+    InvalidInputError,
+    KvxferError,
+    NegotiationError,
+    PeerUnavailableError,
+)
+from kvxfer.core.layout import EngineLayout
+from kvxfer.core.negotiation import PROTOCOL_VERSION, Agreement, negotiate
+from kvxfer.dataplane.adapter import TransferBackend
+from kvxfer.server.metrics import Metrics
+from kvxfer.server.settings import Settings
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.errors import rpc_error
+from kvxfer.wire.layout import layout_to_proto
+from kvxfer.wire.sidecar import PeerHello, hello_from_proto
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def channel_options(settings: Settings) -> list[tuple[str, int]]:
+    limit = settings.limits.max_message_bytes
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+    ]
+
+
+class Dialer:
+    """gRPC channels to peer sidecars (mTLS when configured), and error translation."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._credentials: grpc.ChannelCredentials | None = None
+        tls = settings.tls
+        if tls.enabled:
+            assert tls.cert_file and tls.key_file and tls.ca_file
+            self._credentials = grpc.ssl_channel_credentials(
+                root_certificates=tls.ca_file.read_bytes(),
+                private_key=tls.key_file.read_bytes(),
+                certificate_chain=tls.cert_file.read_bytes(),
+            )
+
+    def stub(self, address: str) -> pb_grpc.PeerServiceAsyncStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            options = channel_options(self._settings)
+            if self._credentials is not None:
+                channel = grpc.aio.secure_channel(address, self._credentials, options=options)
+            else:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            self._channels[address] = channel
+        return pb_grpc.PeerServiceStub(channel)
+
+    async def call(self, address: str, what: str, rpc: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await rpc()
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(exc, f"{what} at peer {address}") from exc
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()
+
+
+@dataclass
+class PeerLink:
+    address: str
+    tp_rank: int
+    hello: PeerHello
+    nixl_peer: str
+    handshakes: int = 1
+    last_handshake_unix: float = field(default_factory=time.time)
+    agreements: dict[str, Agreement] = field(default_factory=dict)
+    stale: bool = False
+
+    @property
+    def epoch(self) -> int:
+        return self.hello.epoch
+
+    @property
+    def layout(self) -> EngineLayout:
+        return self.hello.layout
+
+
+class PeerLinks:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        backend: TransferBackend,
+        metrics: Metrics,
+        dialer: Dialer,
+        sidecar_id: str,
+        epoch: int,
+    ) -> None:
+        self._settings = settings
+        self._backend = backend
+        self._metrics = metrics
+        self._dialer = dialer
+        self._sidecar_id = sidecar_id
+        self._epoch = epoch
+        self._links: dict[tuple[str, int], PeerLink] = {}
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._nixl_peers: dict[str, tuple[int, str]] = {}  # address -> (epoch, agent name)
+
+    def all(self) -> list[PeerLink]:
+        return list(self._links.values())
+
+    async def link(
+        self, address: str, engine_id: str, layout: EngineLayout, epoch: int, peer_engine: str
+    ) -> tuple[PeerLink, Agreement]:
+        """The link to `address` for `layout`'s rank, handshaking first when the cached one
+        is missing, stale, or of another epoch or engine than the pull expects."""
+        key = (address, layout.tp_rank)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            link = self._links.get(key)
+            if (
+                link is None
+                or link.stale
+                or link.epoch != epoch
+                or link.hello.engine_id != peer_engine
+            ):
+                link = await self._handshake(address, layout)
+            agreement = link.agreements.get(engine_id)
+            if agreement is None:
+                agreement = negotiate(
+                    layout, link.layout, PROTOCOL_VERSION, link.hello.protocol_version
+                )
+                link.agreements[engine_id] = agreement
+            return link, agreement
+
+    async def reload(self, link: PeerLink, layout: EngineLayout) -> None:
+        """The peer's registrations changed: load its new metadata in place."""
+        async with self._locks.setdefault((link.address, link.tp_rank), asyncio.Lock()):
+            fresh = await self._handshake(link.address, layout)
+            link.hello, link.nixl_peer = fresh.hello, fresh.nixl_peer
+
+    def invalidate(self, link: PeerLink) -> None:
+        link.stale = True
+
+    async def dry_run(self, address: str, layout: EngineLayout) -> PeerHello:
+        """A handshake that loads no NIXL agent (kvxfer-cli handshake)."""
+        return await self.hello(address, layout, dry_run=True)
+
+    async def hello(self, address: str, layout: EngineLayout, *, dry_run: bool) -> PeerHello:
+        stub = self._dialer.stub(address)
+        request = pb.HandshakeRequest(
+            protocol_version=PROTOCOL_VERSION,
+            epoch=self._epoch,
+            sidecar_id=self._sidecar_id,
+            layout=layout_to_proto(layout),
+            dry_run=dry_run,
+        )
+        timeout = self._settings.transfer.rpc_timeout_s
+        reply = await self._dialer.call(
+            address, "handshake", lambda: stub.Handshake(request, timeout=timeout)
+        )
+        try:
+            return hello_from_proto(reply, dry_run=dry_run)
+        except InvalidInputError as exc:
+            raise PeerUnavailableError(f"peer {address} sent a bad handshake: {exc}") from exc
+
+    async def _handshake(self, address: str, layout: EngineLayout) -> PeerLink:
+        start = time.perf_counter()
+        try:
+            hello = await self.hello(address, layout, dry_run=False)
+            nixl_peer = await self._load_agent(address, hello)
+        except NegotiationError:
+            self._metrics.handshakes.labels(address, "mismatch").inc()
+            raise
+        except KvxferError:
+            self._metrics.handshakes.labels(address, "error").inc()
+            raise
+        self._metrics.handshakes.labels(address, "ok").inc()
+        self._metrics.handshake_duration.labels(address).observe(time.perf_counter() - start)
+        key = (address, layout.tp_rank)
+        old = self._links.get(key)
+        link = PeerLink(address, layout.tp_rank, hello, nixl_peer)
+        if old is not None:
+            link.handshakes = old.handshakes + 1
+            if old.epoch == hello.epoch and old.hello.engine_id == hello.engine_id:
+                link.agreements = old.agreements
+        self._links[key] = link
+        self._metrics.peers.set(len({a for a, _ in self._links}))
+        self._metrics.peer_epoch.labels(address).set(hello.epoch)
+        return link
+
+    async def _load_agent(self, address: str, hello: PeerHello) -> str:
+        known = self._nixl_peers.get(address)
+        if known is not None and known[0] != hello.epoch:
+            log.info(
+                "peer %s restarted (epoch %d -> %d): dropping its old agent",
+                address,
+                known[0],
+                hello.epoch,
+            )
+            self._metrics.peer_restarts.labels(address).inc()
+            await self._backend.remove_peer(known[1])
+            for (link_address, _), link in self._links.items():
+                if link_address == address:
+                    link.stale = True
+        name = await self._backend.add_peer(hello.agent_metadata)  # reloads in place if known
+        self._nixl_peers[address] = (hello.epoch, name)
+        return name
+
+    async def begin_read(
+        self, link: PeerLink, request_id: str, reader_id: str
+    ) -> pb.BeginReadResponse:
+        stub = self._dialer.stub(link.address)
+        request = pb.BeginReadRequest(
+            epoch=link.epoch, tp_rank=link.tp_rank, request_id=request_id, reader_id=reader_id
+        )
+        timeout = self._settings.transfer.rpc_timeout_s
+        return await self._dialer.call(
+            link.address, "begin read", lambda: stub.BeginRead(request, timeout=timeout)
+        )
+
+    async def heartbeat(self, link: PeerLink, request_id: str) -> int:
+        stub = self._dialer.stub(link.address)
+        request = pb.HeartbeatRequest(
+            epoch=link.epoch, tp_rank=link.tp_rank, request_ids=[request_id]
+        )
+        timeout = self._settings.transfer.rpc_timeout_s
+        reply = await self._dialer.call(
+            link.address, "heartbeat", lambda: stub.Heartbeat(request, timeout=timeout)
+        )
+        return reply.states[0] if reply.states else pb.LEASE_STATE_UNKNOWN
+
+    async def end_read(self, link: PeerLink, request: pb.EndReadRequest) -> None:
+        stub = self._dialer.stub(link.address)
+        timeout = self._settings.transfer.rpc_timeout_s
+        await self._dialer.call(
+            link.address, "end read", lambda: stub.EndRead(request, timeout=timeout)
+        )

@@ -1,0 +1,230 @@
+"""One pull, from accepted to PullDone (the decode side of ARCHITECTURE.md section 2).
+
+`run_pull` is the background half of `Pull`: begin the read at the serving
+sidecar (which checks the lease and is authoritative for the published
+spans), keep the lease alive by heartbeat, execute the plan through the data
+plane, end the read (consumed or aborted) and report the outcome. Anything
+the peer refuses or loses becomes failed blocks and a `valid_tokens` from
+the recompute rule, never an exception that escapes the task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvxfer._exceptions import InvalidInputError, KvxferError
+from kvxfer.core.planner import TransferPlan
+from kvxfer.core.recompute import valid_tokens
+from kvxfer.core.requests import PullDone, PullStatus, TransferParams
+from kvxfer.dataplane.adapter import TransferBackend, TransferStatus
+from kvxfer.dataplane.executor import ExecOptions, TransferResult, execute_plan
+from kvxfer.server.engines import Engine
+from kvxfer.server.metrics import Metrics
+from kvxfer.server.peers import PeerLink, PeerLinks
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.wire.layout import spans_from_proto
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Pull:
+    engine: Engine
+    params: TransferParams
+    link: PeerLink
+    plan: TransferPlan
+    started: float = field(default_factory=time.monotonic)
+    cancel: asyncio.Event = field(default_factory=asyncio.Event)
+    aborted: bool = False
+    lease_lost: bool = False
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.params.request_id
+
+
+@dataclass(frozen=True)
+class PullContext:
+    backend: TransferBackend
+    links: PeerLinks
+    metrics: Metrics
+    options: ExecOptions
+    reader_id: str
+
+
+async def run_pull(pull: Pull, ctx: PullContext) -> PullDone:
+    peer = pull.params.peer_address
+    ctx.metrics.active.start()
+    ctx.metrics.inflight_pulls.labels(peer).inc()
+    try:
+        done = await _transfer(pull, ctx)
+    except asyncio.CancelledError:
+        done = _all_failed(pull, PullStatus.ABORTED, "the sidecar shut down during the pull")
+    except Exception as exc:  # a bug must still end in a PullDone, never a silent hang
+        log.exception("pull %s failed unexpectedly", pull.request_id)
+        done = _all_failed(pull, PullStatus.FAILED, f"internal error: {exc}")
+    finally:
+        ctx.metrics.inflight_pulls.labels(peer).dec()
+        ctx.metrics.active.stop()
+    _observe(pull, done, ctx.metrics)
+    return done
+
+
+async def _transfer(pull: Pull, ctx: PullContext) -> PullDone:
+    link, params = pull.link, pull.params
+    if link.epoch != params.epoch:
+        return _all_failed(
+            pull,
+            PullStatus.FAILED,
+            f"the publisher restarted: params are from epoch {params.epoch}, "
+            f"peer {params.peer_address} is now epoch {link.epoch}",
+        )
+    try:
+        begun = await ctx.links.begin_read(link, params.request_id, ctx.reader_id)
+        _check_published(params, begun)
+        if begun.registration_version != link.hello.registration_version:
+            await ctx.links.reload(link, pull.engine.layout)
+    except KvxferError as exc:
+        return _all_failed(pull, PullStatus.FAILED, str(exc))
+    heartbeat = asyncio.create_task(_heartbeat(pull, ctx, begun.lease_ttl_ms / 1000))
+    try:
+        result = await execute_plan(
+            pull.plan,
+            backend=ctx.backend,
+            peer=link.nixl_peer,
+            local=pull.engine.bound,
+            remote=link.hello.buffers,
+            block_size=pull.engine.layout.block_size,
+            options=ctx.options,
+            cancel=pull.cancel,
+        )
+    finally:
+        heartbeat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await heartbeat
+    if TransferStatus.DISCONNECTED in result.chunk_statuses:
+        ctx.links.invalidate(link)
+    done = _from_result(pull, result)
+    await _end_read(pull, ctx, done)
+    ctx.metrics.post_duration.labels(params.peer_address).observe(result.bind_s)
+    ctx.metrics.descriptors.labels(params.peer_address).inc(result.descriptors)
+    for status in result.chunk_statuses:
+        ctx.metrics.chunks.labels(params.peer_address, status.value).inc()
+    return done
+
+
+def _check_published(params: TransferParams, begun: pb.BeginReadResponse) -> None:
+    """The router's params must match what the publisher holds, id for id."""
+    spans = spans_from_proto(begun.spans, "published.spans")
+    if begun.num_tokens != params.num_tokens or spans != params.spans:
+        raise InvalidInputError(
+            "params",
+            f"num_tokens or spans differ from what {params.peer_address} published for "
+            f"{params.request_id!r} (published num_tokens={begun.num_tokens})",
+        )
+
+
+async def _heartbeat(pull: Pull, ctx: PullContext, ttl_s: float) -> None:
+    interval = max(ttl_s / 3, 0.05)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            state = await ctx.links.heartbeat(pull.link, pull.request_id)
+        except KvxferError as exc:
+            log.warning("heartbeat for %s failed: %s", pull.request_id, exc)
+            continue
+        if state == pb.LEASE_STATE_ABORTED:
+            pull.aborted = True
+            pull.cancel.set()
+        elif state != pb.LEASE_STATE_HELD:
+            # The publisher no longer holds the blocks: nothing read can be trusted.
+            pull.lease_lost = True
+            pull.cancel.set()
+            return
+
+
+async def _end_read(pull: Pull, ctx: PullContext, done: PullDone) -> None:
+    if pull.lease_lost:
+        return
+    reason = pb.RELEASE_REASON_ABORTED if pull.aborted else pb.RELEASE_REASON_CONSUMED
+    request = pb.EndReadRequest(
+        epoch=pull.link.epoch,
+        tp_rank=pull.link.tp_rank,
+        request_id=pull.request_id,
+        reason=reason,
+        bytes_read=done.bytes_moved,
+    )
+    try:
+        await ctx.links.end_read(pull.link, request)
+    except KvxferError as exc:  # the lease expires on its own; the engine still gets PullDone
+        log.warning("ending read of %s at %s: %s", pull.request_id, pull.link.address, exc)
+
+
+def _from_result(pull: Pull, result: TransferResult) -> PullDone:
+    if pull.lease_lost:
+        return _all_failed(pull, PullStatus.FAILED, "the publisher's lease ended during the read")
+    status = PullStatus(result.status.value)
+    reason = ""
+    if pull.aborted:
+        status, reason = PullStatus.ABORTED, "aborted during the pull"
+    elif result.failed_blocks:
+        reasons = sorted({s.value for s in result.chunk_statuses if s is not TransferStatus.DONE})
+        reason = "chunks " + ", ".join(reasons)
+    return PullDone(
+        request_id=pull.request_id,
+        status=status,
+        failed_blocks=result.failed_blocks,
+        valid_tokens=result.valid_tokens,
+        bytes_moved=result.bytes_moved,
+        duration_s=time.monotonic() - pull.started,
+        reason=reason,
+    )
+
+
+def _all_failed(pull: Pull, status: PullStatus, reason: str) -> PullDone:
+    plan = pull.plan
+    failed: Mapping[int, tuple[int, ...]] = {
+        g.group.group_id: tuple(g.blocks) for g in plan.groups if g.blocks
+    }
+    resume = valid_tokens(
+        [g.group for g in plan.groups],
+        plan.num_tokens,
+        plan.computed_tokens,
+        pull.engine.layout.block_size,
+        failed,
+    )
+    return PullDone(
+        request_id=pull.request_id,
+        status=status if failed or status is PullStatus.ABORTED else PullStatus.FAILED,
+        failed_blocks=failed,
+        valid_tokens=resume,
+        bytes_moved=0,
+        duration_s=time.monotonic() - pull.started,
+        reason=reason,
+    )
+
+
+def _observe(pull: Pull, done: PullDone, metrics: Metrics) -> None:
+    peer = pull.params.peer_address
+    moved_by_kind: dict[str, int] = {}
+    failed = {g: set(b) for g, b in done.failed_blocks.items()}
+    for group_plan in pull.plan.groups:
+        group = group_plan.group
+        ok = len([b for b in group_plan.blocks if b not in failed.get(group.group_id, ())])
+        moved_by_kind[group.kind.value] = (
+            moved_by_kind.get(group.kind.value, 0) + ok * group.bytes_per_block
+        )
+        if group.group_id in failed:
+            metrics.failed_blocks.labels(peer, group.kind.value).inc(len(failed[group.group_id]))
+    for kind, nbytes in moved_by_kind.items():
+        metrics.bytes_moved.labels(peer, kind, "read").inc(nbytes)
+    metrics.requests.labels(peer, done.status.value).inc()
+    metrics.transfer_duration.labels(peer, done.status.value).observe(done.duration_s)
+    if done.valid_tokens < pull.plan.num_tokens:
+        metrics.truncations.labels(peer).inc()

@@ -1,0 +1,306 @@
+"""Thin gRPC servicers: decode the request, call the Sidecar, encode the answer.
+
+`STATUS_FOR` is the one table from kvxfer errors to gRPC status codes; the
+message always names the field or entity. Anything unexpected is logged and
+answered INTERNAL, and the sidecar keeps serving. A negotiation failure also
+carries its mismatches as JSON in the `kvxfer-mismatches` trailer, so clients
+can show them field by field.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from kvxfer._exceptions import (
+    DataPlaneError,
+    InvalidInputError,
+    KvxferError,
+    LeaseError,
+    LimitExceededError,
+    NegotiationError,
+    NotFoundError,
+    PeerDisconnectedError,
+    PeerUnavailableError,
+    RegistrationError,
+    ShuttingDownError,
+)
+from kvxfer.server.leases import LeaseState
+from kvxfer.server.settings import TlsSettings
+from kvxfer.server.sidecar import Sidecar
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.errors import MISMATCH_TRAILER
+from kvxfer.wire.layout import layout_from_proto, span_to_proto, spans_from_proto
+from kvxfer.wire.sidecar import (
+    event_to_proto,
+    handles_from_proto,
+    hello_to_proto,
+    params_from_proto,
+    params_to_proto,
+    release_reason_from_proto,
+)
+
+log = logging.getLogger(__name__)
+
+Context = grpc.aio.ServicerContext[Any, Any]
+S = TypeVar("S")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+# Most specific first: the first matching class wins.
+STATUS_FOR: tuple[tuple[type[KvxferError], grpc.StatusCode], ...] = (
+    (RegistrationError, grpc.StatusCode.FAILED_PRECONDITION),
+    (InvalidInputError, grpc.StatusCode.INVALID_ARGUMENT),
+    (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NegotiationError, grpc.StatusCode.FAILED_PRECONDITION),
+    (LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
+    (PeerUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (PeerDisconnectedError, grpc.StatusCode.UNAVAILABLE),
+    (DataPlaneError, grpc.StatusCode.INTERNAL),
+)
+
+_LEASE_STATE_TO_PB = {
+    LeaseState.HELD: pb.LEASE_STATE_HELD,
+    LeaseState.READING: pb.LEASE_STATE_HELD,
+    LeaseState.ABORTED: pb.LEASE_STATE_ABORTED,
+    None: pb.LEASE_STATE_UNKNOWN,
+}
+
+
+def status_for(exc: KvxferError) -> grpc.StatusCode:
+    for cls, code in STATUS_FOR:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: Context, exc: BaseException) -> None:
+    if isinstance(exc, KvxferError):
+        if isinstance(exc, NegotiationError):
+            trailer = json.dumps([asdict(m) for m in exc.mismatches])
+            context.set_trailing_metadata(((MISMATCH_TRAILER, trailer),))
+        await context.abort(status_for(exc), str(exc))
+    log.error("unexpected error serving an RPC", exc_info=exc)
+    await context.abort(
+        grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the sidecar log"
+    )
+
+
+def rpc(
+    method: Callable[[S, Req, Context], Awaitable[Resp]],
+) -> Callable[[S, Req, Context], Awaitable[Resp]]:
+    """Map kvxfer errors to their status code; anything else to INTERNAL, logged."""
+
+    @functools.wraps(method)
+    async def wrapper(self: S, request: Req, context: Context) -> Resp:
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc)
+            raise  # not reached: context.abort raises
+
+    return wrapper
+
+
+class EngineServicer(pb_grpc.EngineServiceServicer):
+    def __init__(self, sidecar: Sidecar) -> None:
+        self._sidecar = sidecar
+
+    @rpc
+    async def RegisterEngine(
+        self, request: pb.RegisterEngineRequest, context: Context
+    ) -> pb.RegisterEngineResponse:
+        layout = layout_from_proto(request.layout, "layout")
+        handles = handles_from_proto(request.buffers, "buffers")
+        engine = await self._sidecar.register_engine(layout, handles, request.engine_name)
+        return pb.RegisterEngineResponse(
+            engine_id=engine.engine_id,
+            epoch=self._sidecar.epoch,
+            peer_address=self._sidecar.address,
+        )
+
+    @rpc
+    async def Publish(self, request: pb.PublishRequest, context: Context) -> pb.PublishResponse:
+        spans = spans_from_proto(request.spans, "spans")
+        params = await self._sidecar.publish(
+            request.engine_id, request.request_id, request.num_tokens, spans
+        )
+        ttl_ms = round(self._sidecar.lease_ttl_s() * 1000)
+        return pb.PublishResponse(params=params_to_proto(params), lease_ttl_ms=ttl_ms)
+
+    @rpc
+    async def Pull(self, request: pb.PullRequest, context: Context) -> pb.PullResponse:
+        if not request.HasField("params"):
+            raise InvalidInputError("params", "missing")
+        params = params_from_proto(request.params, "params")
+        local = spans_from_proto(request.local_spans, "local_spans")
+        accepted = await self._sidecar.pull(
+            request.engine_id, params, local, request.computed_tokens
+        )
+        return pb.PullResponse(
+            bytes_planned=accepted.bytes_planned,
+            full_attention_bytes=accepted.full_attention_bytes,
+            chunks=accepted.chunks,
+            descriptors=accepted.descriptors,
+        )
+
+    @rpc
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
+        state = await self._sidecar.abort(request.engine_id, request.request_id)
+        return pb.AbortResponse(state=state)
+
+    async def WatchEvents(
+        self, request: pb.WatchEventsRequest, context: Context
+    ) -> AsyncIterator[pb.EngineEvent]:
+        try:
+            events = self._sidecar.watch(request.engine_id)
+            async for event in events:
+                yield event_to_proto(event)
+        except KvxferError as exc:
+            await _abort(context, exc)
+
+    @rpc
+    async def Unregister(
+        self, request: pb.UnregisterRequest, context: Context
+    ) -> pb.UnregisterResponse:
+        released, cancelled = await self._sidecar.unregister(request.engine_id)
+        return pb.UnregisterResponse(released_leases=released, cancelled_pulls=cancelled)
+
+
+class PeerServicer(pb_grpc.PeerServiceServicer):
+    def __init__(self, sidecar: Sidecar, tls: TlsSettings) -> None:
+        self._sidecar = sidecar
+        self._allowed = {name.encode() for name in tls.allowed_peers}
+
+    async def _authorize(self, context: Context) -> None:
+        """With an allow-list, the client certificate's common name must be on it."""
+        if not self._allowed:
+            return
+        names = set(context.auth_context().get("x509_common_name", []))
+        if not names & self._allowed:
+            shown = sorted(n.decode(errors="replace") for n in names) or ["none"]
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"peer certificate {shown} is not in tls.allowed_peers",
+            )
+
+    @rpc
+    async def Handshake(
+        self, request: pb.HandshakeRequest, context: Context
+    ) -> pb.HandshakeResponse:
+        await self._authorize(context)
+        layout = layout_from_proto(request.layout, "layout")
+        hello = await self._sidecar.hello(request.protocol_version, layout, request.dry_run)
+        return hello_to_proto(hello)
+
+    @rpc
+    async def BeginRead(
+        self, request: pb.BeginReadRequest, context: Context
+    ) -> pb.BeginReadResponse:
+        await self._authorize(context)
+        lease = self._sidecar.begin_read(request.epoch, request.tp_rank, request.request_id)
+        return pb.BeginReadResponse(
+            num_tokens=lease.num_tokens,
+            spans=[span_to_proto(s) for s in lease.spans],
+            lease_ttl_ms=round(self._sidecar.lease_ttl_s() * 1000),
+            registration_version=self._sidecar.registration_version,
+        )
+
+    @rpc
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: Context
+    ) -> pb.HeartbeatResponse:
+        await self._authorize(context)
+        states = self._sidecar.heartbeat(request.epoch, request.tp_rank, list(request.request_ids))
+        return pb.HeartbeatResponse(states=[_LEASE_STATE_TO_PB[s] for s in states])
+
+    @rpc
+    async def EndRead(self, request: pb.EndReadRequest, context: Context) -> pb.EndReadResponse:
+        await self._authorize(context)
+        reason = release_reason_from_proto(request.reason)
+        self._sidecar.end_read(
+            request.epoch, request.tp_rank, request.request_id, reason, request.bytes_read
+        )
+        return pb.EndReadResponse()
+
+
+class AdminServicer(pb_grpc.AdminServiceServicer):
+    def __init__(self, sidecar: Sidecar) -> None:
+        self._sidecar = sidecar
+
+    @rpc
+    async def GetStatus(
+        self, request: pb.GetStatusRequest, context: Context
+    ) -> pb.GetStatusResponse:
+        sidecar = self._sidecar
+        now = time.monotonic()
+        return pb.GetStatusResponse(
+            sidecar_id=sidecar.sidecar_id,
+            epoch=sidecar.epoch,
+            peer_address=sidecar.address,
+            engines=[
+                pb.EngineStatus(
+                    engine_id=e.engine_id,
+                    engine_name=e.name,
+                    model=e.layout.model,
+                    tp_rank=e.layout.tp_rank,
+                    buffers=len(e.buffers),
+                    registered_bytes=e.registered_bytes,
+                )
+                for e in sidecar.engines()
+            ],
+            leases=[
+                pb.LeaseStatus(
+                    request_id=lease.request_id,
+                    engine_id=lease.engine_id,
+                    blocks=lease.blocks,
+                    expires_in_ms=round(expires_in * 1000),
+                    reading=lease.state is not LeaseState.HELD,
+                )
+                for lease, expires_in in sidecar.leases()
+            ],
+            pulls=[
+                pb.PullStatusInfo(
+                    request_id=p.request_id,
+                    peer_address=p.params.peer_address,
+                    bytes_planned=p.plan.nbytes,
+                    running_ms=round((now - p.started) * 1000),
+                )
+                for p in sidecar.pulls()
+            ],
+            uptime_ms=round((now - sidecar.started) * 1000),
+        )
+
+    @rpc
+    async def ListPeers(
+        self, request: pb.ListPeersRequest, context: Context
+    ) -> pb.ListPeersResponse:
+        return pb.ListPeersResponse(
+            peers=[
+                pb.PeerInfo(
+                    address=link.address,
+                    tp_rank=link.tp_rank,
+                    epoch=link.epoch,
+                    engine_id=link.hello.engine_id,
+                    model=link.layout.model,
+                    groups=len(link.layout.groups),
+                    last_handshake_unix_ms=round(link.last_handshake_unix * 1000),
+                    handshakes=link.handshakes,
+                    agent_loaded=not link.stale,
+                )
+                for link in self._sidecar.links.all()
+            ]
+        )

@@ -1,0 +1,229 @@
+"""The sidecar's one configuration object.
+
+Every setting comes from, highest priority first: command-line flags
+(`--peer-address`, `--lease.ttl-s`), `KVXFER_*` environment variables
+(`KVXFER_PEER_ADDRESS`, `KVXFER_LEASE__TTL_S`), a JSON or TOML file named by
+`--config` / `KVXFER_CONFIG`, then the defaults below. Unknown keys are errors
+everywhere (`extra="forbid"`): a misspelt setting never falls back silently.
+Built once in `main()` and passed down; nothing reads it at import time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from kvxfer._exceptions import InvalidInputError
+from kvxfer.core.requests import check_address
+
+CONFIG_ENV = "KVXFER_CONFIG"
+
+
+class _Group(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LeaseSettings(_Group):
+    ttl_s: float = Field(30.0, gt=0, le=3600, description="how long a published request is held")
+    sweep_s: float = Field(0.25, gt=0, le=60, description="how often expired leases are swept")
+
+
+class TransferSettings(_Group):
+    stall_deadline_s: float = Field(
+        10.0, gt=0, le=600, description="a chunk not done by then fails and is released"
+    )
+    chunk_blocks: int = Field(256, ge=1, le=1 << 20, description="logical blocks per NIXL handle")
+    max_inflight_chunks: int = Field(
+        32, ge=1, le=4096, description="chunks posted at once per pull"
+    )
+    rpc_timeout_s: float = Field(5.0, gt=0, le=300, description="deadline of each peer RPC")
+
+
+class LimitSettings(_Group):
+    max_message_bytes: int = Field(
+        64 << 20, ge=1 << 16, le=1 << 30, description="largest gRPC message accepted"
+    )
+    max_blocks_per_request: int = Field(
+        1 << 20, ge=1, description="block ids in one publish or pull, all groups together"
+    )
+    max_inflight_pulls_per_peer: int = Field(
+        256, ge=1, description="pulls running at once against one peer"
+    )
+    max_leases: int = Field(100_000, ge=1, description="published requests held at once")
+    max_engines: int = Field(64, ge=1, description="engines registered at once")
+    max_pending_events: int = Field(
+        100_000, ge=16, description="events queued per engine while nobody watches"
+    )
+
+
+class NixlSettings(_Group):
+    backends: tuple[str, ...] = Field(("UCX",), min_length=1, description="NIXL backends")
+    num_threads: int = Field(0, ge=0, le=256, description="NIXL/UCX worker threads (0: default)")
+    enable_prog_thread: bool = Field(True, description="NIXL progress thread")
+    backend_params: dict[str, str] = Field(
+        default_factory=dict, description="extra backend parameters, e.g. num_workers"
+    )
+
+
+class TlsSettings(_Group):
+    cert_file: Path | None = Field(None, description="server/client certificate (PEM)")
+    key_file: Path | None = Field(None, description="private key (PEM)")
+    ca_file: Path | None = Field(None, description="CA that signs peer certificates (PEM)")
+    allowed_peers: tuple[str, ...] = Field(
+        (), description="peer certificate common names allowed (empty: any the CA signed)"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+    @model_validator(mode="after")
+    def _complete(self) -> TlsSettings:
+        given = [f for f in ("cert_file", "key_file", "ca_file") if getattr(self, f) is not None]
+        if given and len(given) != 3:
+            raise ValueError("mTLS needs cert_file, key_file and ca_file together")
+        for name in given:
+            path = getattr(self, name)
+            if not path.is_file():
+                raise ValueError(f"{name}: no such file {str(path)!r}")
+        return self
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVXFER_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+        cli_kebab_case=True,
+        cli_prog_name="kvxfer-server",
+        cli_implicit_flags=True,
+        cli_avoid_json=True,
+    )
+
+    config: Path | None = Field(
+        None, description=f"JSON or TOML settings file (also ${CONFIG_ENV})"
+    )
+    peer_address: str = Field("127.0.0.1:7500", description="HOST:PORT peers dial (PeerService)")
+    advertise_address: str | None = Field(
+        None, description="HOST:PORT peers are told to dial (default: --peer-address)"
+    )
+    engine_address: str = Field(
+        "unix:/tmp/kvxfer-engine.sock", description="unix:PATH or HOST:PORT for engines"
+    )
+    metrics_address: str = Field("127.0.0.1:9400", description="HOST:PORT of /metrics")
+    sidecar_id: str = Field("", description="name in logs and peers' views (default: hostname)")
+    shutdown_grace_s: float = Field(10.0, ge=0, le=600, description="SIGTERM grace period")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+    lease: LeaseSettings = LeaseSettings()
+    transfer: TransferSettings = TransferSettings()
+    limits: LimitSettings = LimitSettings()
+    nixl: NixlSettings = NixlSettings()
+    tls: TlsSettings = TlsSettings()
+
+    @field_validator("peer_address", "metrics_address")
+    @classmethod
+    def _bind(cls, value: str, info: Any) -> str:
+        return check_address(value, info.field_name, allow_port_zero=True)
+
+    @field_validator("advertise_address")
+    @classmethod
+    def _advertise(cls, value: str | None) -> str | None:
+        return None if value is None else check_address(value, "advertise_address")
+
+    @field_validator("engine_address")
+    @classmethod
+    def _engine(cls, value: str) -> str:
+        return check_address(value, "engine_address", allow_unix=True, allow_port_zero=True)
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        if value.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ValueError(f"must be DEBUG, INFO, WARNING or ERROR, got {value!r}")
+        return value.upper()
+
+    @model_validator(mode="after")
+    def _deadlines(self) -> Settings:
+        if self.transfer.stall_deadline_s >= self.lease.ttl_s:
+            raise ValueError(
+                f"transfer.stall_deadline_s ({self.transfer.stall_deadline_s}) must be below "
+                f"lease.ttl_s ({self.lease.ttl_s}): "
+                "a stalled read must fail before its lease lapses"
+            )
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _FileSource(settings_cls))
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """The `--config` file; its path is found before the other sources are read."""
+
+    path: Path | None = None
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        if _FileSource.path is None:
+            return {}
+        return _read_file(_FileSource.path)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InvalidInputError("config", f"cannot read {str(path)!r}: {exc.strerror}") from exc
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidInputError("config", f"{str(path)!r} is not valid: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidInputError("config", f"{str(path)!r} must hold an object")
+    return data
+
+
+def load_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -> Settings:
+    """Build Settings from flags, environment and file; InvalidInputError names the field."""
+    env = os.environ if environ is None else environ
+    _FileSource.path = _config_path(argv, env)
+    try:
+        return Settings(_cli_parse_args=list(argv))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "settings"
+        raise InvalidInputError(field, first["msg"].removeprefix("Value error, ")) from exc
+    finally:
+        _FileSource.path = None
+
+
+def _config_path(argv: Sequence[str], env: Any) -> Path | None:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return Path(argv[i + 1])
+        if arg.startswith("--config="):
+            return Path(arg.split("=", 1)[1])
+    value = env.get(CONFIG_ENV)
+    return Path(value) if value else None
