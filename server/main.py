@@ -28,7 +28,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kvxfer._exceptions import InvalidInputError, KvxferError
-from kvxfer.dataplane.adapter import AgentOptions, NixlAgent
+from kvxfer.dataplane.adapter import AgentOptions, NixlAgent, TransferBackend
+from kvxfer.dataplane.faults import FaultInjectingBackend, random_faults
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import channel_options
 from kvxfer.server.servicers import AdminServicer, EngineServicer, PeerServicer
@@ -70,7 +71,15 @@ async def serve(settings: Settings) -> int:
         ),
     )
     metrics = Metrics()
-    sidecar = Sidecar(settings, backend, metrics)
+    data_plane: TransferBackend = backend
+    if settings.faults.enabled:
+        log.warning("FAULT INJECTION ON: %s (testing only)", settings.faults)
+        metrics.fault_injection.set(1)
+        faults = settings.faults
+        data_plane = FaultInjectingBackend(
+            backend, random_faults(faults.fail_rate, faults.stall_rate, faults.seed)
+        )
+    sidecar = Sidecar(settings, data_plane, metrics)
     peer_server = _server(
         settings, [("peer", PeerServicer(sidecar, settings.tls)), ("admin", AdminServicer(sidecar))]
     )

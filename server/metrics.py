@@ -96,6 +96,12 @@ class Metrics:
         self.handshakes = Counter(
             "kvxfer_handshakes", "Handshakes with peers", ["peer", "result"], registry=r
         )
+        self.negotiation_failures = Counter(
+            "kvxfer_negotiation_failures",
+            "Pulls refused because the layouts disagree",
+            ["peer"],
+            registry=r,
+        )
         self.handshake_duration = Histogram(
             "kvxfer_handshake_duration_seconds",
             "Handshake round trip, negotiation included",
@@ -128,6 +134,11 @@ class Metrics:
         self.events_dropped = Counter(
             "kvxfer_events_dropped",
             "Engine events dropped: queue full and nobody watching",
+            registry=r,
+        )
+        self.fault_injection = Gauge(
+            "kvxfer_fault_injection",
+            "1 when this sidecar injects chunk faults (testing)",
             registry=r,
         )
         self.active = ActiveClock(self.active_seconds)

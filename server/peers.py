@@ -151,9 +151,14 @@ class PeerLinks:
                 link = await self._handshake(address, layout)
             agreement = link.agreements.get(engine_id)
             if agreement is None:
-                agreement = negotiate(
-                    layout, link.layout, PROTOCOL_VERSION, link.hello.protocol_version
-                )
+                try:
+                    agreement = negotiate(
+                        layout, link.layout, PROTOCOL_VERSION, link.hello.protocol_version
+                    )
+                except NegotiationError as exc:
+                    self._metrics.negotiation_failures.labels(address).inc()
+                    log.warning("layouts of %s and peer %s disagree: %s", engine_id, address, exc)
+                    raise
                 link.agreements[engine_id] = agreement
             return link, agreement
 
@@ -193,9 +198,6 @@ class PeerLinks:
         try:
             hello = await self.hello(address, layout, dry_run=False)
             nixl_peer = await self._load_agent(address, hello)
-        except NegotiationError:
-            self._metrics.handshakes.labels(address, "mismatch").inc()
-            raise
         except KvxferError:
             self._metrics.handshakes.labels(address, "error").inc()
             raise

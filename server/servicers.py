@@ -38,7 +38,7 @@ from kvxfer.server.settings import TlsSettings
 from kvxfer.server.sidecar import Sidecar
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
-from kvxfer.wire.errors import MISMATCH_TRAILER
+from kvxfer.wire.errors import ERROR_TRAILER, FIELD_TRAILER, MISMATCH_TRAILER
 from kvxfer.wire.layout import layout_from_proto, span_to_proto, spans_from_proto
 from kvxfer.wire.sidecar import (
     event_to_proto,
@@ -87,9 +87,12 @@ def status_for(exc: KvxferError) -> grpc.StatusCode:
 
 async def _abort(context: Context, exc: BaseException) -> None:
     if isinstance(exc, KvxferError):
+        trailers = [(ERROR_TRAILER, type(exc).__name__)]
+        if isinstance(exc, InvalidInputError):
+            trailers.append((FIELD_TRAILER, exc.field))
         if isinstance(exc, NegotiationError):
-            trailer = json.dumps([asdict(m) for m in exc.mismatches])
-            context.set_trailing_metadata(((MISMATCH_TRAILER, trailer),))
+            trailers.append((MISMATCH_TRAILER, json.dumps([asdict(m) for m in exc.mismatches])))
+        context.set_trailing_metadata(tuple(trailers))
         await context.abort(status_for(exc), str(exc))
     log.error("unexpected error serving an RPC", exc_info=exc)
     await context.abort(

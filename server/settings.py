@@ -101,6 +101,21 @@ class TlsSettings(_Group):
         return self
 
 
+class FaultSettings(_Group):
+    """Fault injection for tests and the demo: never set in production. A sidecar
+    started with faults logs a warning and exports kvxfer_fault_injection 1."""
+
+    fail_rate: float = Field(0.0, ge=0, le=1, description="fail this fraction of chunks")
+    stall_rate: float = Field(
+        0.0, ge=0, le=1, description="stall this fraction of chunks until their deadline"
+    )
+    seed: int = Field(0, ge=0, description="seed of the fault draws")
+
+    @property
+    def enabled(self) -> bool:
+        return self.fail_rate > 0 or self.stall_rate > 0
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVXFER_",
@@ -132,6 +147,7 @@ class Settings(BaseSettings):
     limits: LimitSettings = LimitSettings()
     nixl: NixlSettings = NixlSettings()
     tls: TlsSettings = TlsSettings()
+    faults: FaultSettings = FaultSettings()
 
     @field_validator("peer_address", "metrics_address")
     @classmethod

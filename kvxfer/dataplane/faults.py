@@ -29,6 +29,21 @@ def fail_rate(rate: float, seed: int = 0) -> ChunkRule:
     return rule
 
 
+def random_faults(fail: float, stall: float, seed: int = 0) -> ChunkRule:
+    """Fail each chunk with probability `fail`, else stall it with probability `stall`."""
+    rng = random.Random(seed)
+
+    def rule(_: int, __: ChunkJob) -> TransferStatus | None:
+        draw = rng.random()
+        if draw < fail:
+            return TransferStatus.FAILED
+        if draw < fail + stall:
+            return TransferStatus.TIMED_OUT
+        return None
+
+    return rule
+
+
 def fail_chunks(failing: Collection[int], stalling: Collection[int] = ()) -> ChunkRule:
     """Fail or stall the chunks with these sequence numbers (0-based, in posting order)."""
 

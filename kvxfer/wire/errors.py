@@ -14,26 +14,62 @@ import grpc
 import grpc.aio
 
 from kvxfer._exceptions import (
+    DataPlaneError,
     InvalidInputError,
     KvxferError,
+    LayoutError,
     LeaseError,
     LimitExceededError,
     NegotiationError,
     NotFoundError,
+    PeerDisconnectedError,
     PeerUnavailableError,
+    PlanError,
+    ProfileError,
+    RegistrationError,
+    ShuttingDownError,
+    TransferError,
 )
 from kvxfer.core.negotiation import Mismatch
 
 MISMATCH_TRAILER = "kvxfer-mismatches"
+ERROR_TRAILER = "kvxfer-error"  # the kvxfer exception class the server raised
+FIELD_TRAILER = "kvxfer-field"  # its field, for InvalidInputError and subclasses
+_BY_NAME: dict[str, type[KvxferError]] = {
+    cls.__name__: cls
+    for cls in (
+        LimitExceededError,
+        NotFoundError,
+        LeaseError,
+        PeerUnavailableError,
+        ShuttingDownError,
+        DataPlaneError,
+        RegistrationError,
+        PeerDisconnectedError,
+        TransferError,
+    )
+}
+_INPUT_BY_NAME: dict[str, type[InvalidInputError]] = {
+    cls.__name__: cls for cls in (InvalidInputError, LayoutError, PlanError, ProfileError)
+}
 
 
 def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> KvxferError:
     """A failed RPC as the kvxfer error its status code stands for; `what` says which
     call against which address."""
     code, detail = exc.code(), exc.details() or ""
-    mismatches = _mismatches(exc)
+    trailers = {
+        key: value for key, value in exc.trailing_metadata() or () if isinstance(value, str)
+    }
+    mismatches = _mismatches(trailers.get(MISMATCH_TRAILER))
     if mismatches:
         return NegotiationError(mismatches)
+    name = trailers.get(ERROR_TRAILER, "")
+    if name in _INPUT_BY_NAME:
+        field = trailers.get(FIELD_TRAILER, what)
+        return _INPUT_BY_NAME[name](field, detail.removeprefix(f"{field}: "))
+    if name in _BY_NAME:
+        return _BY_NAME[name](f"{what}: {detail}")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return PeerUnavailableError(f"{what}: unreachable ({code.name}: {detail})")
     if code is grpc.StatusCode.NOT_FOUND:
@@ -48,11 +84,10 @@ def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> KvxferError:
     return PeerUnavailableError(f"{what}: {code.name}: {detail}")
 
 
-def _mismatches(exc: grpc.aio.AioRpcError) -> list[Mismatch]:
-    for key, value in exc.trailing_metadata() or ():
-        if key == MISMATCH_TRAILER:
-            try:
-                return [Mismatch(**item) for item in json.loads(value)]
-            except (TypeError, ValueError):
-                return []
-    return []
+def _mismatches(trailer: str | None) -> list[Mismatch]:
+    if not trailer:
+        return []
+    try:
+        return [Mismatch(**item) for item in json.loads(trailer)]
+    except (TypeError, ValueError):
+        return []

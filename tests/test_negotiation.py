@@ -1,0 +1,106 @@
+"""Negotiation: real profiles agree with themselves; every kind of difference is named."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from strategies import PROFILES
+
+from kvxfer._exceptions import NegotiationError
+from kvxfer.core.layout import GroupKind, KVGroup, TensorSpec
+from kvxfer.core.negotiation import find_mismatches, negotiate
+from kvxfer.core.profiles import layout_for_model
+
+
+@pytest.mark.parametrize("model", PROFILES)
+def test_a_profile_agrees_with_itself(model: str) -> None:
+    layout = layout_for_model(model)
+    agreement = negotiate(layout, layout_for_model(model))
+    assert [g.kind for g in agreement.groups] == [g.kind.value for g in layout.groups]
+    assert [(g.local_group, g.peer_group) for g in agreement.groups] == [
+        (g.group_id, g.group_id) for g in layout.groups
+    ]
+    assert agreement.block_size_ratio == 1 and agreement.tp_rank == layout.tp_rank
+
+
+def _fields(local: object, peer: object, **kw: int) -> dict[str, object]:
+    return {m.field: m for m in find_mismatches(local, peer, **kw)}  # type: ignore[arg-type]
+
+
+def test_dtype_block_size_and_tp_are_named() -> None:
+    base = layout_for_model("gpt-oss-20b")
+    assert "layout.kv_dtype" in _fields(base, layout_for_model("gpt-oss-20b", kv_dtype="float16"))
+    assert "layout.block_size" in _fields(base, layout_for_model("gpt-oss-20b", block_size=32))
+    tp = _fields(base, layout_for_model("gpt-oss-20b", tp_size=2))
+    assert "not supported yet" in tp["layout.tp_size"].hint  # type: ignore[attr-defined]
+    rank = _fields(
+        layout_for_model("gpt-oss-20b", tp_size=2, tp_rank=0),
+        layout_for_model("gpt-oss-20b", tp_size=2, tp_rank=1),
+    )
+    assert set(rank) == {"layout.tp_rank"}
+
+
+def test_window_and_kind_differences_are_never_downgraded() -> None:
+    base = layout_for_model("gpt-oss-20b")
+    sliding = base.groups[0]
+    assert sliding.kind is GroupKind.SLIDING_WINDOW
+    wider = dataclasses.replace(
+        base, groups=(dataclasses.replace(sliding, sliding_window=256), base.groups[1])
+    )
+    m = _fields(base, wider)
+    assert set(m) == {"layout.groups[0].sliding_window"}
+    as_full = dataclasses.replace(
+        base,
+        groups=(
+            dataclasses.replace(sliding, kind=GroupKind.FULL_ATTENTION, sliding_window=None),
+            base.groups[1],
+        ),
+    )
+    m = _fields(base, as_full)
+    assert "layout.groups[0].kind" in m
+    assert "never treats" in m["layout.groups[0].kind"].hint  # type: ignore[attr-defined]
+    with pytest.raises(NegotiationError, match=r"layout.groups\[0\].kind"):
+        negotiate(base, as_full)
+
+
+def test_a_missing_group_is_a_mismatch_not_a_drop() -> None:
+    base = layout_for_model("jamba-mini-1.5")
+    fewer = dataclasses.replace(base, groups=base.groups[:-1])
+    m = _fields(base, fewer)
+    last = f"layout.groups[{len(base.groups) - 1}]"
+    assert m[last].peer == "absent"  # type: ignore[attr-defined]
+    assert _fields(fewer, base)[last].local == "absent"  # type: ignore[attr-defined]
+
+
+def test_tensor_differences_are_named_or_summarised() -> None:
+    base = layout_for_model("llama-3.1-8b")
+    group = base.groups[0]
+    one = dataclasses.replace(
+        group,
+        tensors=(TensorSpec(group.tensors[0].name, 0, 1), *group.tensors[1:]),
+    )
+    m = _fields(base, dataclasses.replace(base, groups=(one,)))
+    assert set(m) == {"layout.groups[0].tensors['layer.0.k'].bytes_per_block"}
+    many = _fields(base, layout_for_model("mistral-7b-v0.1"))
+    assert "layout.fingerprint" in many
+    assert len(many) < 8, "a different model must not list every layer"
+
+
+def test_protocol_versions_must_match() -> None:
+    base = layout_for_model("gemma-3-4b-it")
+    m = _fields(base, base, local_protocol=1, peer_protocol=2)
+    assert set(m) == {"protocol_version"}
+
+
+def test_group_ids_must_match_structure() -> None:
+    base = layout_for_model("gemma-3-4b-it")
+    extra = KVGroup(
+        group_id=len(base.groups),  # type: ignore[arg-type]
+        kind=GroupKind.MAMBA,
+        sliding_window=None,
+        layers=(0,),
+        tensors=(TensorSpec("extra.state", 0, 64),),
+    )
+    m = _fields(base, dataclasses.replace(base, groups=(*base.groups, extra)))
+    assert m[f"layout.groups[{len(base.groups)}]"].local == "absent"  # type: ignore[attr-defined]
