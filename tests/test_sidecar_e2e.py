@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import signal
+import stat
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from oracle import oracle_blocks, oracle_valid_tokens
 from sidecars import (
     BIN,
@@ -44,7 +47,7 @@ from kvxfer._exceptions import (
     NotFoundError,
     RegistrationError,
 )
-from kvxfer.client.engine import EngineClient
+from kvxfer.client.engine import EngineClient, SyncEngineClient
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import Region
 from kvxfer.core.profiles import layout_for_model
@@ -322,6 +325,40 @@ async def test_bad_input_is_refused_by_field_and_the_sidecar_keeps_serving(fleet
     assert status.returncode == 0 and json.loads(status.stdout)["engines"]
 
 
+def test_sync_client_publish_abort_and_events(fleet: Fleet) -> None:
+    client = SyncEngineClient(fleet.p.ready["engine_address"], engine_id=fleet.pe.engine_id)
+    try:
+        params = client.publish(fleet.request_id("sync"), 64, fleet.src(4))
+        assert params.epoch == fleet.p.ready["epoch"] and params.tp_rank == 0
+        assert client.abort(params.request_id) == "held"
+        events = client.events(timeout_s=10)
+        released = next(events)
+        events.close()
+    finally:
+        client.close()
+    assert isinstance(released, Released) and released.request_id == params.request_id
+    assert released.reason is ReleaseReason.ABORTED
+
+
+async def test_engine_socket_is_private_and_health_and_reflection_answer(fleet: Fleet) -> None:
+    socket_path = fleet.p.ready["engine_address"].removeprefix("unix:")
+    assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o600
+    for address in (fleet.p.ready["peer_address"], fleet.p.ready["engine_address"]):
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            async for answer in reflect.ServerReflectionInfo(iter([request]), timeout=5):
+                names = {s.name for s in answer.list_services_response.service}
+                break
+        assert "kvxfer.v1.AdminService" in names
+        engine = address.startswith("unix:")
+        want = "kvxfer.v1.EngineService" if engine else "kvxfer.v1.PeerService"
+        assert want in names
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(BIN / "kvxfer-cli"), *args], capture_output=True, text=True, timeout=60, check=False
@@ -426,7 +463,8 @@ def test_metrics_match_what_the_fleet_did(fleet: Fleet) -> None:
     assert metric(p, "kvxfer_active_leases") == 0 and metric(p, "kvxfer_held_blocks") == 0
     assert metric(p, "kvxfer_expired_leases_total") == 1
     assert metric(p, "kvxfer_released_leases_total", reason="consumed") == fleet.ok_pulls + 1
-    assert metric(p, "kvxfer_released_leases_total", reason="aborted") == 4
+    # abort-before, abort-d, abort-p, mismatch, sync-client
+    assert metric(p, "kvxfer_released_leases_total", reason="aborted") == 5
     df = scrape(fleet.df)
     assert metric(df, "kvxfer_fault_injection") == 1
     assert metric(df, "kvxfer_failed_blocks_total") > 0
@@ -437,6 +475,8 @@ def test_sidecar_memory_stays_small(fleet: Fleet) -> None:
         rss = rss_excluding_shm_bytes(proc.pid)
         print(f"{proc.ready['sidecar_id']}: {rss / 2**20:.1f} MiB resident, shm excluded")
         assert rss < 150 * 2**20
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "libtorch" not in maps, "the sidecar must not load torch"
 
 
 def test_graceful_shutdown_leaves_nothing_behind(fleet: Fleet) -> None:

@@ -15,12 +15,14 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
+from kvxfer._exceptions import InvalidInputError
 from kvxfer.cli.main import EXIT_FAILED, EXIT_OK
 from kvxfer.cli.planning import human_bytes
 from kvxfer.core.negotiation import PROTOCOL_VERSION, find_mismatches, negotiate
@@ -35,12 +37,38 @@ from kvxfer.wire.sidecar import hello_from_proto
 T = TypeVar("T")
 
 
-async def _call(address: str, what: str, rpc: Callable[[grpc.aio.Channel], Awaitable[T]]) -> T:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def _call(
+    address: str,
+    what: str,
+    rpc: Callable[[grpc.aio.Channel], Awaitable[T]],
+    credentials: grpc.ChannelCredentials | None = None,
+) -> T:
+    channel = (
+        grpc.aio.insecure_channel(address)
+        if credentials is None
+        else grpc.aio.secure_channel(address, credentials)
+    )
+    async with channel:
         try:
             return await rpc(channel)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, f"{what} at {address}") from exc
+
+
+def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """mTLS toward a peer sidecar that requires it: --tls-cert, --tls-key, --tls-ca."""
+    given = [args.tls_cert, args.tls_key, args.tls_ca]
+    if not any(given):
+        return None
+    if not all(given):
+        raise InvalidInputError("--tls-cert/--tls-key/--tls-ca", "give all three or none")
+    try:
+        cert, key, ca = (Path(p).read_bytes() for p in given)
+    except OSError as exc:
+        raise InvalidInputError("--tls-*", f"cannot read {exc.filename}: {exc.strerror}") from exc
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=key, certificate_chain=cert
+    )
 
 
 def run_handshake(args: argparse.Namespace) -> int:
@@ -65,6 +93,7 @@ def run_handshake(args: argparse.Namespace) -> int:
             args.peer,
             "handshake",
             lambda ch: pb_grpc.PeerServiceStub(ch).Handshake(request, timeout=args.timeout),
+            _credentials(args),
         )
     )
     elapsed_ms = (time.perf_counter() - start) * 1000

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     handshake.add_argument("--tp-rank", type=non_negative_int, default=0, help="rank asking")
     handshake.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
     handshake.add_argument("--json", action="store_true", help="print one JSON object")
+    handshake.add_argument("--tls-cert", help="client certificate (PEM) for an mTLS peer")
+    handshake.add_argument("--tls-key", help="client private key (PEM)")
+    handshake.add_argument("--tls-ca", help="CA that signed the peer's certificate (PEM)")
     handshake.set_defaults(run=_lazy("kvxfer.cli.admin", "run_handshake"))
 
     for name, text in (
