@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvxfer._exceptions import InvalidInputError, KvxferError
@@ -58,12 +58,15 @@ class PullContext:
     reader_id: str
 
 
-async def run_pull(pull: Pull, ctx: PullContext) -> PullDone:
+async def run_pull(pull: Pull, ctx: PullContext, report: Callable[[PullDone], None]) -> None:
+    """Carry out the pull; `report` gets its PullDone as soon as the outcome is known,
+    before the read is ended at the serving side (one round trip off the engine's path)."""
     peer = pull.params.peer_address
     ctx.metrics.active.start()
     ctx.metrics.inflight_pulls.labels(peer).inc()
+    end_read = False
     try:
-        done = await _transfer(pull, ctx)
+        done, end_read = await _transfer(pull, ctx)
     except asyncio.CancelledError:
         done = _all_failed(pull, PullStatus.ABORTED, "the sidecar shut down during the pull")
     except Exception as exc:  # a bug must still end in a PullDone, never a silent hang
@@ -73,10 +76,13 @@ async def run_pull(pull: Pull, ctx: PullContext) -> PullDone:
         ctx.metrics.inflight_pulls.labels(peer).dec()
         ctx.metrics.active.stop()
     _observe(pull, done, ctx.metrics)
-    return done
+    report(done)
+    if end_read:
+        await _end_read(pull, ctx, done)
 
 
-async def _transfer(pull: Pull, ctx: PullContext) -> PullDone:
+async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
+    """The outcome, and whether a read was begun (and so must be ended)."""
     link, params = pull.link, pull.params
     if link.epoch != params.epoch:
         return _all_failed(
@@ -84,14 +90,18 @@ async def _transfer(pull: Pull, ctx: PullContext) -> PullDone:
             PullStatus.FAILED,
             f"the publisher restarted: params are from epoch {params.epoch}, "
             f"peer {params.peer_address} is now epoch {link.epoch}",
-        )
+        ), False
     try:
         begun = await ctx.links.begin_read(link, params.request_id, ctx.reader_id)
+    except KvxferError as exc:
+        return _all_failed(pull, PullStatus.FAILED, str(exc)), False
+    try:
         _check_published(params, begun)
         if begun.registration_version != link.hello.registration_version:
             await ctx.links.reload(link, pull.engine.layout)
     except KvxferError as exc:
-        return _all_failed(pull, PullStatus.FAILED, str(exc))
+        pull.aborted = True  # the read was begun: end it as aborted so the lease is freed
+        return _all_failed(pull, PullStatus.FAILED, str(exc)), True
     heartbeat = asyncio.create_task(_heartbeat(pull, ctx, begun.lease_ttl_ms / 1000))
     try:
         result = await execute_plan(
@@ -111,12 +121,11 @@ async def _transfer(pull: Pull, ctx: PullContext) -> PullDone:
     if TransferStatus.DISCONNECTED in result.chunk_statuses:
         ctx.links.invalidate(link)
     done = _from_result(pull, result)
-    await _end_read(pull, ctx, done)
     ctx.metrics.post_duration.labels(params.peer_address).observe(result.bind_s)
     ctx.metrics.descriptors.labels(params.peer_address).inc(result.descriptors)
     for status in result.chunk_statuses:
         ctx.metrics.chunks.labels(params.peer_address, status.value).inc()
-    return done
+    return done, True
 
 
 def _check_published(params: TransferParams, begun: pb.BeginReadResponse) -> None:

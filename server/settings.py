@@ -71,7 +71,11 @@ class LimitSettings(_Group):
 class NixlSettings(_Group):
     backends: tuple[str, ...] = Field(("UCX",), min_length=1, description="NIXL backends")
     num_threads: int = Field(0, ge=0, le=256, description="NIXL/UCX worker threads (0: default)")
-    enable_prog_thread: bool = Field(True, description="NIXL progress thread")
+    enable_prog_thread: bool = Field(
+        False,
+        description="NIXL's own progress thread: it spins a core even when idle; the "
+        "sidecar drives progress itself unless this is on",
+    )
     backend_params: dict[str, str] = Field(
         default_factory=dict, description="extra backend parameters, e.g. num_workers"
     )

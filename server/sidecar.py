@@ -32,6 +32,7 @@ from kvxfer.core.requests import (
     EngineEvent,
     LeaseExpired,
     PullAccepted,
+    PullDone,
     Released,
     ReleaseReason,
     TransferParams,
@@ -253,11 +254,14 @@ class Sidecar:
         )
 
     async def _finish_pull(self, key: tuple[str, str], pull: Pull) -> None:
+        def report(done: PullDone) -> None:
+            self._pulls.pop(key, None)
+            self._emit(pull.engine.engine_id, done)
+
         try:
-            done = await run_pull(pull, self._pull_ctx)
+            await run_pull(pull, self._pull_ctx, report)
         finally:
             self._pulls.pop(key, None)
-        self._emit(pull.engine.engine_id, done)
 
     def _check_block_count(self, spans: Sequence[BlockSpan], field: str) -> None:
         total = sum(len(s.block_ids) for s in spans)

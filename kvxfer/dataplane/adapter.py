@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 DescArray = npt.NDArray[np.uint64]  # N x 3: (address, length, device id)
 
-_POLL_S = 0.000001  # poll (and so drive UCX progress) tightly while transfers are in flight
 _IDLE_S = 0.005  # wait for commands (and notification polls) when idle
 
 
@@ -73,7 +72,10 @@ class ChunkJob:
 class AgentOptions:
     backends: tuple[str, ...] = ("UCX",)
     num_threads: int = 0
-    enable_prog_thread: bool = True
+    # NIXL's Python API runs its progress thread with no delay: it spins a core even when
+    # idle. This thread drives progress instead: tightly while transfers are in flight,
+    # every _IDLE_S otherwise (enough for connection wireup and passive targets).
+    enable_prog_thread: bool = False
     backend_params: tuple[tuple[str, str], ...] = ()
 
 
@@ -173,10 +175,13 @@ class NixlAgent:
         started.set_result(None)
         next_notif_poll = 0.0
         while not self._stopping.is_set() or not self._commands.empty():
-            self._run_commands(state, _POLL_S if state.inflight else _IDLE_S)
+            # While transfers are in flight, never sleep: each state check drives UCX
+            # progress (for shared-memory transports, the copy itself), and even a 1 us
+            # timed wait hands the core to the scheduler.
+            self._run_commands(state, None if state.inflight else _IDLE_S)
             self._poll_transfers(state)
             now = time.monotonic()
-            if self._notify_callback is not None and now >= next_notif_poll:
+            if now >= next_notif_poll:  # also progresses the backend's workers
                 self._poll_notifications(state)
                 next_notif_poll = now + _IDLE_S
         self._shutdown(state)
@@ -196,9 +201,13 @@ class NixlAgent:
             agent.create_backend(backend, params)
         return agent
 
-    def _run_commands(self, state: _State, wait_s: float) -> None:
+    def _run_commands(self, state: _State, wait_s: float | None) -> None:
+        """Run queued commands; wait up to `wait_s` for the first (None: do not wait)."""
         try:
-            command, future = self._commands.get(timeout=wait_s)
+            if wait_s is None:
+                command, future = self._commands.get_nowait()
+            else:
+                command, future = self._commands.get(timeout=wait_s)
         except queue.Empty:
             return
         while True:
