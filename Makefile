@@ -27,7 +27,7 @@ install: $(DEPS)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation --force-reinstall .
 
 demo: install
-	$(BIN)/kvxfer-cli plan --model gemma-3-4b-it --tokens 32768
+	cd $(NEUTRAL) && $(CURDIR)/$(BIN)/kvxfer-cli demo
 
 lint: $(DEPS)
 	$(BIN)/ruff format --check .

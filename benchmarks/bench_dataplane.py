@@ -1,4 +1,8 @@
-"""Data-plane benchmark: kvxfer vs raw NIXL vs per-block descriptors vs memcpy.
+"""Data-plane benchmark, in process: execute_plan vs raw NIXL vs per-block vs memcpy.
+
+The data plane alone (two processes, no sidecars, no gRPC); `kvxfer-cli bench`
+measures kvxfer end to end through both sidecars. The raw and per-block
+methods are shared with it (`kvxfer.cli.bench`).
 
 One run, the same two processes and the same shared-memory buffers for every
 method, so the ratios are side by side:
@@ -30,9 +34,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from nixl_peer import LocalSide, SourcePeer
 
+from kvxfer.cli.bench import memcpy_round, per_block_read, raw_read, split_per_block
 from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId, GroupKind
-from kvxfer.core.planner import DEFAULT_CHUNK_BLOCKS, TransferPlan, plan_transfer
+from kvxfer.core.planner import DEFAULT_CHUNK_BLOCKS, plan_transfer
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.dataplane.adapter import NixlAgent
 from kvxfer.dataplane.descriptors import chunk_arrays
@@ -40,61 +45,6 @@ from kvxfer.dataplane.executor import ExecOptions, execute_plan
 
 SIZES = {"1k": 1024, "16k": 16384, "128k": 131072}
 BLOCK = 16
-
-
-def _wait(agent: Any, handle: Any) -> None:
-    while (state := agent.check_xfer_state(handle)) == "PROC":
-        pass
-    agent.release_xfer_handle(handle)
-    if state != "DONE":
-        raise RuntimeError(f"raw transfer ended {state}")
-
-
-def raw_read(agent: Any, peer: str, local: np.ndarray, remote: np.ndarray) -> float:
-    start = time.perf_counter()
-    handle = agent.initialize_xfer(
-        "READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer
-    )
-    agent.transfer(handle)
-    _wait(agent, handle)
-    return time.perf_counter() - start
-
-
-def per_block_read(agent: Any, peer: str, local: np.ndarray, remote: np.ndarray) -> float:
-    """Prepared lists of per-block descriptors (prep cost excluded, as a connector
-    prepares once per peer), then one make_prepped_xfer with every index."""
-    local_list = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
-    remote_list = agent.prep_xfer_dlist(peer, remote, "DRAM")
-    indices = np.arange(len(local), dtype=np.int32)
-    start = time.perf_counter()
-    handle = agent.make_prepped_xfer("READ", local_list, indices, remote_list, indices)
-    agent.transfer(handle)
-    _wait(agent, handle)
-    elapsed = time.perf_counter() - start
-    agent.release_dlist_handle(local_list)
-    agent.release_dlist_handle(remote_list)
-    return elapsed
-
-
-def split_per_block(
-    src: np.ndarray, dst: np.ndarray, block_bytes: list[int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Cut each coalesced descriptor into block-sized descriptors."""
-    out_s, out_d = [], []
-    for (s_addr, length, s_dev), (d_addr, _, d_dev), size in zip(
-        src, dst, block_bytes, strict=True
-    ):
-        count = int(length) // size
-        offsets = np.arange(count, dtype=np.uint64) * np.uint64(size)
-        out_s.append(_blocks(s_addr + offsets, size, s_dev))
-        out_d.append(_blocks(d_addr + offsets, size, d_dev))
-    return np.concatenate(out_s), np.concatenate(out_d)
-
-
-def _blocks(addresses: np.ndarray, size: int, device: int) -> np.ndarray:
-    count = len(addresses)
-    columns = [addresses, np.full(count, size, np.uint64), np.full(count, device, np.uint64)]
-    return np.stack(columns, axis=1)
 
 
 async def bench_case(
@@ -133,7 +83,7 @@ async def bench_case(
                 k: [] for k in ("memcpy", "raw", "per_block", "kvxfer")
             }
             for i in range(repeat + 1):  # the first round warms up and is dropped
-                t_mem = memcpy_round(src, dst, whole)
+                t_mem = memcpy_round(whole, src.view, dst.view)
                 t_raw = await agent.run_on_agent(lambda a: raw_read(a, peer, local, remote))
                 t_blk = await agent.run_on_agent(
                     lambda a: per_block_read(a, peer, block_local, block_remote)
@@ -176,16 +126,6 @@ async def bench_case(
         "kvxfer_ms_p50": med["kvxfer"] * 1e3,
         "overhead_ms_p50": (med["kvxfer"] - med["raw"]) * 1e3,
     }
-
-
-def memcpy_round(src: ShmKVCache, dst: ShmKVCache, whole: TransferPlan) -> float:
-    start = time.perf_counter()
-    for chunk in whole.chunks:
-        for d in chunk.descriptors():
-            dst.view(d.dst_buffer)[d.dst_offset : d.dst_offset + d.length] = src.view(d.src_buffer)[
-                d.src_offset : d.src_offset + d.length
-            ]
-    return time.perf_counter() - start
 
 
 def main() -> None:

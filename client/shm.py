@@ -43,17 +43,27 @@ class ShmKVCache:
         num_blocks: int,
         prefix: str = "kvxfer",
         num_state_blocks: int = 8,
+        num_sliding_blocks: int | None = None,
     ) -> None:
-        """`num_blocks` per attention group; `num_state_blocks` per Mamba group (one
-        state block per running request, each often tens of MiB)."""
+        """`num_blocks` per full-attention group; `num_sliding_blocks` per sliding-window
+        group (default `num_blocks`; an engine that frees blocks leaving the window needs
+        far fewer); `num_state_blocks` per Mamba group (one state block per running
+        request, each often tens of MiB)."""
         check_int("num_blocks", num_blocks, 1, 1 << 32)
         check_int("num_state_blocks", num_state_blocks, 1, 1 << 32)
+        sliding = num_blocks if num_sliding_blocks is None else num_sliding_blocks
+        check_int("num_sliding_blocks", sliding, 1, 1 << 32)
+        counts = {
+            GroupKind.FULL_ATTENTION: num_blocks,
+            GroupKind.SLIDING_WINDOW: sliding,
+            GroupKind.MAMBA: num_state_blocks,
+        }
         tag = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
         self._segments: list[_Segment] = []
         regions: list[Region] = []
         try:
             for group in layout.groups:
-                count = num_state_blocks if group.kind is GroupKind.MAMBA else num_blocks
+                count = counts[group.kind]
                 size = count * group.bytes_per_block
                 name = f"{tag}-g{group.group_id}"
                 self._segments.append(_Segment(_create(name, size), _map(name, size)))
@@ -138,9 +148,13 @@ def _unlink_all(names: list[str]) -> None:
 
 @contextmanager
 def shm_kv_cache(
-    layout: EngineLayout, num_blocks: int, prefix: str = "kvxfer", num_state_blocks: int = 8
+    layout: EngineLayout,
+    num_blocks: int,
+    prefix: str = "kvxfer",
+    num_state_blocks: int = 8,
+    num_sliding_blocks: int | None = None,
 ) -> Iterator[ShmKVCache]:
-    cache = ShmKVCache(layout, num_blocks, prefix, num_state_blocks)
+    cache = ShmKVCache(layout, num_blocks, prefix, num_state_blocks, num_sliding_blocks)
     try:
         yield cache
     finally:

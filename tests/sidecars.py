@@ -11,162 +11,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import json
-import mmap
-import os
-import select
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from oracle import oracle_blocks
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvxfer.cli.fleet import EngineView as EngineSim
+from kvxfer.cli.fleet import Fleet, Proc
 from kvxfer.client.engine import EngineClient
-from kvxfer.client.patterns import pattern, salt_for
-from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, Region
-from kvxfer.core.profiles import layout_for_model
+from kvxfer.client.patterns import pattern
+from kvxfer.core.layout import BlockId, BlockSpan, GroupId
 from kvxfer.core.requests import EngineEvent
-
-BIN = Path(sys.executable).parent
-READY_TIMEOUT_S = 60.0
-
-
-@dataclass
-class Proc:
-    popen: subprocess.Popen[str]
-    ready: dict[str, Any]
-    log: Path
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-        try:
-            return self.popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(5)
-            raise AssertionError(f"{self.log.name}: did not stop within {timeout_s}s") from None
-        finally:
-            if self.popen.stdout is not None:
-                self.popen.stdout.close()
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-def _spawn(argv: list[str], log: Path, env: Mapping[str, str] | None = None) -> Proc:
-    full_env = {**os.environ, **(env or {})}
-    with log.open("w") as err:
-        popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=full_env)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    assert popen.stdout is not None
-    while time.monotonic() < deadline:
-        readable, _, _ = select.select([popen.stdout], [], [], 0.2)
-        if readable:
-            line = popen.stdout.readline()
-            if line.startswith("{"):
-                return Proc(popen, json.loads(line), log)
-            if not line and popen.poll() is not None:
-                break
-        elif popen.poll() is not None:
-            break
-    popen.kill()
-    popen.wait(5)
-    popen.stdout.close()
-    raise AssertionError(f"{argv[0]} did not become ready:\n{log.read_text()[-3000:]}")
 
 
 def start_sidecar(tmp: Path, name: str, *args: str, peer_port: int = 0) -> Proc:
-    argv = [
-        str(BIN / "kvxfer-server"),
-        "--peer-address", f"127.0.0.1:{peer_port}",
-        "--engine-address", f"unix:{tmp / name}.sock",
-        "--metrics-address", "127.0.0.1:0",
-        "--sidecar-id", name,
-        *args,
-    ]  # fmt: skip
-    return _spawn(argv, tmp / f"{name}.log")
+    return Fleet(tmp).sidecar(name, *args, peer_port=peer_port)
 
 
 def start_engine(
     tmp: Path, sidecar: Proc, model: str, role: str, *args: str, num_blocks: int = 128
 ) -> EngineSim:
-    argv = [
-        str(BIN / "kvxfer-cli"), "engine-sim",
-        "--sidecar", sidecar.ready["engine_address"],
-        "--model", model,
-        "--role", role,
-        "--num-blocks", str(num_blocks),
-        "--state-blocks", "4",
-        *args,
-    ]  # fmt: skip
-    proc = _spawn(argv, tmp / f"engine-{role}-{sidecar.ready['sidecar_id']}.log")
-    return EngineSim(proc)
-
-
-@dataclass
-class EngineSim:
-    proc: Proc
-    _maps: dict[str, npt.NDArray[np.uint8]] = field(default_factory=dict)
-
-    @property
-    def ready(self) -> dict[str, Any]:
-        return self.proc.ready
-
-    @property
-    def engine_id(self) -> str:
-        return str(self.ready["engine_id"])
-
-    @functools.cached_property
-    def layout(self) -> EngineLayout:
-        r = self.ready
-        base = layout_for_model(r["model"], kv_dtype=r["kv_dtype"], block_size=r["block_size"])
-        return base.with_regions(Region(**region) for region in r["regions"])
-
-    def buffer_names(self) -> list[str]:
-        return [b["name"] for b in self.ready["buffers"]]
-
-    def view(self, buffer: str) -> npt.NDArray[np.uint8]:
-        if buffer not in self._maps:
-            spec = next(b for b in self.ready["buffers"] if b["name"] == buffer)
-            fd = os.open(f"/dev/shm/{spec['shm_name']}", os.O_RDONLY)
-            try:
-                mapping = mmap.mmap(fd, spec["size_bytes"], prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            self._maps[buffer] = np.frombuffer(mapping, dtype=np.uint8)
-        return self._maps[buffer]
-
-    def block(self, tensor: str, block_id: int) -> npt.NDArray[np.uint8]:
-        region = self.regions[tensor]
-        start = region.block_offset(block_id)
-        return self.view(region.buffer)[start : start + region.block_bytes]
-
-    @functools.cached_property
-    def regions(self) -> dict[str, Region]:
-        return self.layout.region_map
-
-    def salt(self, buffer: str) -> np.uint64:
-        index = self.buffer_names().index(buffer)
-        return salt_for(self.ready["role"], self.ready["seed"], index)
-
-    def stop(self) -> int:
-        self._maps.clear()
-        return self.proc.stop()
+    extra = ("--num-blocks", str(num_blocks), "--state-blocks", "4", *args)
+    return Fleet(tmp).engine(sidecar, model, role, *extra)
 
 
 def spans(group_ids: Mapping[int, Sequence[int]], first: int = 0) -> list[BlockSpan]:

@@ -7,9 +7,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from sidecars import BIN
 
 from kvxfer._exceptions import InvalidInputError
+from kvxfer.cli.fleet import BIN
 from kvxfer.server.settings import load_settings
 
 

@@ -28,7 +28,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from oracle import oracle_blocks, oracle_valid_tokens
 from sidecars import (
-    BIN,
     DecodeImage,
     EngineSim,
     Proc,
@@ -47,6 +46,7 @@ from kvxfer._exceptions import (
     NotFoundError,
     RegistrationError,
 )
+from kvxfer.cli.fleet import BIN
 from kvxfer.client.engine import EngineClient, SyncEngineClient
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import Region

@@ -7,9 +7,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from sidecars import BIN, DecodeImage, engine_link, spans, start_engine, start_sidecar
+from sidecars import DecodeImage, engine_link, spans, start_engine, start_sidecar
 
 from kvxfer._exceptions import KvxferError
+from kvxfer.cli.fleet import BIN
 from kvxfer.core.requests import PullDone, PullStatus
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]

@@ -23,10 +23,9 @@ import grpc.aio
 from google.protobuf.message import Message
 
 from kvxfer._exceptions import InvalidInputError
-from kvxfer.cli.main import EXIT_FAILED, EXIT_OK
+from kvxfer.cli.main import EXIT_FAILED, EXIT_OK, layout_from_args
 from kvxfer.cli.planning import human_bytes
 from kvxfer.core.negotiation import PROTOCOL_VERSION, find_mismatches, negotiate
-from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import check_address
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
@@ -73,13 +72,7 @@ def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
 
 def run_handshake(args: argparse.Namespace) -> int:
     check_address(args.peer, "--peer")
-    local = layout_for_model(
-        args.layout,
-        kv_dtype=args.kv_dtype,
-        block_size=args.block_size,
-        tp_size=args.tp_size,
-        tp_rank=args.tp_rank,
-    )
+    local = layout_from_args(args, args.layout)
     request = pb.HandshakeRequest(
         protocol_version=PROTOCOL_VERSION,
         epoch=1,
@@ -148,17 +141,19 @@ def _handshake_text(address: str, report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_peers(args: argparse.Namespace) -> int:
+def _admin(args: argparse.Namespace, what: str, method: str, request: Message) -> Any:
+    """One AdminService call against --sidecar (a peer or an engine address)."""
     check_address(args.sidecar, "--sidecar", allow_unix=True)
-    reply = asyncio.run(
-        _call(
-            args.sidecar,
-            "list peers",
-            lambda ch: pb_grpc.AdminServiceStub(ch).ListPeers(
-                pb.ListPeersRequest(), timeout=args.timeout
-            ),
-        )
-    )
+
+    def rpc(channel: grpc.aio.Channel) -> Awaitable[Any]:
+        stub = pb_grpc.AdminServiceStub(channel)
+        return getattr(stub, method)(request, timeout=args.timeout)  # type: ignore[no-any-return]
+
+    return asyncio.run(_call(args.sidecar, what, rpc))
+
+
+def run_peers(args: argparse.Namespace) -> int:
+    reply: pb.ListPeersResponse = _admin(args, "list peers", "ListPeers", pb.ListPeersRequest())
     if args.json:
         print(json.dumps(_as_dict(reply)))
         return EXIT_OK
@@ -175,16 +170,7 @@ def run_peers(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    check_address(args.sidecar, "--sidecar", allow_unix=True)
-    reply = asyncio.run(
-        _call(
-            args.sidecar,
-            "status",
-            lambda ch: pb_grpc.AdminServiceStub(ch).GetStatus(
-                pb.GetStatusRequest(), timeout=args.timeout
-            ),
-        )
-    )
+    reply: pb.GetStatusResponse = _admin(args, "status", "GetStatus", pb.GetStatusRequest())
     if args.json:
         print(json.dumps(_as_dict(reply)))
         return EXIT_OK

@@ -18,22 +18,20 @@ import os
 import signal
 
 from kvxfer._exceptions import KvxferError
+from kvxfer.cli.main import layout_from_args
 from kvxfer.client.engine import EngineClient
 from kvxfer.client.patterns import fill, salt_for
 from kvxfer.client.shm import ShmKVCache, shm_kv_cache
-from kvxfer.core.profiles import layout_for_model
 
 
 def run_engine_sim(args: argparse.Namespace) -> int:
-    layout = layout_for_model(
-        args.model,
-        kv_dtype=args.kv_dtype,
-        block_size=args.block_size,
-        tp_size=args.tp_size,
-        tp_rank=args.tp_rank,
-    )
+    layout = layout_from_args(args, args.model)
     with shm_kv_cache(
-        layout, args.num_blocks, prefix=f"kvxfer-{args.role}", num_state_blocks=args.state_blocks
+        layout,
+        args.num_blocks,
+        prefix=f"kvxfer-{args.role}",
+        num_state_blocks=args.state_blocks,
+        num_sliding_blocks=args.sliding_blocks,
     ) as cache:
         for index, handle in enumerate(cache.buffers):
             fill(cache.view(handle.name), salt_for(args.role, args.seed, index))
@@ -57,8 +55,11 @@ async def _serve(args: argparse.Namespace, cache: ShmKVCache) -> int:
             "model": args.model,
             "kv_dtype": args.kv_dtype,
             "block_size": args.block_size,
+            "tp_size": args.tp_size,
+            "tp_rank": args.tp_rank,
             "num_blocks": args.num_blocks,
             "state_blocks": args.state_blocks,
+            "sliding_blocks": args.sliding_blocks or args.num_blocks,
             "pid": os.getpid(),
             "buffers": [dataclasses.asdict(h) | {"kind": h.kind.value} for h in cache.buffers],
             "regions": [dataclasses.asdict(r) for r in cache.layout.regions],

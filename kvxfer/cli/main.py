@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvxfer._exceptions import KvxferError
+
+if TYPE_CHECKING:
+    from kvxfer.core.layout import EngineLayout
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -40,6 +43,32 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def _add_bench(commands: Any) -> None:
+    bench = commands.add_parser(
+        "bench", help="kvxfer end to end vs raw NIXL, per-block and memcpy, same buffers"
+    )
+    bench.add_argument(
+        "--models",
+        nargs="+",
+        help="profiles (gpt-oss-20b gemma-3-4b-it llama-3.1-8b qwen3-next-80b-a3b)",
+    )
+    bench.add_argument(
+        "--sizes", nargs="+", choices=["1k", "16k", "128k"], help="request sizes (all three)"
+    )
+    bench.add_argument("--repeat", type=positive_int, help="measured rounds per case (5)")
+    bench.add_argument("--quick", action="store_true", help="1k and 16k, 2 rounds: about a minute")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.set_defaults(run=_lazy("kvxfer.cli.bench", "run_bench"))
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    low, high = _int(lo), _int(hi) if sep else -1
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"expected LO:HI with 1 <= LO <= HI, got {text!r}")
+    return low, high
+
+
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -54,6 +83,19 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", default="bfloat16", help="KV cache dtype (bfloat16)")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def layout_from_args(args: argparse.Namespace, model: str) -> EngineLayout:
+    """The layout of `model` with --kv-dtype, --block-size, --tp-size, --tp-rank."""
+    from kvxfer.core.profiles import layout_for_model  # noqa: PLC0415
+
+    return layout_for_model(
+        model,
+        kv_dtype=args.kv_dtype,
+        block_size=args.block_size,
+        tp_size=args.tp_size,
+        tp_rank=args.tp_rank,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--computed", type=non_negative_int, default=0, help="tokens decode already holds C"
     )
     plan.set_defaults(run=_lazy("kvxfer.cli.planning", "run_plan"))
+    _add_engine_sim(commands)
+    _add_sidecar_commands(commands)
+    _add_demo(commands)
+    _add_bench(commands)
+    return parser
 
+
+def _add_engine_sim(commands: Any) -> None:
     sim = commands.add_parser("engine-sim", help="a simulated engine on shared memory")
     sim.add_argument(
         "--sidecar", required=True, help="sidecar engine address (unix:PATH|HOST:PORT)"
@@ -82,7 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--role", required=True, choices=["prefill", "decode"])
     sim.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
-    sim.add_argument("--num-blocks", type=positive_int, default=1024, help="blocks per group")
+    sim.add_argument(
+        "--num-blocks", type=positive_int, default=1024, help="blocks per full-attention group"
+    )
+    sim.add_argument(
+        "--sliding-blocks",
+        type=positive_int,
+        default=None,
+        help="blocks per sliding-window group (default: --num-blocks)",
+    )
     sim.add_argument(
         "--state-blocks", type=positive_int, default=8, help="state blocks per Mamba group"
     )
@@ -93,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--name", default="", help="engine name shown by status")
     sim.set_defaults(run=_lazy("kvxfer.cli.engine_sim", "run_engine_sim"))
 
+
+def _add_sidecar_commands(commands: Any) -> None:
     handshake = commands.add_parser(
         "handshake", help="dry-run negotiation against a peer sidecar's engine"
     )
@@ -110,7 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
     handshake.add_argument("--tls-key", help="client private key (PEM)")
     handshake.add_argument("--tls-ca", help="CA that signed the peer's certificate (PEM)")
     handshake.set_defaults(run=_lazy("kvxfer.cli.admin", "run_handshake"))
-
     for name, text in (
         ("peers", "peers a sidecar knows: epochs, agreements, last handshake"),
         ("status", "a sidecar's engines, leases and pulls in flight"),
@@ -122,7 +180,32 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
         sub.add_argument("--json", action="store_true", help="print one JSON object")
         sub.set_defaults(run=_lazy("kvxfer.cli.admin", f"run_{name}"))
-    return parser
+
+
+def _add_demo(commands: Any) -> None:
+    demo = commands.add_parser(
+        "demo", help="a whole P/D transfer here: 2 sidecars, 2 engines, every byte checked"
+    )
+    demo.add_argument("--model", default="gpt-oss-20b", help="profile (gpt-oss-20b)")
+    demo.add_argument("--requests", type=positive_int, default=24, help="requests to run (24)")
+    size = demo.add_mutually_exclusive_group()
+    size.add_argument("--tokens", type=positive_int, help="every prompt this long")
+    size.add_argument(
+        "--tokens-range",
+        type=_range,
+        default=(512, 16384),
+        help="prompt lengths LO:HI, log-uniform (512:16384)",
+    )
+    demo.add_argument(
+        "--prefix-hit-rate", type=float, default=0.25, help="share of requests with a prefix hit"
+    )
+    demo.add_argument(
+        "--fail-rate", type=float, default=0.0, help="inject this share of chunk failures"
+    )
+    demo.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    demo.add_argument("--seed", type=non_negative_int, default=0, help="workload seed")
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.set_defaults(run=_lazy("kvxfer.cli.demo", "run_demo"))
 
 
 def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:

@@ -1,0 +1,453 @@
+"""`kvxfer-cli bench`: kvxfer end to end against raw NIXL, side by side, same buffers.
+
+One run starts a prefill and a decode sidecar and, per model, a prefill and a
+decode engine-sim. Every case reads the same planned bytes from the prefill
+engine's shared memory into the decode engine's, four ways:
+
+- memcpy:    numpy copies of the planned ranges in this process (the host limit)
+- raw:       this process's own NIXL agent reads from the prefill *sidecar's*
+             agent with one descriptor per contiguous region range: the ceiling
+- per_block: the same agents, one descriptor per (region, block) from prepared
+             lists, as vLLM's NIXL connector posts them
+- kvxfer:    engine Pull call -> PullDone event, through both sidecars
+
+It reports GB/s (planned bytes over wall time), ratios to the ceiling, the
+per-request overhead over raw for small requests and bytes vs a
+full-attention transfer. It measures; it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer._exceptions import KvxferError
+from kvxfer.cli.fleet import EngineView, Fleet, Proc
+from kvxfer.cli.main import EXIT_OK
+from kvxfer.cli.progress import Progress
+from kvxfer.client.engine import EngineClient
+from kvxfer.core.buffers import BoundBuffer, BufferHandle, MemoryKind
+from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
+from kvxfer.core.negotiation import PROTOCOL_VERSION
+from kvxfer.core.planner import TransferPlan, full_attention_bytes, plan_blocks, plan_transfer
+from kvxfer.core.profiles import layout_for_model
+from kvxfer.core.requests import PullDone, PullStatus
+from kvxfer.dataplane.adapter import NixlAgent
+from kvxfer.dataplane.descriptors import DescArray, chunk_arrays
+from kvxfer.dataplane.memory import MappedBuffer, open_buffer
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.errors import rpc_error
+from kvxfer.wire.layout import layout_to_proto
+from kvxfer.wire.sidecar import PeerHello, hello_from_proto
+
+MODELS = ("gpt-oss-20b", "gemma-3-4b-it", "llama-3.1-8b", "qwen3-next-80b-a3b")
+SIZES = {"1k": 1024, "16k": 16384, "128k": 131072}
+BLOCK = 16
+SHM_BUDGET = 0.6  # of MemAvailable, for both engines of a model together
+
+
+# -- raw NIXL, run on the bench agent's thread (no nixl import here) -------------
+
+
+def _wait(agent: Any, handle: Any) -> None:
+    while (state := agent.check_xfer_state(handle)) == "PROC":
+        pass
+    agent.release_xfer_handle(handle)
+    if state != "DONE":
+        raise KvxferError(f"raw NIXL transfer ended {state}")
+
+
+def raw_read(agent: Any, peer: str, local: DescArray, remote: DescArray) -> float:
+    """One READ handle over coalesced descriptors; seconds from create to done."""
+    start = time.perf_counter()
+    handle = agent.initialize_xfer(
+        "READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer
+    )
+    agent.transfer(handle)
+    _wait(agent, handle)
+    return time.perf_counter() - start
+
+
+def per_block_read(agent: Any, peer: str, local: DescArray, remote: DescArray) -> float:
+    """Prepared per-block lists (prepared once per peer by a connector, so not timed),
+    then one make_prepped_xfer with every index."""
+    local_list = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
+    remote_list = agent.prep_xfer_dlist(peer, remote, "DRAM")
+    indices = np.arange(len(local), dtype=np.int32)
+    start = time.perf_counter()
+    handle = agent.make_prepped_xfer("READ", local_list, indices, remote_list, indices)
+    agent.transfer(handle)
+    _wait(agent, handle)
+    elapsed = time.perf_counter() - start
+    agent.release_dlist_handle(local_list)
+    agent.release_dlist_handle(remote_list)
+    return elapsed
+
+
+def split_per_block(
+    src: DescArray, dst: DescArray, block_bytes: Sequence[int]
+) -> tuple[DescArray, DescArray]:
+    """Cut each coalesced descriptor into block-sized ones."""
+    out_s, out_d = [], []
+    for (s_addr, length, s_dev), (d_addr, _, d_dev), size in zip(
+        src, dst, block_bytes, strict=True
+    ):
+        offsets = np.arange(int(length) // size, dtype=np.uint64) * np.uint64(size)
+        out_s.append(_blocks(s_addr + offsets, size, int(s_dev)))
+        out_d.append(_blocks(d_addr + offsets, size, int(d_dev)))
+    return np.concatenate(out_s), np.concatenate(out_d)
+
+
+def _blocks(addresses: DescArray, size: int, device: int) -> DescArray:
+    count = len(addresses)
+    columns = [addresses, np.full(count, size, np.uint64), np.full(count, device, np.uint64)]
+    return np.stack(columns, axis=1)
+
+
+def whole_descriptors(
+    plan: TransferPlan, src: dict[str, BoundBuffer], dst: dict[str, BoundBuffer]
+) -> tuple[DescArray, DescArray, list[int]]:
+    """Coalesced (src, dst) descriptors of a plan planned as one chunk per group, and
+    each descriptor's block size."""
+    pieces = [chunk_arrays(c, src, dst) for c in plan.chunks]
+    sizes = []
+    for chunk, (s, _) in zip(plan.chunks, pieces, strict=True):
+        per_region = len(s) // len(chunk.regions)
+        sizes += [pair.src.block_bytes for pair in chunk.regions for _ in range(per_region)]
+    return np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces]), sizes
+
+
+def memcpy_round(plan: TransferPlan, src: Callable[[str], Any], dst: Callable[[str], Any]) -> float:
+    start = time.perf_counter()
+    for chunk in plan.chunks:
+        for d in chunk.descriptors():
+            dst(d.dst_buffer)[d.dst_offset : d.dst_offset + d.length] = src(d.src_buffer)[
+                d.src_offset : d.src_offset + d.length
+            ]
+    return time.perf_counter() - start
+
+
+def host_memcpy_gbps(nbytes: int = 256 << 20) -> float:
+    a = np.ones(nbytes, np.uint8)
+    b = np.zeros(nbytes, np.uint8)
+    b[:] = a  # touch
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        b[:] = a
+        runs.append(time.perf_counter() - start)
+    return nbytes / min(runs) / 1e9
+
+
+# -- the run -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ModelSetup:
+    model: str
+    sizes: list[str]
+    engine_args: tuple[str, ...]
+    skipped: list[dict[str, Any]]
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    models = args.models or list(MODELS)
+    sizes = args.sizes or (["1k", "16k"] if args.quick else list(SIZES))
+    repeat = args.repeat or (2 if args.quick else 5)
+    workdir = Path(tempfile.mkdtemp(prefix="kvxfer-bench-"))
+    fleet = Fleet(workdir)
+    try:
+        report = asyncio.run(_bench(models, sizes, repeat, fleet, not args.json))
+    finally:
+        fleet.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_table(report))
+    return EXIT_OK
+
+
+async def _bench(
+    models: Sequence[str], sizes: Sequence[str], repeat: int, fleet: Fleet, show: bool
+) -> dict[str, Any]:
+    setups = [_setup(m, sizes) for m in models]
+    total = sum(len(s.sizes) for s in setups)
+    progress = Progress("bench", total, enabled=show)
+    progress.note("starting 2 sidecars")
+    p, d = await asyncio.gather(
+        asyncio.to_thread(fleet.sidecar, "p"), asyncio.to_thread(fleet.sidecar, "d")
+    )
+    report: dict[str, Any] = {
+        "memcpy_gbps": round(host_memcpy_gbps(), 3),
+        "cases": [],
+        "skipped": [],
+    }
+    agent = NixlAgent("kvxfer-bench")
+    try:
+        for setup in setups:
+            report["skipped"] += setup.skipped
+            if not setup.sizes:
+                continue
+            progress.note(f"starting engines for {setup.model}")
+            pe, de = await asyncio.gather(
+                asyncio.to_thread(fleet.engine, p, setup.model, "prefill", *setup.engine_args),
+                asyncio.to_thread(fleet.engine, d, setup.model, "decode", *setup.engine_args),
+            )
+            try:
+                async with _Case.open(agent, p, d, pe, de) as case:
+                    for size in setup.sizes:
+                        row = await case.measure(SIZES[size], repeat)
+                        report["cases"].append(row)
+                        progress.advance(
+                            f"{setup.model} {size}: kvxfer/raw {row['kvxfer_vs_raw']:.3f}"
+                        )
+            finally:
+                await asyncio.gather(
+                    asyncio.to_thread(fleet.stop_engine, pe),
+                    asyncio.to_thread(fleet.stop_engine, de),
+                )
+    finally:
+        await agent.close()
+        progress.done()
+    return report
+
+
+def _setup(model: str, sizes: Sequence[str]) -> _ModelSetup:
+    layout = layout_for_model(model, block_size=BLOCK)
+    available = _mem_available()
+    keep, skipped = [], []
+    for size in sizes:
+        need = 2 * _engine_bytes(layout, SIZES[size])
+        if need > SHM_BUDGET * available:
+            skipped.append(
+                {
+                    "model": model,
+                    "tokens": SIZES[size],
+                    "reason": f"needs {need / 2**30:.1f} GiB of shared memory for both engines, "
+                    f"more than {SHM_BUDGET:.0%} of the {available / 2**30:.1f} GiB available",
+                }
+            )
+        else:
+            keep.append(size)
+    largest = max((SIZES[s] for s in keep), default=BLOCK)
+    full = -(-largest // BLOCK)
+    engine_args = (
+        "--block-size", str(BLOCK),
+        "--num-blocks", str(full),
+        "--sliding-blocks", str(min(full, _sliding_pool(layout))),
+        "--state-blocks", "1",
+    )  # fmt: skip
+    return _ModelSetup(model, keep, engine_args, skipped)
+
+
+def _sliding_pool(layout: EngineLayout) -> int:
+    windows = [g.sliding_window for g in layout.groups if g.sliding_window is not None]
+    return max((-(-(w - 1) // BLOCK) + 1 for w in windows), default=1)
+
+
+def _engine_bytes(layout: EngineLayout, tokens: int) -> int:
+    full = -(-tokens // BLOCK)
+    total = 0
+    for group in layout.groups:
+        count = {GroupKind.FULL_ATTENTION: full, GroupKind.MAMBA: 1}.get(
+            group.kind, min(full, _sliding_pool(layout))
+        )
+        total += count * group.bytes_per_block
+    return total
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 8 << 30
+
+
+class _Case:
+    """One model's engines, as seen by both the sidecars and this process's agent."""
+
+    def __init__(self, agent: NixlAgent, p: Proc, d: Proc, pe: EngineView, de: EngineView) -> None:
+        self.agent, self.p, self.d, self.pe, self.de = agent, p, d, pe, de
+        self.local: list[MappedBuffer] = []
+        self.writable: dict[str, npt.NDArray[np.uint8]] = {}
+        self.peer = ""
+        self.hello: PeerHello | None = None
+        self.ids = 0
+        self.p_client = EngineClient(p.ready["engine_address"], engine_id=pe.engine_id)
+        self.d_client = EngineClient(d.ready["engine_address"], engine_id=de.engine_id)
+        self.waiting: dict[str, asyncio.Future[PullDone]] = {}
+        self.pump: asyncio.Task[None] | None = None
+
+    @classmethod
+    def open(cls, agent: NixlAgent, p: Proc, d: Proc, pe: EngineView, de: EngineView) -> Any:
+        import contextlib  # noqa: PLC0415
+
+        @contextlib.asynccontextmanager
+        async def scope() -> Any:
+            case = cls(agent, p, d, pe, de)
+            await case._start()
+            try:
+                yield case
+            finally:
+                await case._stop()
+
+        return scope()
+
+    async def _start(self) -> None:
+        handles = [
+            BufferHandle(b["name"], MemoryKind.DRAM, b["size_bytes"], shm_name=b["shm_name"])
+            for b in self.de.ready["buffers"]
+        ]
+        self.local = [open_buffer(h) for h in handles]
+        await self.agent.register(self.local)
+        for h in handles:
+            fd = os.open(f"/dev/shm/{h.shm_name}", os.O_RDWR)
+            try:
+                self.writable[h.name] = np.frombuffer(mmap.mmap(fd, h.size_bytes), np.uint8)
+            finally:
+                os.close(fd)
+        self.hello = await _handshake(self.p.ready["peer_address"], self.de.layout)
+        self.peer = await self.agent.add_peer(self.hello.agent_metadata)
+        self.pump = asyncio.create_task(self._pump())
+
+    async def _pump(self) -> None:
+        async for event in self.d_client.events():
+            future = self.waiting.pop(event.request_id, None)
+            if future is not None and isinstance(event, PullDone):
+                future.set_result(event)
+
+    async def _stop(self) -> None:
+        if self.pump is not None:
+            self.pump.cancel()
+        await self.p_client.close()
+        await self.d_client.close()
+        await self.agent.deregister(self.local)
+        for buffer in self.local:
+            buffer.close()
+        self.writable.clear()
+
+    def _spans(self, tokens: int) -> list[BlockSpan]:
+        spans = []
+        for plan in plan_blocks(self.pe.layout, tokens, 0):
+            if plan.blocks:
+                ids = tuple(BlockId(i) for i in range(len(plan.blocks)))
+                spans.append(BlockSpan(GroupId(plan.group.group_id), plan.blocks.start, ids))
+        return spans
+
+    async def measure(self, tokens: int, repeat: int) -> dict[str, Any]:
+        assert self.hello is not None
+        spans = self._spans(tokens)
+        src_layout, dst_layout = self.pe.layout, self.de.layout
+        whole = plan_transfer(src_layout, dst_layout, spans, spans, tokens, 0, chunk_blocks=1 << 30)
+        local = {
+            m.name: BoundBuffer(m.address, m.handle.size_bytes, 0, MemoryKind.DRAM)
+            for m in self.local
+        }
+        remote, mine, sizes = whole_descriptors(whole, self.hello.buffers, local)
+        block_remote, block_local = split_per_block(remote, mine, sizes)
+        times: dict[str, list[float]] = {k: [] for k in ("memcpy", "raw", "per_block", "kvxfer")}
+        methods: dict[str, Callable[[], Awaitable[float]]] = {
+            "memcpy": lambda: asyncio.to_thread(
+                memcpy_round, whole, self.pe.view, self.writable.__getitem__
+            ),
+            "raw": lambda: self.agent.run_on_agent(lambda a: raw_read(a, self.peer, mine, remote)),
+            "per_block": lambda: self.agent.run_on_agent(
+                lambda a: per_block_read(a, self.peer, block_local, block_remote)
+            ),
+            "kvxfer": lambda: self._kvxfer(tokens, spans, whole.nbytes),
+        }
+        order = list(methods)
+        for i in range(repeat + 1):  # round 0 warms up and is dropped
+            # Rotate the order every round: on a small shared machine the position in a
+            # round matters (caches, other processes), and no method should always go last.
+            turn = order[i % len(order) :] + order[: i % len(order)]
+            for name in turn:
+                elapsed = await methods[name]()
+                if i:
+                    times[name].append(elapsed)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        gbps = {k: whole.nbytes / v / 1e9 for k, v in med.items()}
+        return {
+            "model": self.pe.ready["model"],
+            "tokens": tokens,
+            "bytes": whole.nbytes,
+            "full_attention_bytes": full_attention_bytes(src_layout, tokens, 0),
+            "memcpy_gbps": round(gbps["memcpy"], 3),
+            "raw_nixl_gbps": round(gbps["raw"], 3),
+            "per_block_gbps": round(gbps["per_block"], 3),
+            "kvxfer_gbps": round(gbps["kvxfer"], 3),
+            "kvxfer_vs_raw": round(gbps["kvxfer"] / gbps["raw"], 3),
+            "per_block_vs_raw": round(gbps["per_block"] / gbps["raw"], 3),
+            "raw_ms_p50": round(med["raw"] * 1e3, 3),
+            "kvxfer_ms_p50": round(med["kvxfer"] * 1e3, 3),
+            "overhead_ms_p50": round((med["kvxfer"] - med["raw"]) * 1e3, 3),
+            "descriptors_raw": len(mine),
+            "descriptors_per_block": len(block_local),
+        }
+
+    async def _kvxfer(self, tokens: int, spans: list[BlockSpan], nbytes: int) -> float:
+        """Seconds from the decode engine's Pull call to its PullDone event."""
+        self.ids += 1
+        request_id = f"bench-{tokens}-{self.ids}"
+        done: asyncio.Future[PullDone] = asyncio.get_running_loop().create_future()
+        self.waiting[request_id] = done
+        params = await self.p_client.publish(request_id, tokens, spans)
+        start = time.perf_counter()
+        await self.d_client.pull(params, spans, 0)
+        event = await asyncio.wait_for(done, 120)
+        elapsed = time.perf_counter() - start
+        if event.status is not PullStatus.OK or event.bytes_moved != nbytes:
+            raise KvxferError(f"bench pull {request_id} ended {event.status.value}: {event.reason}")
+        return elapsed
+
+
+async def _handshake(address: str, layout: EngineLayout) -> PeerHello:
+    request = pb.HandshakeRequest(
+        protocol_version=PROTOCOL_VERSION, epoch=1, sidecar_id="kvxfer-bench",
+        layout=layout_to_proto(layout), dry_run=False,
+    )  # fmt: skip
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            reply = await pb_grpc.PeerServiceStub(channel).Handshake(request, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(exc, f"handshake at {address}") from exc
+    return hello_from_proto(reply, dry_run=False)
+
+
+def _table(report: dict[str, Any]) -> str:
+    lines = [
+        f"host memcpy {report['memcpy_gbps']:.2f} GB/s (one core, 256 MiB)",
+        "",
+        f"{'model':<20} {'tokens':>7} {'MiB':>8} {'memcpy':>7} {'raw':>6} {'per-blk':>7} "
+        f"{'kvxfer':>7} {'kvx/raw':>7} {'overhead':>9} {'vs full attn':>12}",
+    ]
+    for c in report["cases"]:
+        saved = 1 - c["bytes"] / c["full_attention_bytes"] if c["full_attention_bytes"] else 0
+        lines.append(
+            f"{c['model']:<20} {c['tokens']:>7} {c['bytes'] / 2**20:>8.1f} "
+            f"{c['memcpy_gbps']:>7.2f} {c['raw_nixl_gbps']:>6.2f} {c['per_block_gbps']:>7.2f} "
+            f"{c['kvxfer_gbps']:>7.2f} {c['kvxfer_vs_raw']:>7.3f} "
+            f"{c['overhead_ms_p50']:>+7.2f}ms {saved:>11.1%}"
+        )
+    lines.append("(GB/s of planned bytes over wall time; overhead = kvxfer p50 - raw p50)")
+    for s in report["skipped"]:
+        lines.append(f"skipped {s['model']} {s['tokens']}: {s['reason']}")
+    return "\n".join(lines)

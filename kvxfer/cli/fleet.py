@@ -1,0 +1,235 @@
+"""Starting and stopping real sidecar and engine-sim processes (demo, bench, tests).
+
+`Fleet` spawns `kvxfer-server` and `kvxfer-cli engine-sim` processes, waits
+for each one's JSON ready line, watches that none of them dies, and on close
+(also after Ctrl-C or a failure) stops them all with SIGTERM, then SIGKILL,
+and unlinks any shared-memory segment an engine left behind. `EngineView`
+maps an engine's segments read-only so a driver can check bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import mmap
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer._exceptions import KvxferError
+from kvxfer.client.patterns import salt_for
+from kvxfer.core.layout import EngineLayout, Region
+from kvxfer.core.profiles import layout_for_model
+
+BIN = Path(sys.executable).parent
+READY_TIMEOUT_S = 90.0
+SHM_DIR = Path("/dev/shm")
+
+
+class ChildDiedError(KvxferError):
+    """A process of the fleet exited while it was still needed."""
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[str]
+    ready: dict[str, Any]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def check_alive(self) -> None:
+        code = self.popen.poll()
+        if code is not None:
+            raise ChildDiedError(
+                f"{self.name} (pid {self.pid}) exited unexpectedly with code {code}; "
+                f"its log: {self.log}"
+            )
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        """Signal, wait, and SIGKILL if it will not stop; returns the exit code."""
+        try:
+            if self.popen.poll() is None:
+                self.popen.send_signal(sig)
+            try:
+                return self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                return self.popen.wait(10)
+        finally:
+            if self.popen.stdout is not None:
+                self.popen.stdout.close()
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def spawn(name: str, argv: Sequence[str], log: Path) -> Proc:
+    """Start a process and wait for its JSON ready line on stdout."""
+    with log.open("w") as err:
+        popen = subprocess.Popen(
+            list(argv), stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=False
+        )
+    assert popen.stdout is not None
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([popen.stdout], [], [], 0.2)
+        if readable:
+            line = popen.stdout.readline()
+            if line.startswith("{"):
+                return Proc(name, popen, json.loads(line), log)
+            if not line and popen.poll() is not None:
+                break
+        elif popen.poll() is not None:
+            break
+    popen.kill()
+    popen.wait(10)
+    popen.stdout.close()
+    tail = log.read_text(errors="replace")[-2000:]
+    raise ChildDiedError(f"{name} did not start (log {log}):\n{tail}")
+
+
+@dataclass
+class EngineView:
+    """An engine-sim's ready line, layout and read-only views of its shared memory."""
+
+    proc: Proc
+    _maps: dict[str, npt.NDArray[np.uint8]] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> dict[str, Any]:
+        return self.proc.ready
+
+    @property
+    def engine_id(self) -> str:
+        return str(self.ready["engine_id"])
+
+    @functools.cached_property
+    def layout(self) -> EngineLayout:
+        r = self.ready
+        base = layout_for_model(
+            r["model"],
+            kv_dtype=r["kv_dtype"],
+            block_size=r["block_size"],
+            tp_size=r.get("tp_size", 1),
+            tp_rank=r.get("tp_rank", 0),
+        )
+        return base.with_regions(Region(**region) for region in r["regions"])
+
+    @functools.cached_property
+    def regions(self) -> dict[str, Region]:
+        return self.layout.region_map
+
+    def shm_names(self) -> list[str]:
+        return [b["shm_name"] for b in self.ready["buffers"]]
+
+    def buffer_names(self) -> list[str]:
+        return [b["name"] for b in self.ready["buffers"]]
+
+    def view(self, buffer: str) -> npt.NDArray[np.uint8]:
+        if buffer not in self._maps:
+            spec = next(b for b in self.ready["buffers"] if b["name"] == buffer)
+            fd = os.open(SHM_DIR / spec["shm_name"], os.O_RDONLY)
+            try:
+                mapping = mmap.mmap(fd, spec["size_bytes"], prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            self._maps[buffer] = np.frombuffer(mapping, dtype=np.uint8)
+        return self._maps[buffer]
+
+    def block(self, tensor: str, block_id: int) -> npt.NDArray[np.uint8]:
+        region = self.regions[tensor]
+        start = region.block_offset(block_id)
+        return self.view(region.buffer)[start : start + region.block_bytes]
+
+    def salt(self, buffer: str) -> np.uint64:
+        index = self.buffer_names().index(buffer)
+        return salt_for(self.ready["role"], self.ready["seed"], index)
+
+    def release(self) -> None:
+        self._maps.clear()
+
+    def stop(self) -> int:
+        self.release()
+        return self.proc.stop()
+
+
+class Fleet:
+    """The processes of one demo, bench or test; `close()` leaves nothing behind."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[Proc] = []
+        self.engines: list[EngineView] = []
+
+    def sidecar(self, name: str, *args: str, peer_port: int = 0) -> Proc:
+        argv = [
+            str(BIN / "kvxfer-server"),
+            "--peer-address", f"127.0.0.1:{peer_port}",
+            "--engine-address", f"unix:{self.workdir / name}.sock",
+            "--metrics-address", "127.0.0.1:0",
+            "--sidecar-id", name,
+            *args,
+        ]  # fmt: skip
+        proc = spawn(f"sidecar {name}", argv, self.workdir / f"{name}.log")
+        self.procs.append(proc)
+        return proc
+
+    def engine(self, sidecar: Proc, model: str, role: str, *args: str) -> EngineView:
+        argv = [
+            str(BIN / "kvxfer-cli"), "engine-sim",
+            "--sidecar", sidecar.ready["engine_address"],
+            "--model", model,
+            "--role", role,
+            *args,
+        ]  # fmt: skip
+        name = f"engine-sim {role} at {sidecar.name.removeprefix('sidecar ')}"
+        log = self.workdir / f"engine-{role}-{sidecar.ready['sidecar_id']}.log"
+        view = EngineView(spawn(name, argv, log))
+        self.procs.append(view.proc)
+        self.engines.append(view)
+        return view
+
+    def check_alive(self) -> None:
+        for proc in self.procs:
+            proc.check_alive()
+
+    def stop_engine(self, engine: EngineView) -> int:
+        engine.release()
+        self.engines.remove(engine)
+        self.procs.remove(engine.proc)
+        return engine.proc.stop()
+
+    def close(self) -> list[str]:
+        """Stop engines first (they unregister and unlink), then sidecars; unlink what a
+        killed engine left. Returns the names of leftover segments that had to be removed."""
+        leftovers: list[str] = []
+        for engine in self.engines:
+            engine.release()
+        engines = {id(e.proc) for e in self.engines}
+        for proc in sorted(self.procs, key=lambda p: id(p) not in engines):
+            with contextlib.suppress(OSError):
+                proc.stop()
+        for engine in self.engines:
+            for name in engine.shm_names():
+                path = SHM_DIR / name
+                if path.exists():
+                    path.unlink(missing_ok=True)
+                    leftovers.append(name)
+        self.procs.clear()
+        self.engines.clear()
+        return leftovers

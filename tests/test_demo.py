@@ -1,0 +1,166 @@
+"""`kvxfer-cli demo` and `kvxfer-cli bench` as a user runs them: real processes, real
+NIXL; they verify, report, and leave no process or shared-memory segment behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from oracle import oracle_valid_tokens
+
+from kvxfer.cli.fleet import BIN
+from kvxfer.core.profiles import layout_for_model
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+CLI = str(BIN / "kvxfer-cli")
+
+
+def _ours() -> set[int]:
+    """Pids of kvxfer sidecars and engine-sims running now."""
+    out = subprocess.run(
+        ["pgrep", "-f", "kvxfer-server|engine-sim"], capture_output=True, text=True, check=False
+    )
+    return {int(p) for p in out.stdout.split()}
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("kvxfer-")}
+
+
+@pytest.fixture
+def leaves_nothing() -> Iterator[None]:
+    procs, segments = _ours(), _segments()
+    yield
+    deadline = time.monotonic() + 10
+    while _ours() - procs and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _ours() - procs, "the demo left processes running"
+    assert not _segments() - segments, "the demo left shared memory behind"
+
+
+def _demo(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [CLI, "demo", *args, "--json"], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.mark.usefixtures("leaves_nothing")
+def test_demo_moves_exactly_the_minimum_and_verifies_every_request() -> None:
+    result = _demo("--requests", "6", "--tokens-range", "200:3000", "--prefix-hit-rate", "0.5")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["model"] == "gpt-oss-20b" and report["requests"] == 6
+    assert report["verified_requests"] == 6 and report["untouched_bytes_verified"] is True
+    assert report["bytes_moved"] == report["bytes_exact_minimum"] > 0
+    assert report["full_attention_bytes"] > report["bytes_moved"]
+    assert report["failed_blocks"] == 0 and report["throughput_gbps"] > 0
+    assert set(report["pull_latency_ms"]) == {"p50", "p99"} and report["handshake_ms"] > 0
+    rows = report["per_request"]
+    assert any(r["computed_tokens"] for r in rows), "seed 0 draws at least one prefix hit"
+    for row in rows:
+        assert row["status"] == "ok" and row["failed_blocks"] == {}
+        assert row["valid_tokens"] == row["tokens"]
+    assert sum(r["bytes_moved"] for r in rows) == report["bytes_moved"]
+
+
+@pytest.mark.usefixtures("leaves_nothing")
+def test_demo_with_injected_failures_reports_what_the_recompute_rule_says() -> None:
+    result = _demo("--requests", "6", "--tokens-range", "1000:4000", "--fail-rate", "0.2",
+                   "--seed", "3")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["failed_blocks"] > 0
+    assert report["verified_requests"] == 6
+    assert report["bytes_moved"] < report["bytes_exact_minimum"]
+    layout = layout_for_model("gpt-oss-20b")
+    plan = subprocess.run(
+        [CLI, "plan", "--model", "gpt-oss-20b", "--tokens", "100", "--json"],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    num_groups = len(json.loads(plan.stdout)["groups"])
+    for row in report["per_request"]:
+        failed = {int(g): blocks for g, blocks in row["failed_blocks"].items()}
+        assert set(failed) <= set(range(num_groups))
+        want = oracle_valid_tokens(layout.groups, row["tokens"], row["computed_tokens"], 16, failed)
+        assert row["valid_tokens"] == want
+        assert row["status"] == ("ok" if not failed else row["status"])
+        assert row["problems"] == []
+
+
+def _start_demo(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [CLI, "demo", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal would give it
+    )
+
+
+def _wait_for_engines(demo: subprocess.Popen[str], timeout_s: float = 90) -> int:
+    """The pid of the demo's decode engine-sim once it is running."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert demo.poll() is None, demo.communicate()
+        out = subprocess.run(
+            ["pgrep", "-s", str(demo.pid), "-f", "engine-sim.*--role decode"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if out.stdout.strip():
+            time.sleep(2)  # let requests start flowing
+            return int(out.stdout.split()[0])
+        time.sleep(0.2)
+    raise AssertionError("the demo's engines never started")
+
+
+@pytest.mark.usefixtures("leaves_nothing")
+def test_a_killed_engine_fails_the_demo_with_a_clear_message() -> None:
+    demo = _start_demo("--requests", "400", "--tokens", "4000")
+    try:
+        os.kill(_wait_for_engines(demo), signal.SIGKILL)
+        _, stderr = demo.communicate(timeout=90)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+    assert demo.returncode == 1
+    assert "engine-sim decode" in stderr and "exited unexpectedly" in stderr, stderr[-2000:]
+
+
+@pytest.mark.usefixtures("leaves_nothing")
+def test_ctrl_c_stops_everything() -> None:
+    demo = _start_demo("--requests", "400", "--tokens", "4000")
+    try:
+        _wait_for_engines(demo)
+        os.killpg(demo.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        _, stderr = demo.communicate(timeout=90)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+    assert demo.returncode == 130, stderr[-2000:]
+    assert "interrupted" in stderr
+
+
+def test_bench_reports_every_method_side_by_side() -> None:
+    result = subprocess.run(
+        [CLI, "bench", "--models", "gemma-3-4b-it", "--sizes", "1k", "--repeat", "1", "--json"],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["memcpy_gbps"] > 0
+    (case,) = report["cases"]
+    assert case["model"] == "gemma-3-4b-it" and case["tokens"] == 1024
+    for key in ("raw_nixl_gbps", "per_block_gbps", "kvxfer_gbps", "kvxfer_vs_raw"):
+        assert case[key] > 0, key
+    assert case["bytes"] <= case["full_attention_bytes"]  # gemma: the window covers 1k
+    assert "overhead_ms_p50" in case
+    assert Path("/dev/shm").exists()
