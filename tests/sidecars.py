@@ -159,14 +159,3 @@ def metric(
         for (sample, sample_labels), value in samples.items()
         if sample == name and set(labels.items()) <= set(sample_labels)
     )
-
-
-def rss_excluding_shm_bytes(pid: int) -> int:
-    """Resident memory of a process, not counting mapped shared memory (engine buffers):
-    RssAnon + RssFile from /proc/PID/status (RssShmem is the engines' KV)."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("RssAnon", "RssFile"):
-            fields[key] = int(rest.split()[0]) * 1024
-    return fields["RssAnon"] + fields["RssFile"]

@@ -33,7 +33,6 @@ from sidecars import (
     Proc,
     engine_link,
     metric,
-    rss_excluding_shm_bytes,
     scrape,
     spans,
     start_engine,
@@ -46,7 +45,7 @@ from kvxfer._exceptions import (
     NotFoundError,
     RegistrationError,
 )
-from kvxfer.cli.fleet import BIN
+from kvxfer.cli.fleet import BIN, rss_excluding_shm_bytes
 from kvxfer.client.engine import EngineClient, SyncEngineClient
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import Region

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer._exceptions import InvalidInputError
-from kvxfer.cli.fleet import EngineView, Fleet
+from kvxfer.cli.fleet import EngineView, Fleet, rss_excluding_shm_bytes
 from kvxfer.cli.main import EXIT_FAILED, EXIT_OK
 from kvxfer.cli.planning import human_bytes
 from kvxfer.cli.progress import Progress
@@ -140,7 +141,12 @@ async def _demo(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
     progress.done()
     handshake_ms = _handshake_ms(d.ready["metrics_address"])
     whole_ok = runner.check_untouched()
-    return _report(args, pe.layout, outcomes, _busy_s(outcomes), handshake_ms, whole_ok)
+    report = _report(args, pe.layout, outcomes, _busy_s(outcomes), handshake_ms, whole_ok)
+    report["sidecar_peak_rss_mib"] = {
+        name.removeprefix("sidecar "): round(rss / 2**20, 1)
+        for name, rss in sorted(runner.peak_rss.items())
+    }
+    return report
 
 
 def _busy_s(outcomes: Sequence[Outcome]) -> float:
@@ -200,6 +206,7 @@ class _Runner:
         # (tensor, decode block id) -> prefill block id it must now hold
         self.written: dict[tuple[str, int], int] = {}
         self.waiters: dict[tuple[str, str], asyncio.Future[EngineEvent]] = {}
+        self.peak_rss: dict[str, int] = {}  # sidecar -> bytes, shared memory excluded
 
     async def run(
         self, requests: Sequence[Request], p: EngineClient, d: EngineClient
@@ -230,8 +237,13 @@ class _Runner:
         return outcomes
 
     async def _watch_children(self) -> None:
+        """Fail fast if a process dies; sample the sidecars' memory under load."""
         while True:
             self.fleet.check_alive()
+            for proc in self.fleet.sidecars():
+                with contextlib.suppress(OSError, KeyError):
+                    rss = rss_excluding_shm_bytes(proc.pid)
+                    self.peak_rss[proc.name] = max(self.peak_rss.get(proc.name, 0), rss)
             await asyncio.sleep(0.2)
 
     async def _pump(self, side: str, client: EngineClient) -> None:
@@ -474,6 +486,8 @@ def _summary(report: dict[str, Any], args: argparse.Namespace) -> str:
         f"pull latency    p50 {report['pull_latency_ms']['p50']:.1f} ms, "
         f"p99 {report['pull_latency_ms']['p99']:.1f} ms; handshake {report['handshake_ms']:.1f} ms",
     ]
+    rss = ", ".join(f"{k} {v:.0f} MiB" for k, v in report["sidecar_peak_rss_mib"].items())
+    lines.append(f"sidecar memory  peak {rss} resident (shared memory excluded)")
     failed = [r for r in report["per_request"] if r["failed_blocks"]]
     lines.append(f"failures        {report['failed_blocks']} blocks in {len(failed)} requests")
     for row in failed[:10]:

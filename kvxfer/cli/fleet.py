@@ -168,6 +168,26 @@ class EngineView:
         return self.proc.stop()
 
 
+def _fresh(path: Path) -> Path:
+    """`path`, or `path` with -2, -3, ... before the suffix if it exists already."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return candidate
+
+
+def rss_excluding_shm_bytes(pid: int) -> int:
+    """Resident memory of a process without mapped shared memory (the engines' KV):
+    RssAnon + RssFile from /proc/PID/status."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("RssAnon", "RssFile"):
+            fields[key] = int(rest.split()[0]) * 1024
+    return fields["RssAnon"] + fields["RssFile"]
+
+
 class Fleet:
     """The processes of one demo, bench or test; `close()` leaves nothing behind."""
 
@@ -185,7 +205,7 @@ class Fleet:
             "--sidecar-id", name,
             *args,
         ]  # fmt: skip
-        proc = spawn(f"sidecar {name}", argv, self.workdir / f"{name}.log")
+        proc = spawn(f"sidecar {name}", argv, _fresh(self.workdir / f"{name}.log"))
         self.procs.append(proc)
         return proc
 
@@ -198,7 +218,7 @@ class Fleet:
             *args,
         ]  # fmt: skip
         name = f"engine-sim {role} at {sidecar.name.removeprefix('sidecar ')}"
-        log = self.workdir / f"engine-{role}-{sidecar.ready['sidecar_id']}.log"
+        log = _fresh(self.workdir / f"engine-{role}-{sidecar.ready['sidecar_id']}.log")
         view = EngineView(spawn(name, argv, log))
         self.procs.append(view.proc)
         self.engines.append(view)
@@ -207,6 +227,9 @@ class Fleet:
     def check_alive(self) -> None:
         for proc in self.procs:
             proc.check_alive()
+
+    def sidecars(self) -> list[Proc]:
+        return [p for p in self.procs if p.name.startswith("sidecar ")]
 
     def stop_engine(self, engine: EngineView) -> int:
         engine.release()

@@ -180,6 +180,10 @@ class NixlAgent:
             # timed wait hands the core to the scheduler.
             self._run_commands(state, None if state.inflight else _IDLE_S)
             self._poll_transfers(state)
+            if state.inflight:
+                # Hand the GIL over between polls: the event loop (gRPC, the next
+                # chunk's post) would otherwise wait up to a switch interval (5 ms).
+                time.sleep(0)
             now = time.monotonic()
             if now >= next_notif_poll:  # also progresses the backend's workers
                 self._poll_notifications(state)
