@@ -9,5 +9,9 @@ COPY client ./client
 RUN pip install --no-cache-dir -c constraints.txt . \
     && useradd --system --uid 10001 kvxfer
 USER 10001
-ENTRYPOINT ["kvxfer-cli"]
-CMD ["--help"]
+# Peers dial 7500 (PeerService), Prometheus scrapes 9400; the engine talks over the
+# unix socket in a volume shared with it. Settings: flags, KVXFER_* or --config.
+EXPOSE 7500 9400
+ENTRYPOINT ["kvxfer-server"]
+CMD ["--peer-address", "0.0.0.0:7500", "--engine-address", "unix:/run/kvxfer/engine.sock", \
+     "--metrics-address", "0.0.0.0:9400"]
