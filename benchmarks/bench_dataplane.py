@@ -34,10 +34,18 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from nixl_peer import LocalSide, SourcePeer
 
-from kvxfer.cli.bench import memcpy_round, per_block_read, raw_read, split_per_block
+from kvxfer.cli.bench import (
+    SHM_BUDGET,
+    engine_bytes,
+    mem_available,
+    memcpy_round,
+    per_block_read,
+    raw_read,
+    split_per_block,
+)
 from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId, GroupKind
-from kvxfer.core.planner import DEFAULT_CHUNK_BLOCKS, plan_transfer
+from kvxfer.core.planner import DEFAULT_CHUNK_BLOCKS, plan_blocks, plan_transfer
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.dataplane.adapter import NixlAgent
 from kvxfer.dataplane.descriptors import chunk_arrays
@@ -51,16 +59,24 @@ async def bench_case(
     model: str, tokens: int, repeat: int, options: ExecOptions, chunk_blocks: int
 ) -> dict[str, Any]:
     layout = layout_for_model(model, block_size=BLOCK)
+    need = 2 * engine_bytes(layout, tokens)
+    if need > SHM_BUDGET * mem_available():
+        return {"model": model, "tokens": tokens, "skipped": f"needs {need / 2**30:.1f} GiB"}
+    groups = plan_blocks(layout, tokens, 0)
+    sliding = max(
+        (len(g.blocks) for g in groups if g.group.kind is GroupKind.SLIDING_WINDOW), default=1
+    )
     num_blocks = -(-tokens // BLOCK)
-    src = ShmKVCache(layout, num_blocks, "bench-src", num_state_blocks=1)
-    dst = ShmKVCache(layout, num_blocks, "bench-dst", num_state_blocks=1)
+    src = ShmKVCache(layout, num_blocks, "bench-src", 1, sliding)
+    dst = ShmKVCache(layout, num_blocks, "bench-dst", 1, sliding)
     spans = [
         BlockSpan(
-            GroupId(g.group_id),
-            0,
-            tuple(BlockId(b) for b in range(1 if g.kind is GroupKind.MAMBA else num_blocks)),
+            GroupId(g.group.group_id),
+            g.blocks.start,
+            tuple(BlockId(b) for b in range(len(g.blocks))),
         )
-        for g in layout.groups
+        for g in groups
+        if g.blocks
     ]
     plan = plan_transfer(src.layout, dst.layout, spans, spans, tokens, 0, chunk_blocks)
     whole = plan_transfer(src.layout, dst.layout, spans, spans, tokens, 0, chunk_blocks=1 << 30)
@@ -149,6 +165,9 @@ def main() -> None:
                 bench_case(model, SIZES[size], args.repeat, options, args.chunk_blocks)
             )
             rows.append(row)
+            if "skipped" in row:
+                print(f"{model} {size}: skipped, {row['skipped']} of shared memory", flush=True)
+                continue
             if not args.json:
                 print(
                     f"{model:20s} {size:>5s} {row['bytes'] / 2**20:9.1f} MiB  "

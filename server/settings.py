@@ -26,6 +26,7 @@ from pydantic_settings import (
 )
 
 from kvxfer._exceptions import InvalidInputError
+from kvxfer.core.planner import DEFAULT_CHUNK_BLOCKS
 from kvxfer.core.requests import check_address
 
 CONFIG_ENV = "KVXFER_CONFIG"
@@ -44,7 +45,9 @@ class TransferSettings(_Group):
     stall_deadline_s: float = Field(
         10.0, gt=0, le=600, description="a chunk not done by then fails and is released"
     )
-    chunk_blocks: int = Field(256, ge=1, le=1 << 20, description="logical blocks per NIXL handle")
+    chunk_blocks: int = Field(
+        DEFAULT_CHUNK_BLOCKS, ge=1, le=1 << 20, description="logical blocks per NIXL handle"
+    )
     max_inflight_chunks: int = Field(
         32, ge=1, le=4096, description="chunks posted at once per pull"
     )

@@ -232,10 +232,10 @@ async def _bench(
 
 def _setup(model: str, sizes: Sequence[str]) -> _ModelSetup:
     layout = layout_for_model(model, block_size=BLOCK)
-    available = _mem_available()
+    available = mem_available()
     keep, skipped = [], []
     for size in sizes:
-        need = 2 * _engine_bytes(layout, SIZES[size])
+        need = 2 * engine_bytes(layout, SIZES[size])
         if need > SHM_BUDGET * available:
             skipped.append(
                 {
@@ -263,7 +263,7 @@ def _sliding_pool(layout: EngineLayout) -> int:
     return max((-(-(w - 1) // BLOCK) + 1 for w in windows), default=1)
 
 
-def _engine_bytes(layout: EngineLayout, tokens: int) -> int:
+def engine_bytes(layout: EngineLayout, tokens: int) -> int:
     full = -(-tokens // BLOCK)
     total = 0
     for group in layout.groups:
@@ -274,7 +274,7 @@ def _engine_bytes(layout: EngineLayout, tokens: int) -> int:
     return total
 
 
-def _mem_available() -> int:
+def mem_available() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024

@@ -32,7 +32,7 @@ from kvxfer.core.layout import (
     Region,
 )
 
-DEFAULT_CHUNK_BLOCKS = 256
+DEFAULT_CHUNK_BLOCKS = 1024  # 16k tokens at B=16; see docs/dataplane.md "Chunks"
 
 
 def check_request(num_tokens: int, computed_tokens: int, block_size: int) -> None:
