@@ -1,0 +1,128 @@
+"""A real Prometheus server scrapes a sidecar during pulls; its view matches the
+sidecar's own counters, and the documented throughput query gives a number."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from sidecars import engine_link, metric, scrape, spans, start_engine, start_sidecar
+
+from kvxfer.core.requests import PullDone, PullStatus
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(
+        shutil.which("prometheus") is None,
+        reason="the prometheus server is not installed (.ci/run installs the Debian package)",
+    ),
+]
+
+THROUGHPUT = (
+    "sum(rate(kvxfer_bytes_moved_total[1m])) / sum(rate(kvxfer_transfer_active_seconds_total[1m]))"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _query(port: int, expr: str) -> list[dict[str, object]]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body = json.load(response)
+    assert body["status"] == "success", body
+    result: list[dict[str, object]] = body["data"]["result"]
+    return result
+
+
+def _value(port: int, expr: str) -> float | None:
+    result = _query(port, expr)
+    if not result:
+        return None
+    value = result[0]["value"]
+    assert isinstance(value, list)
+    return float(value[1])
+
+
+async def _ready(server: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"prometheus exited: {log.read_text()[-2000:]}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"prometheus never became ready: {log.read_text()[-2000:]}")
+
+
+async def _wait_for(port: int, expr: str, want: float, timeout_s: float = 30) -> float | None:
+    deadline = time.monotonic() + timeout_s
+    value = None
+    while time.monotonic() < deadline:
+        value = _value(port, expr)
+        if value == want:
+            return value
+        await asyncio.sleep(0.5)
+    return value
+
+
+async def test_prometheus_scrapes_what_the_sidecar_did(tmp_path: Path) -> None:
+    p = start_sidecar(tmp_path, "p")
+    d = start_sidecar(tmp_path, "d")
+    pe = start_engine(tmp_path, p, "gpt-oss-20b", "prefill", num_blocks=64)
+    de = start_engine(tmp_path, d, "gpt-oss-20b", "decode", num_blocks=64)
+    port = _free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: kvxfer\n"
+        f"    static_configs: [{{targets: ['{d.ready['metrics_address']}', "
+        f"'{p.ready['metrics_address']}']}}]\n"
+    )
+    log = (tmp_path / "prometheus.log").open("w")
+    server = subprocess.Popen(
+        [
+            "prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log, stderr=log,
+    )  # fmt: skip
+    try:
+        await _ready(server, port, tmp_path / "prometheus.log")
+        blocks = {0: range(20), 1: range(20)}
+        async with engine_link(p, pe) as (pc, _), engine_link(d, de) as (dc, d_events):
+            for i in range(3):
+                params = await pc.publish(f"prom-{i}", 300, spans(blocks))
+                await dc.pull(params, spans({0: range(30, 50), 1: range(30, 50)}), 0)
+                done = await d_events.next()
+                assert isinstance(done, PullDone) and done.status is PullStatus.OK
+                # Let Prometheus see each step, so rate() has increases to work with.
+                own = metric(scrape(d), "kvxfer_bytes_moved_total")
+                seen = await _wait_for(port, "sum(kvxfer_bytes_moved_total)", own)
+                assert seen == own, f"Prometheus saw {seen} bytes, the sidecar counted {own}"
+        assert await _wait_for(port, "sum(kvxfer_requests_total{result='ok'})", 3) == 3
+        assert await _wait_for(port, "kvxfer_active_leases", 0) == 0
+        throughput = _value(port, THROUGHPUT)
+        assert throughput is not None and throughput > 0, throughput
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
+        for proc in (de, pe, d, p):
+            proc.stop()
