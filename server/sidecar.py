@@ -387,7 +387,15 @@ class Sidecar:
     ) -> None:
         self._check_epoch(epoch)
         engine = self._serving_engine(tp_rank)
-        lease = self._leases.end_read(engine.engine_id, check_request_id(request_id))
+        lease = self._leases.get(engine.engine_id, check_request_id(request_id))
+        held = sum(
+            len(s.block_ids) * engine.layout.group(s.group_id).bytes_per_block for s in lease.spans
+        )
+        if bytes_read > held:
+            raise InvalidInputError(
+                "bytes_read", f"{bytes_read} exceeds the {held} bytes request {request_id!r} holds"
+            )
+        lease = self._leases.end_read(engine.engine_id, request_id)
         if lease.state is LeaseState.ABORTED:
             reason = ReleaseReason.ABORTED
         self.metrics.bytes_served.inc(bytes_read)

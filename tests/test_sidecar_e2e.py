@@ -320,6 +320,23 @@ async def test_bad_input_is_refused_by_field_and_the_sidecar_keeps_serving(fleet
             await stub.Pull(pb.PullRequest(engine_id=fleet.de.engine_id))
         assert missing.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert (missing.value.details() or "").startswith("params: missing")
+    # A peer's claims are checked too: it cannot report more bytes than the request holds.
+    async with (
+        engine_link(fleet.p, fleet.pe) as (p, p_events),
+        grpc.aio.insecure_channel(fleet.p.ready["peer_address"]) as channel,
+    ):
+        params = await p.publish(fleet.request_id("peer-claims"), 32, fleet.src(2))
+        peer = pb_grpc.PeerServiceStub(channel)
+        key = {"epoch": params.epoch, "tp_rank": 0, "request_id": params.request_id}
+        await peer.BeginRead(pb.BeginReadRequest(**key))
+        with pytest.raises(grpc.aio.AioRpcError) as overclaim:
+            claim = pb.EndReadRequest(**key, reason=pb.RELEASE_REASON_CONSUMED, bytes_read=1 << 40)
+            await peer.EndRead(claim)
+        assert overclaim.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert (overclaim.value.details() or "").startswith("bytes_read:")
+        await peer.EndRead(pb.EndReadRequest(**key, reason=pb.RELEASE_REASON_ABORTED))
+        released = await p_events.next()
+        assert isinstance(released, Released) and released.request_id == params.request_id
     status = _cli("status", "--sidecar", address, "--json")  # still serving
     assert status.returncode == 0 and json.loads(status.stdout)["engines"]
 
@@ -462,8 +479,8 @@ def test_metrics_match_what_the_fleet_did(fleet: Fleet) -> None:
     assert metric(p, "kvxfer_active_leases") == 0 and metric(p, "kvxfer_held_blocks") == 0
     assert metric(p, "kvxfer_expired_leases_total") == 1
     assert metric(p, "kvxfer_released_leases_total", reason="consumed") == fleet.ok_pulls + 1
-    # abort-before, abort-d, abort-p, mismatch, sync-client
-    assert metric(p, "kvxfer_released_leases_total", reason="aborted") == 5
+    # abort-before, abort-d, abort-p, mismatch, peer-claims, sync-client
+    assert metric(p, "kvxfer_released_leases_total", reason="aborted") == 6
     df = scrape(fleet.df)
     assert metric(df, "kvxfer_fault_injection") == 1
     assert metric(df, "kvxfer_failed_blocks_total") > 0

@@ -42,6 +42,10 @@ def test_bad_message_names_the_field() -> None:
     with pytest.raises(LayoutError, match=r"^layout.groups\[1\].kind: unknown group kind 0"):
         layout_from_proto(message)
     message = layout_to_proto(layout_for_model("gpt-oss-20b"))
+    message.groups[1].kind = pb.GROUP_KIND_MLA
+    with pytest.raises(LayoutError, match=r"^layout.groups\[1\].kind: MLA .* not supported yet"):
+        layout_from_proto(message)
+    message = layout_to_proto(layout_for_model("gpt-oss-20b"))
     message.block_size = 0
     with pytest.raises(LayoutError, match=r"^layout.block_size: must be in"):
         layout_from_proto(message)

@@ -33,6 +33,8 @@ class _GroupKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GroupKind.V
     GROUP_KIND_FULL_ATTENTION: _GroupKind.ValueType  # 1
     GROUP_KIND_SLIDING_WINDOW: _GroupKind.ValueType  # 2
     GROUP_KIND_MAMBA: _GroupKind.ValueType  # 3
+    GROUP_KIND_MLA: _GroupKind.ValueType  # 4
+    """Latent KV (DeepSeek MLA): named so it can be refused by name; not supported yet."""
 
 class GroupKind(_GroupKind, metaclass=_GroupKindEnumTypeWrapper): ...
 
@@ -40,6 +42,8 @@ GROUP_KIND_UNSPECIFIED: GroupKind.ValueType  # 0
 GROUP_KIND_FULL_ATTENTION: GroupKind.ValueType  # 1
 GROUP_KIND_SLIDING_WINDOW: GroupKind.ValueType  # 2
 GROUP_KIND_MAMBA: GroupKind.ValueType  # 3
+GROUP_KIND_MLA: GroupKind.ValueType  # 4
+"""Latent KV (DeepSeek MLA): named so it can be refused by name; not supported yet."""
 Global___GroupKind: _TypeAlias = GroupKind  # noqa: Y015
 
 @_typing.final

@@ -86,6 +86,12 @@ def layout_from_proto(message: pb.EngineLayout, field: str = "layout") -> Engine
 
 
 def _group_from_proto(message: pb.KVGroup, index: int) -> KVGroup:
+    if message.kind == pb.GROUP_KIND_MLA:
+        raise LayoutError(
+            f"groups[{index}].kind",
+            "MLA (latent KV) groups are not supported yet; kvxfer refuses them rather than "
+            "move them as something else",
+        )
     kind = _KIND_FROM_PB.get(message.kind)
     if kind is None:
         raise LayoutError(f"groups[{index}].kind", f"unknown group kind {message.kind}")
