@@ -45,9 +45,16 @@ def leaves_nothing() -> Iterator[None]:
     assert not _segments() - segments, "the demo left shared memory behind"
 
 
-def _demo(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def _demo(
+    *args: str, timeout: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [CLI, "demo", *args, "--json"], capture_output=True, text=True, timeout=timeout, check=False
+        [CLI, "demo", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -92,6 +99,19 @@ def test_demo_with_injected_failures_reports_what_the_recompute_rule_says() -> N
         assert row["valid_tokens"] == want
         assert row["status"] == ("ok" if not failed else row["status"])
         assert row["problems"] == []
+
+
+@pytest.mark.usefixtures("leaves_nothing")
+def test_unexpected_failures_make_the_demo_exit_non_zero() -> None:
+    """Faults the user did not ask for (here forced on the sidecars through their
+    environment) are reported, and the demo fails."""
+    result = _demo(
+        "--requests", "4", "--tokens", "3000", env={"KVXFER_FAULTS__FAIL_RATE": "0.5"}
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["failed_blocks"] > 0
+    assert report["verified_requests"] == 4  # what did arrive is still checked
 
 
 def _start_demo(*args: str) -> subprocess.Popen[str]:
