@@ -90,10 +90,3 @@ def check_regions_fit(layout: EngineLayout, handles: list[BufferHandle]) -> None
                 where,
                 f"ends at byte {region.end_bytes}, past buffer {region.buffer!r} ({size} bytes)",
             )
-
-
-def bind(buffers: list[MappedBuffer]) -> dict[str, BoundBuffer]:
-    return {
-        b.name: BoundBuffer(b.address, b.handle.size_bytes, b.device_id, b.handle.kind)
-        for b in buffers
-    }

@@ -40,8 +40,8 @@ from kvxfer.core.requests import (
 )
 from kvxfer.dataplane.adapter import TransferBackend
 from kvxfer.dataplane.executor import ExecOptions
-from kvxfer.dataplane.memory import MappedBuffer, open_buffer
-from kvxfer.server.engines import Engine, EventQueue, bind, check_regions_fit
+from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
+from kvxfer.server.engines import Engine, EventQueue, check_regions_fit
 from kvxfer.server.leases import Lease, LeaseState, LeaseTable
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import Dialer, PeerLinks

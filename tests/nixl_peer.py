@@ -20,14 +20,7 @@ from kvxfer.core.planner import TransferPlan
 from kvxfer.dataplane.adapter import NixlAgent, TransferBackend
 from kvxfer.dataplane.descriptors import BoundBuffer
 from kvxfer.dataplane.executor import TransferResult, execute_plan
-from kvxfer.dataplane.memory import MappedBuffer, open_buffer
-
-
-def bind(buffers: Sequence[MappedBuffer]) -> dict[str, BoundBuffer]:
-    return {
-        b.name: BoundBuffer(b.address, b.handle.size_bytes, b.device_id, b.handle.kind)
-        for b in buffers
-    }
+from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
 
 
 def _serve_source(conn: Connection, handles: list[BufferHandle]) -> None:

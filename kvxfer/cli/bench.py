@@ -50,7 +50,7 @@ from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import PullDone, PullStatus
 from kvxfer.dataplane.adapter import NixlAgent
 from kvxfer.dataplane.descriptors import DescArray, chunk_arrays
-from kvxfer.dataplane.memory import MappedBuffer, open_buffer
+from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.errors import rpc_error
@@ -357,10 +357,7 @@ class _Case:
         spans = self._spans(tokens)
         src_layout, dst_layout = self.pe.layout, self.de.layout
         whole = plan_transfer(src_layout, dst_layout, spans, spans, tokens, 0, chunk_blocks=1 << 30)
-        local = {
-            m.name: BoundBuffer(m.address, m.handle.size_bytes, 0, MemoryKind.DRAM)
-            for m in self.local
-        }
+        local = bind(self.local)
         remote, mine, sizes = whole_descriptors(whole, self.hello.buffers, local)
         block_remote, block_local = split_per_block(remote, mine, sizes)
         times: dict[str, list[float]] = {k: [] for k in ("memcpy", "raw", "per_block", "kvxfer")}

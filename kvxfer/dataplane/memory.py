@@ -12,12 +12,13 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvxfer._exceptions import RegistrationError
-from kvxfer.core.buffers import BufferHandle, MemoryKind
+from kvxfer.core.buffers import BoundBuffer, BufferHandle, MemoryKind
 
 SHM_DIR = Path("/dev/shm")
 
@@ -43,6 +44,14 @@ class MappedBuffer:
         self._keepalive.clear()
         while self._close:
             self._close.pop()()
+
+
+def bind(buffers: Sequence[MappedBuffer]) -> dict[str, BoundBuffer]:
+    """Name -> where each buffer sits in this process: what descriptors are built from."""
+    return {
+        b.name: BoundBuffer(b.address, b.handle.size_bytes, b.device_id, b.handle.kind)
+        for b in buffers
+    }
 
 
 def open_buffer(handle: BufferHandle) -> MappedBuffer:
