@@ -31,7 +31,7 @@ from kvxfer.core.layout import BlockSpan, EngineLayout
 from kvxfer.core.requests import EngineEvent, PullAccepted, TransferParams, check_address
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
-from kvxfer.wire.errors import rpc_error
+from kvxfer.wire.errors import guarded, rpc_error
 from kvxfer.wire.layout import layout_to_proto, span_to_proto
 from kvxfer.wire.sidecar import (
     event_from_proto,
@@ -78,10 +78,7 @@ class EngineClient:
         await self._channel.close()
 
     async def _call(self, what: str, rpc: Callable[[], Awaitable[T]]) -> T:
-        try:
-            return await rpc()
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_error(exc, f"{what} at sidecar {self.address}") from exc
+        return await guarded(f"{what} at sidecar {self.address}", rpc)
 
     def _engine(self) -> str:
         if not self.engine_id:

@@ -35,9 +35,8 @@ from kvxfer.server.metrics import Metrics
 from kvxfer.server.settings import Settings
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
-from kvxfer.wire.errors import rpc_error
-from kvxfer.wire.layout import layout_to_proto
-from kvxfer.wire.sidecar import PeerHello, hello_from_proto
+from kvxfer.wire.errors import guarded
+from kvxfer.wire.sidecar import PeerHello, hello_from_proto, hello_request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,10 +78,7 @@ class Dialer:
         return pb_grpc.PeerServiceStub(channel)
 
     async def call(self, address: str, what: str, rpc: Callable[[], Awaitable[T]]) -> T:
-        try:
-            return await rpc()
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_error(exc, f"{what} at peer {address}") from exc
+        return await guarded(f"{what} at peer {address}", rpc)
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
@@ -171,18 +167,10 @@ class PeerLinks:
     def invalidate(self, link: PeerLink) -> None:
         link.stale = True
 
-    async def dry_run(self, address: str, layout: EngineLayout) -> PeerHello:
-        """A handshake that loads no NIXL agent (kvxfer-cli handshake)."""
-        return await self.hello(address, layout, dry_run=True)
-
     async def hello(self, address: str, layout: EngineLayout, *, dry_run: bool) -> PeerHello:
         stub = self._dialer.stub(address)
-        request = pb.HandshakeRequest(
-            protocol_version=PROTOCOL_VERSION,
-            epoch=self._epoch,
-            sidecar_id=self._sidecar_id,
-            layout=layout_to_proto(layout),
-            dry_run=dry_run,
+        request = hello_request(
+            layout, epoch=self._epoch, sidecar_id=self._sidecar_id, dry_run=dry_run
         )
         timeout = self._settings.transfer.rpc_timeout_s
         reply = await self._dialer.call(

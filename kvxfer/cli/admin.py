@@ -25,13 +25,13 @@ from google.protobuf.message import Message
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.cli.main import EXIT_FAILED, EXIT_OK, layout_from_args
 from kvxfer.cli.planning import human_bytes
+from kvxfer.core.layout import EngineLayout
 from kvxfer.core.negotiation import PROTOCOL_VERSION, find_mismatches, negotiate
 from kvxfer.core.requests import check_address
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
-from kvxfer.wire.errors import rpc_error
-from kvxfer.wire.layout import layout_to_proto
-from kvxfer.wire.sidecar import hello_from_proto
+from kvxfer.wire.errors import guarded
+from kvxfer.wire.sidecar import PeerHello, hello_from_proto, hello_request
 
 T = TypeVar("T")
 
@@ -48,10 +48,28 @@ async def _call(
         else grpc.aio.secure_channel(address, credentials)
     )
     async with channel:
-        try:
-            return await rpc(channel)
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_error(exc, f"{what} at {address}") from exc
+        return await guarded(f"{what} at {address}", lambda: rpc(channel))
+
+
+async def fetch_hello(
+    address: str,
+    layout: EngineLayout,
+    *,
+    dry_run: bool,
+    timeout_s: float,
+    sidecar_id: str = "kvxfer-cli",
+    credentials: grpc.ChannelCredentials | None = None,
+) -> PeerHello:
+    """Handshake with a peer sidecar as an engine with `layout` would; a dry run hands
+    out no NIXL metadata and loads no agent anywhere."""
+    request = hello_request(layout, epoch=1, sidecar_id=sidecar_id, dry_run=dry_run)
+    reply = await _call(
+        address,
+        "handshake",
+        lambda ch: pb_grpc.PeerServiceStub(ch).Handshake(request, timeout=timeout_s),
+        credentials,
+    )
+    return hello_from_proto(reply, dry_run=dry_run)
 
 
 def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
@@ -73,24 +91,12 @@ def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
 def run_handshake(args: argparse.Namespace) -> int:
     check_address(args.peer, "--peer")
     local = layout_from_args(args, args.layout)
-    request = pb.HandshakeRequest(
-        protocol_version=PROTOCOL_VERSION,
-        epoch=1,
-        sidecar_id="kvxfer-cli",
-        layout=layout_to_proto(local),
-        dry_run=True,
-    )
+    credentials = _credentials(args)
     start = time.perf_counter()
-    reply = asyncio.run(
-        _call(
-            args.peer,
-            "handshake",
-            lambda ch: pb_grpc.PeerServiceStub(ch).Handshake(request, timeout=args.timeout),
-            _credentials(args),
-        )
+    hello = asyncio.run(
+        fetch_hello(args.peer, local, dry_run=True, timeout_s=args.timeout, credentials=credentials)
     )
     elapsed_ms = (time.perf_counter() - start) * 1000
-    hello = hello_from_proto(reply, dry_run=True)
     mismatches = find_mismatches(local, hello.layout, PROTOCOL_VERSION, hello.protocol_version)
     agreement = None if mismatches else negotiate(local, hello.layout)
     report: dict[str, Any] = {

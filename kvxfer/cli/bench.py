@@ -32,30 +32,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
-import grpc.aio
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer._exceptions import KvxferError
+from kvxfer.cli.admin import fetch_hello
 from kvxfer.cli.fleet import EngineView, Fleet, Proc
 from kvxfer.cli.main import EXIT_OK
 from kvxfer.cli.progress import Progress
 from kvxfer.client.engine import EngineClient
 from kvxfer.core.buffers import BoundBuffer, BufferHandle, MemoryKind
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
-from kvxfer.core.negotiation import PROTOCOL_VERSION
 from kvxfer.core.planner import TransferPlan, full_attention_bytes, plan_blocks, plan_transfer
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import PullDone, PullStatus
 from kvxfer.dataplane.adapter import NixlAgent
 from kvxfer.dataplane.descriptors import DescArray, chunk_arrays
 from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
-from kvxfer.v1 import sidecar_pb2 as pb
-from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
-from kvxfer.wire.errors import rpc_error
-from kvxfer.wire.layout import layout_to_proto
-from kvxfer.wire.sidecar import PeerHello, hello_from_proto
+from kvxfer.wire.sidecar import PeerHello
 
 MODELS = ("gpt-oss-20b", "gemma-3-4b-it", "llama-3.1-8b", "qwen3-next-80b-a3b")
 SIZES = {"1k": 1024, "16k": 16384, "128k": 131072}
@@ -324,7 +318,13 @@ class _Case:
                 self.writable[h.name] = np.frombuffer(mmap.mmap(fd, h.size_bytes), np.uint8)
             finally:
                 os.close(fd)
-        self.hello = await _handshake(self.p.ready["peer_address"], self.de.layout)
+        self.hello = await fetch_hello(
+            self.p.ready["peer_address"],
+            self.de.layout,
+            dry_run=False,  # the raw reads need the prefill agent's metadata
+            timeout_s=10,
+            sidecar_id="kvxfer-bench",
+        )
         self.peer = await self.agent.add_peer(self.hello.agent_metadata)
         self.pump = asyncio.create_task(self._pump())
 
@@ -414,19 +414,6 @@ class _Case:
         if event.status is not PullStatus.OK or event.bytes_moved != nbytes:
             raise KvxferError(f"bench pull {request_id} ended {event.status.value}: {event.reason}")
         return elapsed
-
-
-async def _handshake(address: str, layout: EngineLayout) -> PeerHello:
-    request = pb.HandshakeRequest(
-        protocol_version=PROTOCOL_VERSION, epoch=1, sidecar_id="kvxfer-bench",
-        layout=layout_to_proto(layout), dry_run=False,
-    )  # fmt: skip
-    async with grpc.aio.insecure_channel(address) as channel:
-        try:
-            reply = await pb_grpc.PeerServiceStub(channel).Handshake(request, timeout=10)
-        except grpc.aio.AioRpcError as exc:
-            raise rpc_error(exc, f"handshake at {address}") from exc
-    return hello_from_proto(reply, dry_run=False)
 
 
 def _table(report: dict[str, Any]) -> str:

@@ -9,6 +9,8 @@ JSON in the `kvxfer-mismatches` trailer.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 import grpc.aio
@@ -32,6 +34,7 @@ from kvxfer._exceptions import (
 )
 from kvxfer.core.negotiation import Mismatch
 
+T = TypeVar("T")
 MISMATCH_TRAILER = "kvxfer-mismatches"
 ERROR_TRAILER = "kvxfer-error"  # the kvxfer exception class the server raised
 FIELD_TRAILER = "kvxfer-field"  # its field, for InvalidInputError and subclasses
@@ -52,6 +55,14 @@ _BY_NAME: dict[str, type[KvxferError]] = {
 _INPUT_BY_NAME: dict[str, type[InvalidInputError]] = {
     cls.__name__: cls for cls in (InvalidInputError, LayoutError, PlanError, ProfileError)
 }
+
+
+async def guarded(what: str, rpc: Callable[[], Awaitable[T]]) -> T:
+    """Await one RPC; a failure becomes the kvxfer error its status stands for."""
+    try:
+        return await rpc()
+    except grpc.aio.AioRpcError as exc:
+        raise rpc_error(exc, what) from exc
 
 
 def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> KvxferError:

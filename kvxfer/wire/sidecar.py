@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.core.buffers import BoundBuffer, BufferHandle, MemoryKind
 from kvxfer.core.layout import EngineLayout
+from kvxfer.core.negotiation import PROTOCOL_VERSION
 from kvxfer.core.requests import (
     EngineEvent,
     LeaseExpired,
@@ -231,6 +232,19 @@ class PeerHello:
     agent_metadata: bytes
     lease_ttl_s: float
     registration_version: int
+
+
+def hello_request(
+    layout: EngineLayout, *, epoch: int, sidecar_id: str, dry_run: bool
+) -> pb.HandshakeRequest:
+    """What a pulling sidecar (or a dry run from the CLI or the bench) sends."""
+    return pb.HandshakeRequest(
+        protocol_version=PROTOCOL_VERSION,
+        epoch=epoch,
+        sidecar_id=sidecar_id,
+        layout=layout_to_proto(layout),
+        dry_run=dry_run,
+    )
 
 
 def hello_to_proto(hello: PeerHello) -> pb.HandshakeResponse:
