@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import urllib.request
+import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +19,11 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 from oracle import oracle_blocks
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvxfer.cli.fleet import EngineView as EngineSim
-from kvxfer.cli.fleet import Fleet, Proc
+from kvxfer.cli.fleet import Fleet, Proc, Samples
+from kvxfer.cli.fleet import scrape as scrape_metrics
 from kvxfer.client.engine import EngineClient
-from kvxfer.client.patterns import pattern
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId
 from kvxfer.core.requests import EngineEvent
 
@@ -38,6 +37,13 @@ def start_engine(
 ) -> EngineSim:
     extra = ("--num-blocks", str(num_blocks), "--state-blocks", "4", *args)
     return Fleet(tmp).engine(sidecar, model, role, *extra)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def spans(group_ids: Mapping[int, Sequence[int]], first: int = 0) -> list[BlockSpan]:
@@ -88,19 +94,8 @@ class DecodeImage:
 
     def check_all(self) -> None:
         """Every byte of every decode buffer: pattern, or a recorded pulled block."""
-        layout = self.engine.layout
-        for buffer in self.engine.buffer_names():
-            view = self.engine.view(buffer)
-            expected = pattern(self.engine.salt(buffer), 0, view.size).copy()
-            for (tensor, block_id), data in self.written.items():
-                region = layout.region_map[tensor]
-                if region.buffer == buffer:
-                    start = region.block_offset(block_id)
-                    expected[start : start + region.block_bytes] = data
-            mismatch = np.flatnonzero(view != expected)
-            assert mismatch.size == 0, (
-                f"{buffer}: {mismatch.size} bytes differ, first at offset {mismatch[0]}"
-            )
+        problem = self.engine.image_mismatch(self.written)
+        assert problem is None, problem
 
 
 class Events:
@@ -138,24 +133,6 @@ async def engine_link(
             await events.close()
 
 
-def scrape(sidecar: Proc) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """One real scrape of the sidecar's /metrics: {(sample name, labels): value}."""
-    url = f"http://{sidecar.ready['metrics_address']}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def metric(
-    samples: Mapping[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
-) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    return sum(
-        value
-        for (sample, sample_labels), value in samples.items()
-        if sample == name and set(labels.items()) <= set(sample_labels)
-    )
+def scrape(sidecar: Proc) -> Samples:
+    """One real scrape of the sidecar's /metrics."""
+    return scrape_metrics(sidecar.ready["metrics_address"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -14,8 +13,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from sidecars import engine_link, metric, scrape, spans, start_engine, start_sidecar
+from sidecars import engine_link, free_port, scrape, spans, start_engine, start_sidecar
 
+from kvxfer.cli.fleet import metric
 from kvxfer.core.requests import PullDone, PullStatus
 
 pytestmark = [
@@ -30,12 +30,6 @@ pytestmark = [
 THROUGHPUT = (
     "sum(rate(kvxfer_bytes_moved_total[1m])) / sum(rate(kvxfer_transfer_active_seconds_total[1m]))"
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _query(port: int, expr: str) -> list[dict[str, object]]:
@@ -86,7 +80,7 @@ async def test_prometheus_scrapes_what_the_sidecar_did(tmp_path: Path) -> None:
     d = start_sidecar(tmp_path, "d")
     pe = start_engine(tmp_path, p, "gpt-oss-20b", "prefill", num_blocks=64)
     de = start_engine(tmp_path, d, "gpt-oss-20b", "decode", num_blocks=64)
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global: {scrape_interval: 1s}\n"

@@ -32,7 +32,6 @@ from sidecars import (
     EngineSim,
     Proc,
     engine_link,
-    metric,
     scrape,
     spans,
     start_engine,
@@ -45,7 +44,7 @@ from kvxfer._exceptions import (
     NotFoundError,
     RegistrationError,
 )
-from kvxfer.cli.fleet import BIN, rss_excluding_shm_bytes
+from kvxfer.cli.fleet import BIN, metric, rss_excluding_shm_bytes
 from kvxfer.client.engine import EngineClient, SyncEngineClient
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import Region

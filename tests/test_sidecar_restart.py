@@ -3,12 +3,12 @@ stale NIXL agent dropped, params from before the restart refused, and no crash."
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
-from sidecars import DecodeImage, engine_link, metric, scrape, spans, start_engine, start_sidecar
+from sidecars import DecodeImage, engine_link, free_port, scrape, spans, start_engine, start_sidecar
 
+from kvxfer.cli.fleet import metric
 from kvxfer.core.requests import PullDone, PullStatus
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -16,14 +16,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 MODEL = "qwen3-next-80b-a3b"  # full attention + Mamba-style state groups
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_prefill_restart_between_pulls(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     d = start_sidecar(tmp_path, "d")
     de = start_engine(tmp_path, d, MODEL, "decode", num_blocks=64)
     p = start_sidecar(tmp_path, "p", peer_port=port)

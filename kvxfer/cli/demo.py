@@ -29,14 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvxfer._exceptions import InvalidInputError
-from kvxfer.cli.fleet import EngineView, Fleet, rss_excluding_shm_bytes
+from kvxfer.cli.fleet import EngineView, Fleet, metric, rss_excluding_shm_bytes, scrape
 from kvxfer.cli.main import EXIT_FAILED, EXIT_OK
 from kvxfer.cli.planning import human_bytes
 from kvxfer.cli.progress import Progress
 from kvxfer.client.engine import EngineClient
-from kvxfer.client.patterns import pattern
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
 from kvxfer.core.planner import GroupPlan, full_attention_bytes, plan_blocks
 from kvxfer.core.recompute import valid_tokens
@@ -203,8 +203,9 @@ class _Runner:
         self.layout = pe.layout
         self.rng = random.Random(args.seed + 1)
         self.free_slots = list(range(CONCURRENCY))
-        # (tensor, decode block id) -> prefill block id it must now hold
-        self.written: dict[tuple[str, int], int] = {}
+        # (tensor, decode block id) -> the prefill block it must now hold (a read-only
+        # view: prefill memory does not change during the demo)
+        self.written: dict[tuple[str, int], npt.NDArray[np.uint8]] = {}
         self.waiters: dict[tuple[str, str], asyncio.Future[EngineEvent]] = {}
         self.peak_rss: dict[str, int] = {}  # sidecar -> bytes, shared memory excluded
 
@@ -324,7 +325,7 @@ class _Runner:
                         self.de.block(tensor.name, d_id), self.pe.block(tensor.name, s_id)
                     ):
                         outcome.problems.append(f"{tensor.name} logical block {logical} differs")
-                    self.written[(tensor.name, d_id)] = s_id
+                    self.written[(tensor.name, d_id)] = self.pe.block(tensor.name, s_id)
                     moved += tensor.bytes_per_block
         expected_valid = valid_tokens(
             [g.group for g in groups], request.tokens, request.computed, self.layout.block_size,
@@ -342,33 +343,13 @@ class _Runner:
 
     def check_untouched(self) -> bool:
         """Every decode byte is its pattern, or the prefill block last pulled into it."""
-        for buffer in self.de.buffer_names():
-            view = self.de.view(buffer)
-            expected = pattern(self.de.salt(buffer), 0, view.size).copy()
-            for (tensor, d_id), s_id in self.written.items():
-                region = self.de.regions[tensor]
-                if region.buffer == buffer:
-                    start = region.block_offset(d_id)
-                    expected[start : start + region.block_bytes] = self.pe.block(tensor, s_id)
-            if not np.array_equal(view, expected):
-                return False
-        return True
+        return self.de.image_mismatch(self.written) is None
 
 
 def _handshake_ms(metrics_address: str) -> float:
-    import urllib.request  # noqa: PLC0415
-
-    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
-
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    total = count = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "kvxfer_handshake_duration_seconds_sum":
-                total += sample.value
-            elif sample.name == "kvxfer_handshake_duration_seconds_count":
-                count += sample.value
+    samples = scrape(metrics_address)
+    count = metric(samples, "kvxfer_handshake_duration_seconds_count")
+    total = metric(samples, "kvxfer_handshake_duration_seconds_sum")
     return 1000 * total / count if count else 0.0
 
 

@@ -19,16 +19,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+import urllib.request
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvxfer._exceptions import KvxferError
-from kvxfer.client.patterns import salt_for
+from kvxfer.client.patterns import pattern, salt_for
 from kvxfer.core.layout import EngineLayout, Region
 from kvxfer.core.profiles import layout_for_model
 
@@ -156,6 +158,24 @@ class EngineView:
         start = region.block_offset(block_id)
         return self.view(region.buffer)[start : start + region.block_bytes]
 
+    def image_mismatch(
+        self, written: Mapping[tuple[str, int], npt.NDArray[np.uint8]]
+    ) -> str | None:
+        """Check every byte of every buffer: its fill pattern, or for (tensor, block id)
+        in `written` the bytes pulled into it. None when all match, else where not."""
+        for buffer in self.buffer_names():
+            view = self.view(buffer)
+            expected = pattern(self.salt(buffer), 0, view.size).copy()
+            for (tensor, block_id), data in written.items():
+                region = self.regions[tensor]
+                if region.buffer == buffer:
+                    start = region.block_offset(block_id)
+                    expected[start : start + region.block_bytes] = data
+            mismatch = np.flatnonzero(view != expected)
+            if mismatch.size:
+                return f"{buffer}: {mismatch.size} bytes differ, first at offset {mismatch[0]}"
+        return None
+
     def salt(self, buffer: str) -> np.uint64:
         index = self.buffer_names().index(buffer)
         return salt_for(self.ready["role"], self.ready["seed"], index)
@@ -166,6 +186,31 @@ class EngineView:
     def stop(self) -> int:
         self.release()
         return self.proc.stop()
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(metrics_address: str) -> Samples:
+    """One scrape of a sidecar's /metrics: {(sample name, sorted labels): value}."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def metric(
+    samples: Mapping[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    return sum(
+        value
+        for (sample, sample_labels), value in samples.items()
+        if sample == name and set(labels.items()) <= set(sample_labels)
+    )
 
 
 def _fresh(path: Path) -> Path:
