@@ -11,7 +11,7 @@ from oracle import oracle_blocks
 from strategies import PROFILES, layouts, requests
 
 from kvxfer.core.layout import GroupKind, KVGroup
-from kvxfer.core.planner import full_attention_bytes, needed_blocks, plan_blocks
+from kvxfer.core.planner import full_attention_bytes, needed_blocks, plan_blocks, pool_blocks
 from kvxfer.core.profiles import layout_for_model
 
 
@@ -123,3 +123,25 @@ def test_gemma_32k_moves_far_less_than_full_attention() -> None:
     assert total == per_layer_block * (5 * 2048 + 29 * 64)
     assert full == per_layer_block * 34 * 2048
     assert total < full / 5
+
+
+@given(st.data())
+def test_pool_blocks_bound_every_request_tightly(data: st.DataObject) -> None:
+    """An engine sized by pool_blocks holds any request up to max_tokens, and the bound
+    is reached (no over-allocation) for the longest requests."""
+    layout = data.draw(layouts())
+    max_tokens = data.draw(st.integers(1, 20_000))
+    pools = pool_blocks(layout, max_tokens)
+    for group in layout.groups:
+        need = [
+            len(oracle_blocks(group, n, 0, layout.block_size))
+            for n in range(max(1, max_tokens - 2 * layout.block_size), max_tokens + 1)
+        ]
+        tokens = data.draw(st.integers(1, max_tokens))
+        assert len(oracle_blocks(group, tokens, 0, layout.block_size)) <= pools[group.kind]
+        assert max(need) <= pools[group.kind]
+        windows = {g.sliding_window for g in layout.groups if g.sliding_window is not None}
+        # Tight unless several windows share one sliding pool, or W == 1 (which moves
+        # nothing; the pool still keeps one block so an engine can be sized at all).
+        if group.kind is not GroupKind.SLIDING_WINDOW or windows == {group.sliding_window} != {1}:
+            assert max(need) == pools[group.kind]

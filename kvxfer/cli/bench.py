@@ -43,7 +43,13 @@ from kvxfer.cli.progress import Progress
 from kvxfer.client.engine import EngineClient
 from kvxfer.core.buffers import BoundBuffer, BufferHandle, MemoryKind
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
-from kvxfer.core.planner import TransferPlan, full_attention_bytes, plan_blocks, plan_transfer
+from kvxfer.core.planner import (
+    TransferPlan,
+    full_attention_bytes,
+    plan_blocks,
+    plan_transfer,
+    pool_blocks,
+)
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import PullDone, PullStatus
 from kvxfer.dataplane.adapter import NixlAgent
@@ -242,30 +248,20 @@ def _setup(model: str, sizes: Sequence[str]) -> _ModelSetup:
         else:
             keep.append(size)
     largest = max((SIZES[s] for s in keep), default=BLOCK)
-    full = -(-largest // BLOCK)
+    pools = pool_blocks(layout, largest)
     engine_args = (
         "--block-size", str(BLOCK),
-        "--num-blocks", str(full),
-        "--sliding-blocks", str(min(full, _sliding_pool(layout))),
+        "--num-blocks", str(pools[GroupKind.FULL_ATTENTION]),
+        "--sliding-blocks", str(pools[GroupKind.SLIDING_WINDOW]),
         "--state-blocks", "1",
     )  # fmt: skip
     return _ModelSetup(model, keep, engine_args, skipped)
 
 
-def _sliding_pool(layout: EngineLayout) -> int:
-    windows = [g.sliding_window for g in layout.groups if g.sliding_window is not None]
-    return max((-(-(w - 1) // BLOCK) + 1 for w in windows), default=1)
-
-
 def engine_bytes(layout: EngineLayout, tokens: int) -> int:
-    full = -(-tokens // BLOCK)
-    total = 0
-    for group in layout.groups:
-        count = {GroupKind.FULL_ATTENTION: full, GroupKind.MAMBA: 1}.get(
-            group.kind, min(full, _sliding_pool(layout))
-        )
-        total += count * group.bytes_per_block
-    return total
+    """Shared memory one engine needs to hold one request of `tokens`."""
+    pools = pool_blocks(layout, tokens)
+    return sum(pools[g.kind] * g.bytes_per_block for g in layout.groups)
 
 
 def mem_available() -> int:

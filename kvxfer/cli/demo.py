@@ -38,7 +38,13 @@ from kvxfer.cli.planning import human_bytes
 from kvxfer.cli.progress import Progress
 from kvxfer.client.engine import EngineClient
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
-from kvxfer.core.planner import GroupPlan, full_attention_bytes, plan_blocks
+from kvxfer.core.planner import (
+    GroupPlan,
+    full_attention_blocks,
+    full_attention_bytes,
+    plan_blocks,
+    pool_blocks,
+)
 from kvxfer.core.recompute import valid_tokens
 from kvxfer.core.requests import EngineEvent, PullDone, PullStatus, Released, TransferParams
 
@@ -170,11 +176,8 @@ class _Sizing:
 def _sizing(model: str, block_size: int, max_tokens: int) -> _Sizing:
     from kvxfer.core.profiles import layout_for_model  # noqa: PLC0415
 
-    layout = layout_for_model(model, block_size=block_size)
-    full = -(-max_tokens // block_size)
-    windows = [g.sliding_window for g in layout.groups if g.sliding_window is not None]
-    sliding = min(full, max((-(-(w - 1) // block_size) + 1 for w in windows), default=1))
-    pools = {GroupKind.FULL_ATTENTION: full, GroupKind.SLIDING_WINDOW: sliding, GroupKind.MAMBA: 1}
+    pools = pool_blocks(layout_for_model(model, block_size=block_size), max_tokens)
+    full, sliding = pools[GroupKind.FULL_ATTENTION], pools[GroupKind.SLIDING_WINDOW]
 
     def args(copies: int) -> tuple[str, ...]:
         return (
@@ -418,12 +421,11 @@ def _per_group(layout: EngineLayout, outcomes: Sequence[Outcome]) -> list[dict[s
             plan = plan_blocks(layout, o.request.tokens, o.request.computed)[group.group_id]
             lost = len(o.done.failed_blocks.get(group.group_id, ()))
             blocks += len(plan.blocks) - lost
-            if group.kind is GroupKind.MAMBA:
-                full_blocks += len(plan.blocks)
-            else:
-                full_blocks += -(-o.request.tokens // layout.block_size) - (
-                    o.request.computed // layout.block_size
+            full_blocks += len(
+                full_attention_blocks(
+                    group, o.request.tokens, o.request.computed, layout.block_size
                 )
+            )
         rows.append(
             {
                 "group": group.group_id,

@@ -104,15 +104,39 @@ def plan_blocks(
     )
 
 
+def full_attention_blocks(
+    group: KVGroup, num_tokens: int, computed_tokens: int, block_size: int
+) -> range:
+    """The blocks of `group` a transfer treating it as full attention would move
+    (Mamba state stays one block)."""
+    kind = GroupKind.MAMBA if group.kind is GroupKind.MAMBA else GroupKind.FULL_ATTENTION
+    return needed_blocks(kind, None, num_tokens, computed_tokens, block_size)
+
+
 def full_attention_bytes(layout: EngineLayout, num_tokens: int, computed_tokens: int) -> int:
     """Bytes moved if every sliding-window group were treated as full attention."""
     check_request(num_tokens, computed_tokens, layout.block_size)
-    total = 0
-    for group in layout.groups:
-        kind = GroupKind.MAMBA if group.kind is GroupKind.MAMBA else GroupKind.FULL_ATTENTION
-        blocks = needed_blocks(kind, None, num_tokens, computed_tokens, layout.block_size)
-        total += len(blocks) * group.bytes_per_block
-    return total
+    return sum(
+        len(full_attention_blocks(g, num_tokens, computed_tokens, layout.block_size))
+        * g.bytes_per_block
+        for g in layout.groups
+    )
+
+
+def pool_blocks(layout: EngineLayout, max_tokens: int) -> dict[GroupKind, int]:
+    """The most blocks one request of up to `max_tokens` can need in a group of each kind:
+    what an engine's pool must hold per request in flight."""
+    full = -(-max_tokens // layout.block_size)
+    windows = [g.sliding_window for g in layout.groups if g.sliding_window is not None]
+    # W - 1 cached tokens starting anywhere in a block span at most cdiv(W - 1 + B - 1, B)
+    # blocks; at least one block so an engine can be sized at all (W == 1 needs none).
+    block = layout.block_size
+    sliding = max((max(1, -(-(w + block - 2) // block)) for w in windows), default=1)
+    return {
+        GroupKind.FULL_ATTENTION: full,
+        GroupKind.SLIDING_WINDOW: min(full, sliding),
+        GroupKind.MAMBA: 1,
+    }
 
 
 @dataclass(frozen=True)
