@@ -50,6 +50,7 @@ class LeaseTable:
         self._max = max_leases
         self._clock = clock
         self._leases: dict[tuple[str, str], Lease] = {}
+        self._held_blocks = 0  # kept as leases come and go: read on every publish
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -59,7 +60,7 @@ class LeaseTable:
 
     @property
     def held_blocks(self) -> int:
-        return sum(lease.blocks for lease in self._leases.values())
+        return self._held_blocks
 
     def add(
         self, engine_id: str, request_id: str, num_tokens: int, spans: tuple[BlockSpan, ...]
@@ -77,6 +78,7 @@ class LeaseTable:
         now = self._clock()
         lease = Lease(engine_id, request_id, num_tokens, spans, now, now + self.ttl_s)
         self._leases[key] = lease
+        self._held_blocks += lease.blocks
         return lease
 
     def get(self, engine_id: str, request_id: str) -> Lease:
@@ -113,25 +115,30 @@ class LeaseTable:
         lease = self.get(engine_id, request_id)
         if lease.state is LeaseState.HELD:
             raise LeaseError(f"request {request_id!r} has no read in progress to end")
-        return self._leases.pop((engine_id, request_id))
+        return self._remove((engine_id, request_id))
 
     def abort(self, engine_id: str, request_id: str) -> tuple[LeaseState, Lease | None]:
         """Abort a held request: (its state before, the lease if released right away)."""
         lease = self.get(engine_id, request_id)
         before = lease.state
         if lease.state is LeaseState.HELD:
-            return before, self._leases.pop((engine_id, request_id))
+            return before, self._remove((engine_id, request_id))
         lease.state = LeaseState.ABORTED
         return before, None
 
     def expire(self) -> list[Lease]:
         now = self._clock()
         gone = [key for key, lease in self._leases.items() if lease.expires <= now]
-        return [self._leases.pop(key) for key in gone]
+        return [self._remove(key) for key in gone]
 
     def drop_engine(self, engine_id: str) -> list[Lease]:
         gone = [key for key in self._leases if key[0] == engine_id]
-        return [self._leases.pop(key) for key in gone]
+        return [self._remove(key) for key in gone]
+
+    def _remove(self, key: tuple[str, str]) -> Lease:
+        lease = self._leases.pop(key)
+        self._held_blocks -= lease.blocks
+        return lease
 
     def expires_in(self, lease: Lease) -> float:
         return max(0.0, lease.expires - self._clock())

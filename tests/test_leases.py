@@ -75,3 +75,20 @@ def test_limits_and_engines(table: LeaseTable) -> None:
         table.add("e", "r9", 1, SPANS)
     assert sorted(lease.request_id for lease in table.drop_engine("e")) == ["r1", "r2"]
     assert len(table) == 1
+
+
+def test_held_blocks_follows_every_way_out(table: LeaseTable, clock: Clock) -> None:
+    table.add("e", "a", 1, SPANS)
+    table.add("e", "b", 1, SPANS)
+    table.add("f", "c", 1, SPANS)
+    assert table.held_blocks == 6
+    table.abort("e", "a")
+    table.begin_read("e", "b")
+    table.end_read("e", "b")
+    assert table.held_blocks == 2
+    clock.now += 11
+    table.expire()
+    assert table.held_blocks == 0
+    table.add("f", "d", 1, SPANS)
+    table.drop_engine("f")
+    assert table.held_blocks == 0 and len(table) == 0
