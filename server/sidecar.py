@@ -250,7 +250,7 @@ class Sidecar:
             bytes_planned=plan.nbytes,
             full_attention_bytes=full,
             chunks=len(plan.chunks),
-            descriptors=sum(len(c.runs) * len(c.regions) for c in plan.chunks),
+            descriptors=sum(c.num_descriptors for c in plan.chunks),
         )
 
     async def _finish_pull(self, key: tuple[str, str], pull: Pull) -> None:

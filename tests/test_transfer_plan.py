@@ -84,6 +84,7 @@ def test_descriptors_cover_exactly_the_planned_blocks(data: st.DataObject) -> No
     total = 0
     for chunk in plan.chunks:
         assert len(chunk.blocks) <= chunk_blocks
+        assert chunk.num_descriptors == len(list(chunk.descriptors()))
         for d in chunk.descriptors():
             total += d.length
             step = _block_bytes_at(chunk, d.src_buffer, d.src_offset)

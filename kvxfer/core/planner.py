@@ -184,6 +184,13 @@ class Chunk:
     def nbytes(self) -> int:
         return len(self.blocks) * sum(pair.src.block_bytes for pair in self.regions)
 
+    @property
+    def num_descriptors(self) -> int:
+        """How many descriptors `descriptors()` yields: one per run, or one per block
+        for a region pair that is strided on either side."""
+        coalesced = sum(1 for pair in self.regions if pair.coalescable)
+        return coalesced * len(self.runs) + (len(self.regions) - coalesced) * len(self.blocks)
+
     def descriptors(self) -> Iterator[Descriptor]:
         """Region-major: one descriptor per (region, run), or per block where strided."""
         for pair in self.regions:
