@@ -29,19 +29,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from nixl_peer import LocalSide, SourcePeer
 
 from kvxfer.cli.bench import (
     SHM_BUDGET,
+    Method,
     engine_bytes,
+    handle_setup,
     mem_available,
     memcpy_round,
     per_block_read,
     raw_read,
+    rounds_text,
+    run_rounds,
     split_per_block,
+    summarize,
+    whole_descriptors,
 )
 from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId, GroupKind
@@ -90,21 +94,12 @@ async def bench_case(
             agent = side.backend
             peer = await agent.add_peer(peer_proc.metadata)
             remote_bases, local_bases = peer_proc.buffers, side.buffers
-            pieces = [chunk_arrays(c, remote_bases, local_bases) for c in whole.chunks]
-            remote = np.concatenate([p[0] for p in pieces])
-            local = np.concatenate([p[1] for p in pieces])
-            sizes = [pair.src.block_bytes for c in whole.chunks for pair in c.regions]
+            remote, local, sizes = whole_descriptors(whole, remote_bases, local_bases)
             block_remote, block_local = split_per_block(remote, local, sizes)
-            times: dict[str, list[float]] = {
-                k: [] for k in ("memcpy", "raw", "per_block", "kvxfer")
-            }
-            for i in range(repeat + 1):  # the first round warms up and is dropped
-                t_mem = memcpy_round(whole, src.view, dst.view)
-                t_raw = await agent.run_on_agent(lambda a: raw_read(a, peer, local, remote))
-                t_blk = await agent.run_on_agent(
-                    lambda a: per_block_read(a, peer, block_local, block_remote)
-                )
-                t0 = time.perf_counter()
+            binds: list[float] = []
+
+            async def kvxfer() -> float:
+                start = time.perf_counter()
                 result = await execute_plan(
                     plan,
                     backend=agent,
@@ -114,33 +109,39 @@ async def bench_case(
                     block_size=BLOCK,
                     options=options,
                 )
-                t_kvx = time.perf_counter() - t0
+                elapsed = time.perf_counter() - start
                 assert result.bytes_moved == plan.nbytes, result
-                if i:
-                    for key, value in zip(times, (t_mem, t_raw, t_blk, t_kvx), strict=True):
-                        times[key].append(value)
+                binds.append(result.bind_s)
+                return elapsed
+
+            methods: dict[str, Method] = {
+                "memcpy": lambda: asyncio.to_thread(memcpy_round, whole, src.view, dst.view),
+                "raw": lambda: agent.run_on_agent(lambda a: raw_read(a, peer, local, remote)),
+                "per_block": lambda: agent.run_on_agent(
+                    lambda a: per_block_read(a, peer, block_local, block_remote)
+                ),
+                "kvxfer": kvxfer,
+            }
+            times = await run_rounds(methods, repeat)
+            chunks = [chunk_arrays(c, remote_bases, local_bases) for c in plan.chunks]
+            setup = await agent.run_on_agent(
+                lambda a: handle_setup(a, peer, chunks, block_local, block_remote)
+            )
     finally:
         peer_proc.stop()
         src.close()
         dst.close()
-    med = {k: statistics.median(v) for k, v in times.items()}
-    gbps = {k: plan.nbytes / v / 1e9 for k, v in med.items()}
     return {
         "model": model,
         "tokens": tokens,
-        "bytes": plan.nbytes,
+        **summarize(times, plan.nbytes),
         "descriptors_raw": len(local),
         "descriptors_per_block": len(block_local),
         "chunks_kvxfer": len(plan.chunks),
-        "memcpy_gbps": gbps["memcpy"],
-        "raw_nixl_gbps": gbps["raw"],
-        "per_block_gbps": gbps["per_block"],
-        "kvxfer_gbps": gbps["kvxfer"],
-        "kvxfer_vs_raw": gbps["kvxfer"] / gbps["raw"],
-        "per_block_vs_raw": gbps["per_block"] / gbps["raw"],
-        "raw_ms_p50": med["raw"] * 1e3,
-        "kvxfer_ms_p50": med["kvxfer"] * 1e3,
-        "overhead_ms_p50": (med["kvxfer"] - med["raw"]) * 1e3,
+        "bind_ms_p50": statistics.median(binds[1:]) * 1e3,
+        "setup_coalesced_ms": setup["coalesced"] * 1e3,
+        "setup_prepped_ms": setup["prepped"] * 1e3,
+        "prep_once_ms": setup["prep_once"] * 1e3,
     }
 
 
@@ -152,7 +153,7 @@ def main() -> None:
         default=["gpt-oss-20b", "gemma-3-4b-it", "llama-3.1-8b", "qwen3-next-80b-a3b"],
     )
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--chunk-blocks", type=int, default=DEFAULT_CHUNK_BLOCKS)
     parser.add_argument("--max-inflight", type=int, default=ExecOptions().max_inflight)
     parser.add_argument("--json", action="store_true")
@@ -173,8 +174,12 @@ def main() -> None:
                     f"{model:20s} {size:>5s} {row['bytes'] / 2**20:9.1f} MiB  "
                     f"memcpy {row['memcpy_gbps']:5.2f}  raw {row['raw_nixl_gbps']:5.2f}  "
                     f"per-block {row['per_block_gbps']:5.2f}  kvxfer {row['kvxfer_gbps']:5.2f} GB/s"
-                    f"  kvxfer/raw {row['kvxfer_vs_raw']:.3f}  per-block/raw "
-                    f"{row['per_block_vs_raw']:.3f}  overhead p50 {row['overhead_ms_p50']:+.2f} ms",
+                    f"\n    kvxfer/raw {row['kvxfer_vs_raw']:.3f}, per round {rounds_text(row)}"
+                    f"  per-block/raw {row['per_block_vs_raw']:.3f}  overhead p50 "
+                    f"{row['overhead_ms_p50']:+.2f} ms (binding {row['bind_ms_p50']:.2f} ms)"
+                    f"\n    handle setup per request: coalesced {row['setup_coalesced_ms']:.2f} ms"
+                    f" in {row['chunks_kvxfer']} handles; prepared lists "
+                    f"{row['setup_prepped_ms']:.2f} ms + {row['prep_once_ms']:.2f} ms once",
                     flush=True,
                 )
     if args.json:
