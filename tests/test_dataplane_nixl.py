@@ -145,7 +145,9 @@ async def test_pull_moves_exactly_the_planned_bytes(pair: Pair) -> None:
                 assert any(not np.array_equal(want[n], before[n]) for n in want)
 
 
-@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-next-80b-a3b", "gemma-3-4b-it"])
+@pytest.mark.parametrize(
+    "model", ["gpt-oss-20b", "qwen3-next-80b-a3b", "gemma-3-4b-it", "jamba-mini-1.5"]
+)
 async def test_injected_chunk_failures_match_the_recompute_oracle(model: str) -> None:
     p = Pair(model)
     try:

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from oracle import oracle_valid_tokens
@@ -171,7 +170,7 @@ def test_ctrl_c_stops_everything() -> None:
 
 def test_bench_reports_every_method_side_by_side() -> None:
     result = subprocess.run(
-        [CLI, "bench", "--models", "gemma-3-4b-it", "--sizes", "1k", "--repeat", "1", "--json"],
+        [CLI, "bench", "--models", "gemma-3-4b-it", "--sizes", "1k", "--repeat", "2", "--json"],
         capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -183,4 +182,5 @@ def test_bench_reports_every_method_side_by_side() -> None:
         assert case[key] > 0, key
     assert case["bytes"] <= case["full_attention_bytes"]  # gemma: the window covers 1k
     assert "overhead_ms_p50" in case
-    assert Path("/dev/shm").exists()
+    rounds = case["kvxfer_vs_raw_rounds"]
+    assert 0 < rounds["min"] <= rounds["median"] <= rounds["max"]
