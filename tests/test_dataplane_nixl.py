@@ -145,6 +145,32 @@ async def test_pull_moves_exactly_the_planned_bytes(pair: Pair) -> None:
                 assert any(not np.array_equal(want[n], before[n]) for n in want)
 
 
+async def test_consumed_request_notifies_the_remote_agent() -> None:
+    p = Pair("gemma-3-4b-it")
+    try:
+        src_spans = spans(p.src.layout, random.Random(4), 700)
+        plan = plan_transfer(p.src.layout, p.dst.layout, src_spans, src_spans, 700, 0)
+        async with LocalSide(p.dst.buffers) as local:
+            peer = await local.backend.add_peer(p.peer.metadata)
+            result = await execute_plan(
+                plan,
+                backend=local.backend,
+                peer=peer,
+                local=local.buffers,
+                remote=p.peer.buffers,
+                block_size=BLOCK,
+                notify=b"consumed req-7",
+            )
+            assert result.status is RequestStatus.OK and result.notified
+            deadline = time.monotonic() + 10
+            while b"consumed req-7" not in p.peer.notes():
+                assert time.monotonic() < deadline, "the source agent never got the notification"
+                await asyncio.sleep(0.05)
+            assert p.peer.notes() == [b"consumed req-7"]
+    finally:
+        p.close()
+
+
 @pytest.mark.parametrize(
     "model", ["gpt-oss-20b", "qwen3-next-80b-a3b", "gemma-3-4b-it", "jamba-mini-1.5"]
 )
@@ -252,6 +278,7 @@ async def test_killed_peer_fails_pending_chunks_and_agent_keeps_working() -> Non
                     remote=peer_proc.buffers,
                     block_size=BLOCK,
                     options=ExecOptions(stall_deadline_s=deadline, max_inflight=4),
+                    notify=b"consumed",
                 )
             )
             await asyncio.sleep(0.3)
@@ -260,6 +287,7 @@ async def test_killed_peer_fails_pending_chunks_and_agent_keeps_working() -> Non
             result = await asyncio.wait_for(task, timeout=60)
             assert time.monotonic() - killed_at < deadline + 5
             assert result.status is not RequestStatus.OK, "the kill came after the pull ended"
+            assert not result.notified  # nobody left to tell, and no exception either
             failed = set(result.failed_blocks.get(0, ()))
             assert failed, result.chunk_statuses
             assert result.valid_tokens == oracle_valid_tokens(

@@ -4,21 +4,28 @@ Each chunk (consecutive logical blocks of one group, all its regions) is one
 NIXL handle, so a failure is narrowed to its chunk's blocks. At most
 `max_inflight` chunks are posted at once. Every chunk ends DONE or failed by
 its stall deadline; the result names the failed blocks per group and the
-`valid_tokens` the engine can resume from.
+`valid_tokens` the engine can resume from. With `notify`, the remote agent
+then gets that message as a NIXL notification: the request is consumed and
+its blocks can go (the sidecar says the same with its EndRead RPC instead,
+which also carries the outcome).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvxfer._exceptions import DataPlaneError
 from kvxfer.core.planner import Chunk, TransferPlan
 from kvxfer.core.recompute import valid_tokens
 from kvxfer.dataplane.adapter import ChunkJob, TransferBackend, TransferStatus
 from kvxfer.dataplane.descriptors import BoundBuffer, chunk_arrays
+
+log = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.StrEnum):
@@ -44,6 +51,7 @@ class TransferResult:
     chunk_statuses: tuple[TransferStatus, ...]
     descriptors: int = 0
     bind_s: float = 0.0  # building every chunk's descriptor arrays, before the first post
+    notified: bool = False  # the consumed notification reached NIXL for the remote agent
 
 
 async def execute_plan(
@@ -56,9 +64,14 @@ async def execute_plan(
     block_size: int,
     options: ExecOptions | None = None,
     cancel: asyncio.Event | None = None,
+    notify: bytes | None = None,
 ) -> TransferResult:
     """Pull `plan` from `peer` (src = remote, dst = local). Once `cancel` is set, chunks
-    not yet posted end CANCELLED; posted ones finish or fail by their deadline."""
+    not yet posted end CANCELLED; posted ones finish or fail by their deadline.
+
+    With `notify`, once every chunk has ended (done or failed: nothing more will be
+    read either way) the message goes to `peer` as a NIXL notification. A peer that
+    cannot be told (gone, say) leaves `notified` False; the result stands."""
     options = options or ExecOptions()
     start = time.perf_counter()
     # Bind every chunk before posting any: a bad address fails the request up front.
@@ -80,6 +93,7 @@ async def execute_plan(
             moved += chunk.nbytes
         else:
             failed.setdefault(chunk.group_id, []).extend(chunk.blocks)
+    notified = notify is not None and await _notify(backend, peer, notify)
     resume = valid_tokens(
         [g.group for g in plan.groups], plan.num_tokens, plan.computed_tokens, block_size, failed
     )
@@ -93,7 +107,17 @@ async def execute_plan(
         chunk_statuses=tuple(statuses),
         descriptors=sum(len(job.local) for _, job in jobs),
         bind_s=bound - start,
+        notified=notified,
     )
+
+
+async def _notify(backend: TransferBackend, peer: str, message: bytes) -> bool:
+    try:
+        await backend.notify(peer, message)
+    except DataPlaneError as exc:
+        log.warning("consumed notification to %s not sent: %s", peer, exc)
+        return False
+    return True
 
 
 def _job(
