@@ -285,7 +285,7 @@ async def test_killed_peer_fails_pending_chunks_and_agent_keeps_working() -> Non
             peer_proc.kill()
             killed_at = time.monotonic()
             result = await asyncio.wait_for(task, timeout=60)
-            assert time.monotonic() - killed_at < deadline + 5
+            assert time.monotonic() - killed_at < deadline  # measured: about 0.03 s
             assert result.status is not RequestStatus.OK, "the kill came after the pull ended"
             assert not result.notified  # nobody left to tell, and no exception either
             failed = set(result.failed_blocks.get(0, ()))
