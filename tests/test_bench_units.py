@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from kvxfer.cli.bench import Method, run_rounds, summarize
@@ -40,3 +45,21 @@ def test_summary_pairs_raw_and_kvxfer_round_by_round() -> None:
     times["kvxfer"] = [1.0, 1.5, 1.2]
     rounds = summarize(times, nbytes=10**9)["kvxfer_vs_raw_rounds"]
     assert rounds == {"min": 0.75, "median": 0.9, "max": 1.2}
+
+
+@pytest.mark.nixl
+@pytest.mark.timeout(180)
+def test_dataplane_bench_script_runs_one_case() -> None:
+    """benchmarks/bench_dataplane.py is a script, not a test; this keeps it running."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dataplane.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--models", "qwen3-next-80b-a3b", "--sizes", "1k",
+         "--repeat", "1", "--json"],
+        capture_output=True, text=True, timeout=170, check=False, cwd="/tmp",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (case,) = json.loads(result.stdout)["cases"]
+    assert case["model"] == "qwen3-next-80b-a3b" and case["tokens"] == 1024
+    assert case["chunks_kvxfer"] == 2  # the Mamba state block, then the attention blocks
+    for key in ("raw_nixl_gbps", "kvxfer_gbps", "setup_coalesced_ms", "prep_once_ms"):
+        assert case[key] > 0, key
