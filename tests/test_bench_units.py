@@ -49,13 +49,14 @@ def test_summary_pairs_raw_and_kvxfer_round_by_round() -> None:
 
 @pytest.mark.nixl
 @pytest.mark.timeout(180)
-def test_dataplane_bench_script_runs_one_case() -> None:
-    """benchmarks/bench_dataplane.py is a script, not a test; this keeps it running."""
+def test_dataplane_bench_script_runs_one_case(tmp_path: Path) -> None:
+    """benchmarks/bench_dataplane.py is a script, not a test; this keeps it running.
+    It runs outside the checkout, so the installed kvxfer is the one imported."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dataplane.py"
     result = subprocess.run(
         [sys.executable, str(script), "--models", "qwen3-next-80b-a3b", "--sizes", "1k",
          "--repeat", "1", "--json"],
-        capture_output=True, text=True, timeout=170, check=False, cwd="/tmp",
+        capture_output=True, text=True, timeout=170, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     (case,) = json.loads(result.stdout)["cases"]
