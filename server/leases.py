@@ -62,6 +62,10 @@ class LeaseTable:
     def held_blocks(self) -> int:
         return self._held_blocks
 
+    def reading(self) -> int:
+        """Leases a peer has begun reading and not ended: their blocks are in use."""
+        return sum(1 for lease in self._leases.values() if lease.state is LeaseState.READING)
+
     def add(
         self, engine_id: str, request_id: str, num_tokens: int, spans: tuple[BlockSpan, ...]
     ) -> Lease:

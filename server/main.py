@@ -30,6 +30,7 @@ from prometheus_client import start_http_server
 from kvxfer._exceptions import InvalidInputError, KvxferError
 from kvxfer.dataplane.adapter import AgentOptions, NixlAgent, TransferBackend
 from kvxfer.dataplane.faults import FaultInjectingBackend, random_faults
+from kvxfer.dataplane.readers import Readers
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import channel_options
 from kvxfer.server.servicers import AdminServicer, EngineServicer, PeerServicer
@@ -61,25 +62,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 async def serve(settings: Settings) -> int:
     nixl = settings.nixl
-    backend = NixlAgent(
-        "kvxfer-sidecar",
-        AgentOptions(
-            backends=nixl.backends,
-            num_threads=nixl.num_threads,
-            enable_prog_thread=nixl.enable_prog_thread,
-            backend_params=tuple(nixl.backend_params.items()),
-        ),
+    options = AgentOptions(
+        backends=nixl.backends,
+        num_threads=nixl.num_threads,
+        enable_prog_thread=nixl.enable_prog_thread,
+        backend_params=tuple(nixl.backend_params.items()),
     )
+    backend = NixlAgent("kvxfer-sidecar", options)
     metrics = Metrics()
-    data_plane: TransferBackend = backend
-    if settings.faults.enabled:
-        log.warning("FAULT INJECTION ON: %s (testing only)", settings.faults)
+    faults = settings.faults
+    rule = random_faults(faults.fail_rate, faults.stall_rate, faults.seed)
+    if faults.enabled:
+        log.warning("FAULT INJECTION ON: %s (testing only)", faults)
         metrics.fault_injection.set(1)
-        faults = settings.faults
-        data_plane = FaultInjectingBackend(
-            backend, random_faults(faults.fail_rate, faults.stall_rate, faults.seed)
-        )
-    sidecar = Sidecar(settings, data_plane, metrics)
+
+    def reader(prefix: str) -> TransferBackend:
+        agent = NixlAgent(prefix, options)
+        # Faults are injected on the reading side only, with one rule for all readers.
+        return FaultInjectingBackend(agent, rule) if faults.enabled else agent
+
+    sidecar = Sidecar(settings, backend, metrics, Readers(reader))
     peer_server = _server(
         settings, [("peer", PeerServicer(sidecar, settings.tls)), ("admin", AdminServicer(sidecar))]
     )

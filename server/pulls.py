@@ -21,8 +21,9 @@ from kvxfer._exceptions import InvalidInputError, KvxferError
 from kvxfer.core.planner import TransferPlan
 from kvxfer.core.recompute import valid_tokens
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
-from kvxfer.dataplane.adapter import TransferBackend, TransferStatus
+from kvxfer.dataplane.adapter import TransferStatus
 from kvxfer.dataplane.executor import ExecOptions, TransferResult, execute_plan
+from kvxfer.dataplane.readers import Readers
 from kvxfer.server.engines import Engine
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import PeerLink, PeerLinks
@@ -51,7 +52,7 @@ class Pull:
 
 @dataclass(frozen=True)
 class PullContext:
-    backend: TransferBackend
+    readers: Readers
     links: PeerLinks
     metrics: Metrics
     options: ExecOptions
@@ -102,12 +103,21 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
     except KvxferError as exc:
         pull.aborted = True  # the read was begun: end it as aborted so the lease is freed
         return _all_failed(pull, PullStatus.FAILED, str(exc)), True
+    try:
+        reader = await ctx.readers.get(
+            link.address, pull.engine.engine_id, link.hello.agent_metadata, pull.engine.buffers
+        )
+    except KvxferError as exc:
+        pull.aborted = True
+        return _all_failed(pull, PullStatus.FAILED, f"no NIXL agent to read with: {exc}"), True
     heartbeat = asyncio.create_task(_heartbeat(pull, ctx, begun.lease_ttl_ms / 1000))
     try:
+        # PullDone goes out only after this returns: by then every chunk that failed has
+        # severed its agent (adapter.py), so no byte can land in a block reported failed.
         result = await execute_plan(
             pull.plan,
-            backend=ctx.backend,
-            peer=link.nixl_peer,
+            backend=reader.backend,
+            peer=reader.peer,
             local=pull.engine.bound,
             remote=link.hello.buffers,
             block_size=pull.engine.layout.block_size,

@@ -41,6 +41,7 @@ from kvxfer.core.requests import (
 from kvxfer.dataplane.adapter import TransferBackend
 from kvxfer.dataplane.executor import ExecOptions
 from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
+from kvxfer.dataplane.readers import Readers
 from kvxfer.server.engines import Engine, EventQueue, check_regions_fit
 from kvxfer.server.leases import Lease, LeaseState, LeaseTable
 from kvxfer.server.metrics import Metrics
@@ -53,7 +54,9 @@ log = logging.getLogger(__name__)
 
 
 class Sidecar:
-    def __init__(self, settings: Settings, backend: TransferBackend, metrics: Metrics) -> None:
+    def __init__(
+        self, settings: Settings, backend: TransferBackend, metrics: Metrics, readers: Readers
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.epoch = secrets.randbelow(MAX_EPOCH) + 1
@@ -61,7 +64,8 @@ class Sidecar:
         self.address = settings.advertise_address or settings.peer_address
         self.started = time.monotonic()
         self.registration_version = 0
-        self._backend = backend
+        self._backend = backend  # serves reads of our engines' memory; never reads itself
+        self._readers = readers  # read into our engines' memory: one agent per peer and engine
         self._engines: dict[str, Engine] = {}
         self._leases = LeaseTable(settings.lease.ttl_s, settings.limits.max_leases, time.monotonic)
         self._pulls: dict[tuple[str, str], Pull] = {}
@@ -75,7 +79,7 @@ class Sidecar:
             epoch=self.epoch,
         )
         self._pull_ctx = PullContext(
-            backend=backend,
+            readers=readers,
             links=self.links,
             metrics=metrics,
             options=ExecOptions(
@@ -105,9 +109,11 @@ class Sidecar:
             self._lease_gauges()
 
     async def shutdown(self, grace_s: float) -> None:
-        """Take no new work, let pulls finish for `grace_s`, abort the rest, release every
-        lease (reported to its engine) and deregister every buffer."""
+        """Take no new work; within `grace_s`, let our pulls finish and peers finish
+        reading what we serve; abort the pulls still running, destroy every NIXL agent,
+        and only then release every lease (reported to its engine) and unmap memory."""
         self._draining = True
+        end = time.monotonic() + grace_s
         pending = [p.task for p in self._pulls.values() if p.task is not None]
         if pending:
             _, late = await asyncio.wait(pending, timeout=grace_s)
@@ -116,11 +122,28 @@ class Sidecar:
                 pull.cancel.set()
             if late:
                 await asyncio.wait(late, timeout=self.settings.transfer.stall_deadline_s + 1)
+        await self._drain_reads(end)
+        # Memory safety: every agent that could touch our engines' memory (readers write
+        # into it, the serving agent reads from it for peers) is destroyed before any of
+        # it is unmapped by unregister().
+        readers_gone = await self._readers.close()
+        await self._backend.close()
         for engine_id in list(self._engines):
-            await self.unregister(engine_id)
+            await self.unregister(engine_id, unmap=readers_gone and not self._backend.alive)
         if self._sweeper is not None:
             self._sweeper.cancel()
         await self._dialer.close()
+
+    async def _drain_reads(self, end: float) -> None:
+        """Wait until no peer is reading what we serve, or until `end`: releasing a lease
+        under a live read would tell our engine to reuse blocks a peer is still reading."""
+        while self._leases.reading() and time.monotonic() < end:
+            await asyncio.sleep(min(0.02, max(0.0, end - time.monotonic())))
+        if self._leases.reading():
+            log.warning(
+                "shutting down with %d read(s) still in progress: grace period over",
+                self._leases.reading(),
+            )
 
     def _check_open(self) -> None:
         if self._draining:
@@ -296,7 +319,7 @@ class Sidecar:
     def watch(self, engine_id: str) -> AsyncIterator[EngineEvent]:
         return self.engine(engine_id).events.watch()
 
-    async def unregister(self, engine_id: str) -> tuple[int, int]:
+    async def unregister(self, engine_id: str, *, unmap: bool = True) -> tuple[int, int]:
         engine = self.engine(engine_id)
         cancelled = 0
         for key, pull in list(self._pulls.items()):
@@ -310,9 +333,18 @@ class Sidecar:
             self._release(lease, ReleaseReason.UNREGISTERED, 0)
         del self._engines[engine_id]
         engine.events.close()
+        # Memory safety: the readers that write into these buffers are destroyed (their
+        # pulls were stopped above; destroying the agents ends any request still live).
+        # The serving agent only reads them for peers and stops doing so once they are
+        # deregistered. If a reader's thread would not stop, the mapping is left in place
+        # (leaked) rather than unmapped under a transfer.
+        readers_gone = await self._readers.close_engine(engine_id)
         await self._backend.deregister(engine.buffers)
-        for buffer in engine.buffers:
-            buffer.close()
+        if unmap and readers_gone:
+            for buffer in engine.buffers:
+                buffer.close()
+        else:
+            log.error("engine %s: buffers left mapped, an agent may still touch them", engine_id)
         self.registration_version += 1
         self._engine_gauges()
         self._lease_gauges()

@@ -251,10 +251,11 @@ async def test_stalled_chunk_fails_at_its_deadline() -> None:
         p.close()
 
 
-async def test_killed_peer_fails_pending_chunks_and_agent_keeps_working() -> None:
+async def test_killed_peer_fails_pending_chunks_and_severs_only_its_agent() -> None:
     """Kill the source during a large pull: every chunk ends (done or failed) within the
-    deadline, failed blocks and valid_tokens follow the rule, and the same agent then
-    pulls from another peer."""
+    deadline, failed blocks and valid_tokens follow the rule, the agent that read from
+    it is severed (closed: nothing it posted can land any more), and a fresh agent on
+    the same buffers pulls from another peer."""
     layout = layout_for_model("llama-3.1-8b", block_size=BLOCK)
     big_blocks = 1024  # 2 MiB per block: 2 GiB per side
     src = ShmKVCache(layout, big_blocks, "kill-src")
@@ -296,12 +297,15 @@ async def test_killed_peer_fails_pending_chunks_and_agent_keeps_working() -> Non
             assert (
                 result.bytes_moved == plan.nbytes - len(failed) * layout.groups[0].bytes_per_block
             )
-            # The same agent still works for another peer.
-            other_peer = await local.backend.add_peer(other.peer.metadata)
-            small = spans(other.src.layout, random.Random(2), 800)
-            plan2 = plan_transfer(other.src.layout, other.dst.layout, small, small, 800, 0)
-            result2 = await local.pull(plan2, other_peer, other.peer.buffers, BLOCK)
-            assert result2.status is RequestStatus.OK
+            assert local.backend.closed
+            assert not local.backend.alive
+            # A fresh agent on the same buffers reads from another peer.
+            async with LocalSide(other.dst.buffers) as fresh:
+                other_peer = await fresh.backend.add_peer(other.peer.metadata)
+                small = spans(other.src.layout, random.Random(2), 800)
+                plan2 = plan_transfer(other.src.layout, other.dst.layout, small, small, 800, 0)
+                result2 = await fresh.pull(plan2, other_peer, other.peer.buffers, BLOCK)
+                assert result2.status is RequestStatus.OK
     finally:
         peer_proc.kill()
         other.close()

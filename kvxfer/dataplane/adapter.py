@@ -8,6 +8,19 @@ blocks and never polls. The thread also polls in-flight transfer handles
 which NIXL itself does not have: a chunk not done by then is released and
 reported TIMED_OUT.
 
+No write after "failed". NIXL cannot cancel a posted READ: releasing its
+handle, or even removing the remote agent, leaves the backend's requests
+alive, and a stalled peer that wakes up later still delivers its bytes into
+the destination blocks (measured over UCX TCP: every byte of a timed-out
+read landed within 2 s of the peer resuming). Only destroying the agent and
+its backend (the UCX worker and endpoints) ends them. So when a posted chunk
+ends any other way than DONE, the agent severs itself: it releases every
+handle, deregisters its memory and destroys the NIXL agent, and only then
+resolves the failed chunk and every other chunk in flight (SEVERED). A
+severed agent is closed: reads on it end CANCELLED at once. One agent per
+peer and destination (`readers.py`) keeps one bad peer from severing
+transfers from the others.
+
 NIXL's string states and exceptions stop here: callers see `TransferStatus`
 and kvxfer errors.
 """
@@ -17,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import gc
 import logging
 import os
 import queue
@@ -53,7 +67,8 @@ class TransferStatus(enum.Enum):
     FAILED = "failed"  # NIXL reported an error for the handle
     TIMED_OUT = "timed_out"  # not done by the stall deadline
     DISCONNECTED = "disconnected"  # the remote agent is gone
-    CANCELLED = "cancelled"  # the adapter shut down first
+    CANCELLED = "cancelled"  # not posted, or the adapter was closed: nothing can land
+    SEVERED = "severed"  # in flight when another chunk's failure severed the agent
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,16 @@ class TransferBackend(Protocol):
     def on_notification(self, callback: Callable[[str, bytes], None]) -> None: ...
 
     async def close(self) -> None: ...
+
+    @property
+    def closed(self) -> bool:
+        """Closed or severed: reads end CANCELLED without being posted."""
+        ...
+
+    @property
+    def alive(self) -> bool:
+        """Its NIXL thread still runs: memory registered with it may still be touched."""
+        ...
 
 
 @dataclass
@@ -230,16 +255,22 @@ class NixlAgent:
             return
         now = time.monotonic()
         still: list[_InFlight] = []
+        failed: list[tuple[_InFlight, TransferStatus]] = []
         for item in state.inflight:
             status = self._check(state, item.handle)
             if status is None and now >= item.deadline:
                 status = TransferStatus.TIMED_OUT
             if status is None:
                 still.append(item)
-                continue
-            self._release(state, item.handle)
-            item.future.set_result(status)
+            elif status is TransferStatus.DONE:
+                self._release(state, item.handle)
+                item.future.set_result(status)
+            else:
+                failed.append((item, status))
         state.inflight = still
+        if failed:
+            self._sever(state, failed)
+            return
         if state.stuck:
             retry, state.stuck = state.stuck, []
             for handle in retry:
@@ -265,7 +296,27 @@ class NixlAgent:
             log.debug("xfer handle not released yet: %s", exc)
             state.stuck.append(handle)
 
+    def _sever(self, state: _State, failed: list[tuple[_InFlight, TransferStatus]]) -> None:
+        """A posted chunk failed: make every handle of this agent unable to write, then
+        report. The failed chunks get their own status, the rest in flight SEVERED."""
+        log.warning(
+            "NIXL agent %s: %d chunk(s) %s; severing it (%d more in flight)",
+            self._name,
+            len(failed),
+            "/".join(sorted({status.value for _, status in failed})),
+            len(state.inflight),
+        )
+        outcomes = [*failed, *((item, TransferStatus.SEVERED) for item in state.inflight)]
+        state.inflight = []
+        self._stopping.set()
+        self._destroy(state, [item.handle for item, _ in outcomes])
+        # Only now, with the backend's workers gone, may anyone hear that these failed.
+        for item, status in outcomes:
+            item.future.set_result(status)
+
     def _poll_notifications(self, state: _State) -> None:
+        if state.agent is None:  # severed
+            return
         callback, loop = self._notify_callback, self._notify_loop
         try:
             notifs = state.agent.get_new_notifs()
@@ -278,30 +329,69 @@ class NixlAgent:
                     loop.call_soon_threadsafe(callback, peer, bytes(message))
 
     def _shutdown(self, state: _State) -> None:
-        for item in state.inflight:
-            self._release(state, item.handle)
+        pending, state.inflight = state.inflight, []
+        self._destroy(state, [item.handle for item in pending])
+        for item in pending:  # reported only once nothing can write for them any more
             item.future.set_result(TransferStatus.CANCELLED)
-        state.inflight = []
+
+    @staticmethod
+    def _destroy(state: _State, handles: list[Any]) -> None:
+        """Release `handles`, deregister all memory and destroy the NIXL agent. Destroying
+        it tears down the backend's workers and endpoints, which is what ends requests
+        that releasing their handle leaves running (see the module docstring)."""
+        if state.agent is None:
+            return
+        for handle in [*handles, *state.stuck]:
+            try:
+                state.agent.release_xfer_handle(handle)
+            except Exception as exc:
+                log.debug("xfer handle not released before teardown: %s", exc)
+        state.stuck = []
         for descs in state.registered.values():
             try:
                 state.agent.deregister_memory(descs)
             except Exception as exc:
                 log.warning("deregistering memory failed: %s", exc)
         state.registered.clear()
-        state.agent = None
+        agent, state.agent = state.agent, None
+        del agent  # the last reference: the NIXL agent and its backends go here
+        gc.collect()
 
     # -- the asyncio side --------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._stopping.is_set()
+
+    @property
+    def alive(self) -> bool:
+        """The NIXL thread still runs: memory registered here may still be touched."""
+        return self._thread.is_alive()
 
     def _submit(self, command: Callable[[_State], T]) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         if self._stopping.is_set():
             future.set_exception(DataPlaneError(f"NIXL agent {self._name} is closed"))
             return future
-        self._commands.put((command, future))
+
+        def guarded(state: _State) -> T:
+            if state.agent is None:  # severed after this command was queued
+                raise DataPlaneError(f"NIXL agent {self._name} is closed")
+            return command(state)
+
+        self._commands.put((guarded, future))
         return future
 
     async def _call(self, command: Callable[[_State], T]) -> T:
         return await asyncio.wrap_future(self._submit(command))
+
+    async def _call_unless_closed(self, command: Callable[[_State], None]) -> None:
+        """For teardown steps that closing (or severing) has already done."""
+        try:
+            await self._call(command)
+        except DataPlaneError:
+            if not self.closed:
+                raise
 
     async def metadata(self) -> bytes:
         return await self._call(lambda s: bytes(s.agent.get_agent_metadata()))
@@ -322,16 +412,18 @@ class NixlAgent:
                         f"({buffer.handle.size_bytes} bytes, {buffer.handle.kind.value}): {exc}"
                     ) from exc
 
-        await self._call(command)
+        await self._call_unless_closed(command)
 
     async def deregister(self, buffers: Sequence[MappedBuffer]) -> None:
+        """Deregister `buffers`; nothing to do once closed (closing deregistered all)."""
+
         def command(state: _State) -> None:
             for buffer in buffers:
                 descs = state.registered.pop(buffer.name, None)
                 if descs is not None:
                     state.agent.deregister_memory(descs)
 
-        await self._call(command)
+        await self._call_unless_closed(command)
 
     async def add_peer(self, metadata: bytes) -> str:
         def command(state: _State) -> str:
@@ -359,42 +451,53 @@ class NixlAgent:
 
         def command(state: _State) -> None:
             try:
-                handle = self._post(state, job)
+                handle = self._create(state, job)
             except PeerDisconnectedError:
                 outcome.set_result(TransferStatus.DISCONNECTED)
                 return
-            except TransferError as exc:
-                log.warning("chunk to %s not posted: %s", job.peer, exc)
+            except TransferError as exc:  # nothing was posted: nothing to sever
+                log.warning("chunk to %s not created: %s", job.peer, exc)
                 outcome.set_result(TransferStatus.FAILED)
                 return
-            deadline = time.monotonic() + job.deadline_s
-            state.inflight.append(_InFlight(handle, deadline, outcome))
+            item = _InFlight(handle, time.monotonic() + job.deadline_s, outcome)
+            status = self._start(state, item, job.peer)
+            if status is None:
+                state.inflight.append(item)
+            else:  # part of the handle may have been posted before NIXL gave up
+                self._sever(state, [(item, status)])
 
-        await self._call(command)
+        try:
+            await self._call(command)
+        except DataPlaneError:
+            if not self.closed:
+                raise
+            return TransferStatus.CANCELLED  # closed or severed before it was posted
         return await asyncio.wrap_future(outcome)
 
     @staticmethod
-    def _post(state: _State, job: ChunkJob) -> Any:
+    def _create(state: _State, job: ChunkJob) -> Any:
         agent = state.agent
         try:
             local = agent.get_xfer_descs(job.local, job.local_kind.value)
             remote = agent.get_xfer_descs(job.remote, job.remote_kind.value)
-            handle = agent.initialize_xfer("READ", local, remote, job.peer)
+            return agent.initialize_xfer("READ", local, remote, job.peer)
         except Exception as exc:
             if _is_disconnect(exc):
                 raise PeerDisconnectedError(f"peer {job.peer} disconnected") from exc
             raise TransferError(f"cannot create transfer to {job.peer}: {exc}") from exc
+
+    @staticmethod
+    def _start(state: _State, item: _InFlight, peer: str) -> TransferStatus | None:
+        """Post the handle: None while it runs, else why it failed at once."""
         try:
-            status = agent.transfer(handle)
+            status = state.agent.transfer(item.handle)
         except Exception as exc:
-            NixlAgent._release(state, handle)
-            if _is_disconnect(exc):
-                raise PeerDisconnectedError(f"peer {job.peer} disconnected") from exc
-            raise TransferError(f"cannot post transfer to {job.peer}: {exc}") from exc
+            log.warning("chunk to %s failed to post: %s", peer, exc)
+            return TransferStatus.DISCONNECTED if _is_disconnect(exc) else TransferStatus.FAILED
         if status == "ERR":
-            NixlAgent._release(state, handle)
-            raise TransferError(f"NIXL refused the transfer to {job.peer}")
-        return handle
+            log.warning("NIXL refused the transfer to %s", peer)
+            return TransferStatus.FAILED
+        return None
 
     async def notify(self, peer: str, message: bytes) -> None:
         def command(state: _State) -> None:
@@ -418,7 +521,9 @@ class NixlAgent:
         self._notify_callback = callback
 
     async def close(self) -> None:
-        if self._stopping.is_set():
-            return
+        """Stop the thread; chunks in flight end CANCELLED once the agent is destroyed.
+        On return the agent is destroyed, unless its thread is stuck in a NIXL call for
+        10 s: then `alive` stays True and its memory must not be unmapped."""
         self._stopping.set()
-        await asyncio.to_thread(self._thread.join, 10.0)
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, 10.0)

@@ -102,3 +102,11 @@ class FaultInjectingBackend:
 
     async def close(self) -> None:
         await self._inner.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._inner.closed
+
+    @property
+    def alive(self) -> bool:
+        return self._inner.alive

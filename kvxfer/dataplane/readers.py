@@ -1,0 +1,94 @@
+"""Reading agents: one NIXL agent per (peer, destination engine).
+
+A chunk that fails severs the agent that posted it, and every transfer in
+flight on that agent with it (adapter.py: that is what makes a late write
+impossible). So the reading side does not read through one shared agent: each
+pair of remote peer and local engine gets an agent of its own, with only that
+engine's buffers registered and only that peer loaded. A stalled peer severs
+the pulls from it into one engine, never a pull from another peer, and the
+next pull from it gets a fresh agent.
+
+`Readers` hands out the open reader for a pair, creating it (agent, memory
+registration, peer metadata) when there is none, when the last one was
+severed, or when the peer's metadata changed. Before an engine's memory is
+unmapped, `close_engine` destroys every agent that could write into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvxfer.dataplane.adapter import TransferBackend
+from kvxfer.dataplane.memory import MappedBuffer
+
+log = logging.getLogger(__name__)
+
+BackendFactory = Callable[[str], TransferBackend]
+"""Creates a new, empty agent (name prefix -> backend). Called off the event loop."""
+
+
+@dataclass
+class Reader:
+    backend: TransferBackend
+    peer: str  # the remote agent's name inside `backend`
+    metadata: bytes
+
+
+class Readers:
+    def __init__(self, factory: BackendFactory) -> None:
+        self._factory = factory
+        self._readers: dict[tuple[str, str], Reader] = {}
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    async def get(
+        self, peer_key: str, engine_key: str, metadata: bytes, buffers: Sequence[MappedBuffer]
+    ) -> Reader:
+        """The open reader from `peer_key` into `engine_key`'s `buffers`."""
+        key = (peer_key, engine_key)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            reader = self._readers.get(key)
+            if reader is not None and not reader.backend.closed and reader.metadata == metadata:
+                return reader
+            if reader is not None:
+                await reader.backend.close()  # severed or stale: its thread is done or ends
+            self._readers[key] = reader = await self._open(key, metadata, buffers)
+            return reader
+
+    async def _open(
+        self, key: tuple[str, str], metadata: bytes, buffers: Sequence[MappedBuffer]
+    ) -> Reader:
+        backend = await asyncio.to_thread(self._factory, "kvxfer-reader")
+        try:
+            await backend.register(buffers)
+            peer = await backend.add_peer(metadata)
+        except BaseException:
+            await backend.close()
+            raise
+        log.info("reader %s opened for peer %s into engine %s", backend.name, *key)
+        return Reader(backend, peer, metadata)
+
+    async def close_engine(self, engine_key: str) -> bool:
+        """Destroy every agent that reads into `engine_key`'s buffers. True when all are
+        gone, so that nothing NIXL posted can touch those buffers any more."""
+        keys = [key for key in self._readers if key[1] == engine_key]
+        return await self._close(keys)
+
+    async def close(self) -> bool:
+        return await self._close(list(self._readers))
+
+    async def _close(self, keys: list[tuple[str, str]]) -> bool:
+        gone = True
+        for key in keys:
+            reader = self._readers.pop(key)
+            self._locks.pop(key, None)
+            await reader.backend.close()
+            if reader.backend.alive:
+                log.error("reader %s did not stop: its memory stays mapped", reader.backend.name)
+                gone = False
+        return gone
+
+    def __len__(self) -> int:
+        return sum(1 for r in self._readers.values() if not r.backend.closed)

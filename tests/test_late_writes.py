@@ -1,0 +1,95 @@
+"""No write after "failed": a frozen prefill sidecar, thawed after the failure report.
+
+Real kvxfer-server and engine-sim processes, UCX over TCP (`UCX_TLS=tcp,self`),
+as between two hosts. Two 32k-token gpt-oss-20b pulls start, the prefill
+sidecar is frozen with SIGSTOP, the decode engine gets PullDone with failed
+blocks after the stall deadline, and then the prefill sidecar is thawed. NIXL
+has no cancel: before kvxfer severed the reading agent, every byte of the
+"failed" blocks landed within seconds of the thaw. Every byte of the decode
+engine must hold, after the thaw, exactly what it held when PullDone came.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from sidecars import engine_link, spans, start_engine, start_sidecar
+
+from kvxfer.core.requests import PullDone, PullStatus
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+MODEL = "gpt-oss-20b"
+B = 16
+TOKENS = 32 * 1024
+PER_REQUEST = TOKENS // B
+WINDOW_BLOCKS = 10  # covers the 128-token window of group 0 at any alignment
+DEADLINE_S = 2.0
+THAW_WAIT_S = 4.0
+
+
+def _decode_image(engine: object) -> dict[str, npt.NDArray[np.uint8]]:
+    return {name: engine.view(name).copy() for name in engine.buffer_names()}  # type: ignore[attr-defined]
+
+
+async def test_no_byte_lands_after_pulldone_from_a_frozen_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("UCX_TLS", "tcp,self")  # inherited by the sidecars: a network path
+    timing = ("--transfer.stall-deadline-s", str(DEADLINE_S), "--lease.ttl-s", "60")
+    p = start_sidecar(tmp_path, "p", *timing)
+    d = start_sidecar(tmp_path, "d", *timing)
+    procs = [p, d]
+    try:
+        sizes = ("--sliding-blocks", str(2 * WINDOW_BLOCKS))
+        pe = start_engine(tmp_path, p, MODEL, "prefill", *sizes, num_blocks=2 * PER_REQUEST)
+        de = start_engine(tmp_path, d, MODEL, "decode", *sizes, num_blocks=2 * PER_REQUEST)
+        procs += [pe, de]
+        async with (
+            engine_link(p, pe) as (pc, _),
+            engine_link(d, de) as (dc, d_events),
+        ):
+            pulls = []
+            for i in range(2):
+                # Group 1 (full attention) moves every block; group 0 (window 128) the
+                # last few, so its span starts near the end.
+                ids = list(range(i * PER_REQUEST, (i + 1) * PER_REQUEST))
+                first = PER_REQUEST - WINDOW_BLOCKS
+                window = list(range(i * WINDOW_BLOCKS, (i + 1) * WINDOW_BLOCKS))
+                src = spans({1: ids}) + spans({0: window}, first=first)
+                dst = spans({1: ids[::-1]}) + spans({0: window[::-1]}, first=first)
+                params = await pc.publish(f"frozen-{i}", TOKENS, src)
+                pulls.append((params, dst))
+            for params, dst in pulls:
+                await dc.pull(params, dst, 0)
+            await asyncio.sleep(0.05)
+            os.kill(p.pid, signal.SIGSTOP)
+            frozen_at = time.monotonic()
+            try:
+                dones = [await d_events.next(timeout_s=60) for _ in pulls]
+                reported_after = time.monotonic() - frozen_at
+                at_report = _decode_image(de)
+            finally:
+                os.kill(p.pid, signal.SIGCONT)
+            await asyncio.sleep(THAW_WAIT_S)
+            after_thaw = _decode_image(de)
+        assert all(isinstance(done, PullDone) for done in dones)
+        failed = [done for done in dones if isinstance(done, PullDone) and done.failed_blocks]
+        assert failed, f"the freeze came after both pulls ended: {dones}"
+        for done in failed:
+            assert done.status in (PullStatus.FAILED, PullStatus.PARTIAL), done
+        assert reported_after < DEADLINE_S + 5, f"PullDone {reported_after:.1f}s after the freeze"
+        landed = {
+            name: int(np.count_nonzero(after_thaw[name] != at_report[name])) for name in at_report
+        }
+        assert not any(landed.values()), f"bytes landed after PullDone: {landed}"
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
