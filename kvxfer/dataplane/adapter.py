@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
-import gc
 import logging
 import os
 import queue
@@ -353,9 +352,10 @@ class NixlAgent:
             except Exception as exc:
                 log.warning("deregistering memory failed: %s", exc)
         state.registered.clear()
-        agent, state.agent = state.agent, None
-        del agent  # the last reference: the NIXL agent and its backends go here
-        gc.collect()
+        # The only reference: dropping it destroys the agent and its backends here. (No
+        # gc.collect(): it would run other objects' finalizers, gRPC's among them, on this
+        # thread.)
+        state.agent = None
 
     # -- the asyncio side --------------------------------------------------
 
