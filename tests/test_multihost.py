@@ -37,7 +37,7 @@ from netns import Host
 from oracle import oracle_blocks, oracle_valid_tokens
 from sidecars import EngineSim, Events, engine_link
 
-from kvxfer.cli.fleet import BIN, Proc, spawn
+from kvxfer.cli.fleet import Proc
 from kvxfer.client.patterns import holds_pattern
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId
 from kvxfer.core.planner import plan_blocks
@@ -63,40 +63,20 @@ LATENCY_SLACK_S = 1.0
 THAW_WAIT_S = 5.0  # issue 10: late writes landed 2-4 s after SIGCONT
 
 
-def insecure_peer_args() -> tuple[str, ...]:
-    """Flags letting a sidecar serve PeerService on a non-loopback address without mTLS.
-
-    The veth addresses are not loopback. Once the sidecar refuses that by default
-    (issue 10, section 2), this returns its explicit insecure setting; every sidecar
-    of this tier is started through here, so that is the one place to switch it on.
-    """
-    return ()
+UCX_TCP = ("UCX_TLS=tcp,self",)  # and UCX_NET_DEVICES: the host's end of the veth
 
 
-def start_sidecar(tmp: Path, host: Host, name: str) -> Proc:
-    argv = host.run([
-        "env", "UCX_TLS=tcp,self", f"UCX_NET_DEVICES={host.device}",
-        str(BIN / "kvxfer-server"),
-        "--peer-address", f"{host.address}:0",
-        "--engine-address", f"unix:{tmp / name}.sock",
-        "--metrics-address", "127.0.0.1:0",
-        "--sidecar-id", name,
-        "--transfer.stall-deadline-s", str(STALL_S),
-        *insecure_peer_args(),
-    ])  # fmt: skip
-    return spawn(f"sidecar {name}", argv, tmp / f"{name}.log")
+def sidecar(tmp: Path, host: Host, name: str) -> Proc:
+    env = (*UCX_TCP, f"UCX_NET_DEVICES={host.device}")
+    return netns.start_sidecar(tmp, host, name, "--transfer.stall-deadline-s", str(STALL_S),
+                               env=env)  # fmt: skip
 
 
-def start_engine(tmp: Path, host: Host, sidecar: Proc, role: str, num_blocks: int) -> EngineSim:
-    argv = host.run([
-        str(BIN / "kvxfer-cli"), "engine-sim",
-        "--sidecar", sidecar.ready["engine_address"],
-        "--model", MODEL, "--role", role,
-        "--num-blocks", str(num_blocks),
-        "--sliding-blocks", str(SLIDING_BLOCKS),
-        "--state-blocks", "1",
-    ])  # fmt: skip
-    return EngineSim(spawn(f"engine-sim {role}", argv, tmp / f"engine-{role}.log"))
+def engine(tmp: Path, host: Host, sidecar: Proc, role: str, num_blocks: int) -> EngineSim:
+    return netns.start_engine(
+        tmp, host, sidecar, role, "--model", MODEL, "--num-blocks", str(num_blocks),
+        "--sliding-blocks", str(SLIDING_BLOCKS), "--state-blocks", "1",
+    )  # fmt: skip
 
 
 @dataclass
@@ -115,13 +95,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     with netns.two_hosts() as (a, b):
         procs: list[Proc | EngineSim] = []  # stopped before the namespaces go
         try:
-            p = start_sidecar(tmp, a, "p")
+            p = sidecar(tmp, a, "p")
             procs.append(p)
-            d = start_sidecar(tmp, b, "d")
+            d = sidecar(tmp, b, "d")
             procs.append(d)
-            pe = start_engine(tmp, a, p, "prefill", BIG // B)
+            pe = engine(tmp, a, p, "prefill", BIG // B)
             procs.append(pe)
-            de = start_engine(tmp, b, d, "decode", FULL_BLOCKS)
+            de = engine(tmp, b, d, "decode", FULL_BLOCKS)
             procs.append(de)
             assert p.ready["peer_address"].startswith(f"{a.address}:")
             yield Fleet(a, b, p, pe, d, de)
