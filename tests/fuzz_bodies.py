@@ -5,7 +5,9 @@
              strings and integers often taken from a vocabulary of real values
              (engine ids, request ids, epochs, addresses) so that requests get
              past the first lookup, and from hostile ones (newlines, non-ASCII,
-             path tricks, boundaries of every integer type, unknown enum values)
+             path tricks, boundaries of every integer type, unknown enum values);
+             or a real message of the fleet, as is or with one or two of its
+             fields, at any depth, redrawn that way
   mutated    a generated or real message's bytes, then 1-4 byte-level edits
              (flip, insert, delete, truncate, repeat, an over-long varint)
   raw        random bytes
@@ -115,7 +117,47 @@ def messages(
 
     generated = st.fixed_dictionaries({}, optional=optional).map(build)
     real = vocab.messages.get(descriptor.full_name, ())
-    return st.one_of(generated, st.sampled_from(real)) if real else generated
+    if not real:
+        return generated
+    return st.one_of(generated, st.sampled_from(real), tweaked(real, vocab))
+
+
+Leaf = tuple[Message, FieldDescriptor, int | None]  # (message, scalar field, index or append)
+
+
+def _leaves(message: Message) -> list[Leaf]:
+    """Every scalar field of a message and of the messages set inside it."""
+    found: list[Leaf] = []
+    for fd in message.DESCRIPTOR.fields:
+        value = getattr(message, fd.name)
+        if fd.type == F.TYPE_MESSAGE:
+            children = list(value) if fd.is_repeated else [value] * message.HasField(fd.name)
+            for child in children:
+                found += _leaves(child)
+        elif fd.is_repeated:
+            found += [(message, fd, i) for i in range(len(value))] + [(message, fd, None)]
+        else:
+            found.append((message, fd, None))
+    return found
+
+
+@st.composite
+def tweaked(draw: st.DrawFn, real: Sequence[Message], vocab: Vocabulary) -> Message:
+    """A real message with one or two scalar fields, anywhere inside it, redrawn: it
+    gets past decoding and most checks, and its one bad value reaches deep code."""
+    message = type(real[0])()
+    message.CopyFrom(draw(st.sampled_from(real)))
+    leaves = _leaves(message)
+    for _ in range(draw(st.integers(1, 2))):
+        parent, fd, index = draw(st.sampled_from(leaves))
+        value = draw(_scalar(fd, vocab))
+        if not fd.is_repeated:
+            setattr(parent, fd.name, value)
+        elif index is None:
+            getattr(parent, fd.name).append(value)
+        else:
+            getattr(parent, fd.name)[index] = value
+    return message
 
 
 OVERLONG_VARINT = b"\xff" * 10 + b"\x01"

@@ -167,7 +167,8 @@ def running_fleet(tmp: Path) -> Iterator[FuzzFleet]:
     with netns.isolated_host() as host:
         procs: list[Proc | EngineSim] = []
         try:
-            p = netns.start_sidecar(tmp, host, "p")
+            # Held requests outlive the tier, so BeginRead and friends find them throughout.
+            p = netns.start_sidecar(tmp, host, "p", "--lease.ttl-s", "900")
             procs.append(p)
             d = netns.start_sidecar(tmp, host, "d")
             procs.append(d)
