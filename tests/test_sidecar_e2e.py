@@ -4,8 +4,9 @@ One prefill sidecar P serves a gpt-oss-20b engine (sliding window + full
 attention). Decode sidecars pull from it: D (plain), DF (fault injection:
 chunks fail or stall) and DX (float8 KV, to be refused). Every pull is
 checked byte for byte against the token-level oracle, and the whole decode
-buffer against its pattern. Tests run in file order and share the fleet; the
-last ones scrape /metrics and shut everything down.
+buffer against its pattern. Tests share the fleet; each one's checks hold
+whatever ran before it (the metrics test measures deltas around its own
+pulls), and the last one shuts everything down.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from kvxfer._exceptions import (
     NotFoundError,
     RegistrationError,
 )
-from kvxfer.cli.fleet import BIN, metric, rss_excluding_shm_bytes
+from kvxfer.cli.fleet import BIN, Samples, metric, rss_excluding_shm_bytes
 from kvxfer.client.engine import EngineClient, SyncEngineClient
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import Region
@@ -76,8 +77,6 @@ class Fleet:
     p_blocks: Iterator[int] = field(default_factory=lambda: itertools.cycle(range(NUM_BLOCKS)))
     d_next: int = 0
     df_next: int = 0
-    bytes_read: int = 0
-    ok_pulls: int = 0
 
     def request_id(self, tag: str) -> str:
         return f"{tag}-{next(self.ids)}"
@@ -169,8 +168,6 @@ async def test_pull_moves_exactly_the_needed_blocks(
     fleet.image.check_all()
     assert done.bytes_moved == moved
     assert released.reason is ReleaseReason.CONSUMED and released.bytes_read == moved
-    fleet.bytes_read += moved
-    fleet.ok_pulls += 1
 
 
 async def test_full_prefix_hit_moves_nothing_and_releases(fleet: Fleet) -> None:
@@ -187,7 +184,6 @@ async def test_full_prefix_hit_moves_nothing_and_releases(fleet: Fleet) -> None:
     assert done.bytes_moved == 0 and done.valid_tokens == 640
     assert isinstance(released, Released) and released.reason is ReleaseReason.CONSUMED
     fleet.image.check_all()
-    fleet.ok_pulls += 1
 
 
 async def test_abort_before_pull_releases_and_fails_the_pull(fleet: Fleet) -> None:
@@ -464,25 +460,51 @@ def test_cli_status_and_peers(fleet: Fleet) -> None:
     )
 
 
-def test_metrics_match_what_the_fleet_did(fleet: Fleet) -> None:
+def _delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    return metric(after, name, **labels) - metric(before, name, **labels)
+
+
+async def test_metrics_count_what_this_test_did(fleet: Fleet) -> None:
+    """Counters move by exactly what this test does (deltas around its own pulls), so
+    the check holds whichever tests ran before it."""
     peer = fleet.p.ready["peer_address"]
-    d = scrape(fleet.d)
-    assert metric(d, "kvxfer_bytes_moved_total", direction="read") == fleet.bytes_read
-    assert metric(d, "kvxfer_requests_total", result="ok") == fleet.ok_pulls
-    assert metric(d, "kvxfer_requests_total", result="failed") == 2  # aborted, expired
-    assert metric(d, "kvxfer_full_attention_bytes_total", peer=peer) > fleet.bytes_read
-    assert metric(d, "kvxfer_handshakes_total", peer=peer, result="ok") == 1
-    assert metric(d, "kvxfer_inflight_pulls") == 0
-    assert metric(d, "kvxfer_transfer_active_seconds_total") > 0
-    p = scrape(fleet.p)
-    assert metric(p, "kvxfer_active_leases") == 0 and metric(p, "kvxfer_held_blocks") == 0
-    assert metric(p, "kvxfer_expired_leases_total") == 1
-    assert metric(p, "kvxfer_released_leases_total", reason="consumed") == fleet.ok_pulls + 1
-    # abort-before, abort-d, abort-p, mismatch, peer-claims, sync-client
-    assert metric(p, "kvxfer_released_leases_total", reason="aborted") == 6
-    df = scrape(fleet.df)
-    assert metric(df, "kvxfer_fault_injection") == 1
-    assert metric(df, "kvxfer_failed_blocks_total") > 0
+    d0, p0, df0 = scrape(fleet.d), scrape(fleet.p), scrape(fleet.df)
+    done, _, src, dst = await _pull_once(fleet, "metrics-ok", 600, 0)
+    assert done.status is PullStatus.OK, done.reason
+    moved = fleet.image.expect_pull(fleet.pe, src, dst, 600, 0, {})
+    faulty, _, _, _ = await _pull_once(fleet, "metrics-faults", 600, 0, faulty=True)
+    assert faulty.failed_blocks, "30% of chunks fail on df: some blocks must have failed"
+    count = needed(100)
+    async with (
+        engine_link(fleet.p, fleet.pe) as (p, p_events),
+        engine_link(fleet.d, fleet.de) as (d, d_events),
+    ):
+        aborted = await p.publish(fleet.request_id("metrics-abort"), 100, fleet.src(count))
+        assert await p.abort(aborted.request_id) == "held"
+        assert isinstance(await p_events.next(), Released)
+        expired = await p.publish(fleet.request_id("metrics-expire"), 100, fleet.src(count))
+        assert isinstance(await p_events.next(timeout_s=10), LeaseExpired)
+        for params in (aborted, expired):
+            await d.pull(params, fleet.dst(count), 0)
+            late = await d_events.next()
+            assert isinstance(late, PullDone) and late.status is PullStatus.FAILED
+    d1, p1, df1 = scrape(fleet.d), scrape(fleet.p), scrape(fleet.df)
+    assert _delta(d0, d1, "kvxfer_bytes_moved_total", direction="read") == moved
+    assert _delta(d0, d1, "kvxfer_requests_total", result="ok") == 1
+    assert _delta(d0, d1, "kvxfer_requests_total", result="failed") == 2  # aborted, expired
+    assert _delta(d0, d1, "kvxfer_full_attention_bytes_total", peer=peer) > moved
+    # One handshake with P however many pulls went to it, in this test or before.
+    assert metric(d1, "kvxfer_handshakes_total", peer=peer, result="ok") == 1
+    assert metric(d1, "kvxfer_inflight_pulls") == 0
+    assert _delta(d0, d1, "kvxfer_transfer_active_seconds_total") > 0
+    assert metric(p1, "kvxfer_active_leases") == 0 and metric(p1, "kvxfer_held_blocks") == 0
+    assert _delta(p0, p1, "kvxfer_expired_leases_total") == 1
+    assert _delta(p0, p1, "kvxfer_released_leases_total", reason="consumed") == 2  # d and df
+    assert _delta(p0, p1, "kvxfer_released_leases_total", reason="aborted") == 1
+    assert metric(df1, "kvxfer_fault_injection") == 1
+    lost = sum(len(blocks) for blocks in faulty.failed_blocks.values())
+    assert _delta(df0, df1, "kvxfer_failed_blocks_total") == lost
+    fleet.image.check_all()
 
 
 def test_sidecar_memory_stays_small(fleet: Fleet) -> None:
