@@ -9,6 +9,11 @@ every connected process. The engine says which pid it is in the
 believed only when a process of that pid is connected right now. Without a
 claim, the caller is the one connected process, if there is exactly one.
 
+A process in a pid namespace this one cannot see (an engine container beside
+the sidecar's in a pod without `shareProcessNamespace`) shows up with pid 0:
+its uid is still known, its pid is not, so its death cannot be watched (the
+sidecar then lets a new registration of the same TP rank replace it).
+
 The engine's death is seen through a pidfd (Linux 5.3+): it becomes readable
 when the process exits, whatever the signal, so the sidecar learns of a
 SIGKILL at once, without polling and whether or not the engine was watching
@@ -34,7 +39,7 @@ _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 @dataclass(frozen=True)
 class Caller:
-    pid: int
+    pid: int | None  # None: in a pid namespace this process cannot see
     uid: int
 
 
@@ -49,9 +54,9 @@ def claimed_pid(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | Non
     return None
 
 
-def connected_callers(socket_path: str) -> dict[int, int]:
-    """pid -> uid of every process connected to the unix socket this process listens on."""
-    callers: dict[int, int] = {}
+def connected_callers(socket_path: str) -> list[Caller]:
+    """Credentials of every connection accepted on the unix socket this process serves."""
+    callers: list[Caller] = []
     for name in os.listdir("/proc/self/fd"):
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
@@ -62,7 +67,7 @@ def connected_callers(socket_path: str) -> dict[int, int]:
         with sock:
             credentials = _accepted_credentials(sock, socket_path)
         if credentials is not None:
-            callers[credentials.pid] = credentials.uid
+            callers.append(credentials)
     return callers
 
 
@@ -76,26 +81,30 @@ def _accepted_credentials(sock: socket.socket, socket_path: str) -> Caller | Non
     except OSError:
         return None
     pid, uid, _ = _UCRED.unpack(raw)
-    return Caller(pid, uid) if pid > 0 else None
+    return Caller(pid if pid > 0 else None, uid)
 
 
 def identify_caller(socket_path: str, claimed: int | None) -> Caller:
     """The registering process, checked against the kernel's view of the connections."""
-    callers = connected_callers(socket_path)
+    callers = set(connected_callers(socket_path))
+    visible = {c.pid: c for c in callers if c.pid is not None}
+    hidden_uids = {c.uid for c in callers if c.pid is None}
+    if claimed is not None and claimed in visible:
+        return visible[claimed]
+    if claimed is None and len(visible) == 1 and not hidden_uids:
+        return next(iter(visible.values()))
+    if len(hidden_uids) == 1 and (claimed is not None or not visible):
+        # Its pid is in a namespace we cannot see: its uid is all the kernel tells us.
+        return Caller(None, next(iter(hidden_uids)))
     if claimed is not None:
-        if claimed not in callers:
-            raise RegistrationError(
-                f"{PID_METADATA}: process {claimed} is not connected to {socket_path} "
-                f"(connected: {sorted(callers) or 'none'})"
-            )
-        return Caller(claimed, callers[claimed])
-    if len(callers) != 1:
         raise RegistrationError(
-            f"{PID_METADATA}: {len(callers)} processes are connected to {socket_path}; "
-            "say which one registers in this metadata (kvxfer's EngineClient does)"
+            f"{PID_METADATA}: process {claimed} is not connected to {socket_path} "
+            f"(connected: {sorted(visible) or 'none'})"
         )
-    pid, uid = next(iter(callers.items()))
-    return Caller(pid, uid)
+    raise RegistrationError(
+        f"{PID_METADATA}: {len(callers)} processes are connected to {socket_path}; "
+        "say which one registers in this metadata (kvxfer's EngineClient does)"
+    )
 
 
 class ProcessWatch:

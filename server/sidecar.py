@@ -64,6 +64,7 @@ class Sidecar:
         self.registration_version = 0
         self._backend = backend
         self._engines: dict[str, Engine] = {}
+        self._registering: set[int] = set()  # tp ranks whose registration is under way
         self._leases = LeaseTable(settings.lease.ttl_s, settings.limits.max_leases, time.monotonic)
         self._pulls: dict[tuple[str, str], Pull] = {}
         self._dialer = Dialer(settings)
@@ -140,15 +141,35 @@ class Sidecar:
         """Map and register an engine's buffers. Fails whole: a refused call leaves no
         mapping, no NIXL registration and no table entry behind."""
         self._check_open()
-        await self._check_rank_free(layout.tp_rank)
+        if layout.tp_rank in self._registering:
+            raise InvalidInputError(
+                "layout.tp_rank", f"another call is registering tp_rank {layout.tp_rank} now"
+            )
+        self._registering.add(layout.tp_rank)
+        try:
+            return await self._register(layout, handles, name, claimed_pid)
+        finally:
+            self._registering.discard(layout.tp_rank)
+
+    async def _register(
+        self,
+        layout: EngineLayout,
+        handles: Sequence[BufferHandle],
+        name: str,
+        claimed_pid: int | None,
+    ) -> Engine:
+        self._refuse_live_rank(layout.tp_rank)
+        check_regions_fit(layout, list(handles))
+        caller = self._identify(claimed_pid)
+        await self._free_rank(layout.tp_rank)  # only now: it may retire an engine
         if len(self._engines) >= self.settings.limits.max_engines:
             raise LimitExceededError(
                 f"limits.max_engines: {self.settings.limits.max_engines} engines already registered"
             )
-        check_regions_fit(layout, list(handles))
-        caller = self._identify(claimed_pid)
         engine_id = f"e-{secrets.token_hex(6)}"
-        watch = None if caller is None else ProcessWatch(caller.pid, lambda: self._died(engine_id))
+        watch = None
+        if caller is not None and caller.pid is not None:
+            watch = ProcessWatch(caller.pid, lambda: self._died(engine_id))
         try:
             owner = os.geteuid() if caller is None else caller.uid
             buffers = await self._map_and_register(handles, owner)
@@ -172,34 +193,49 @@ class Sidecar:
             layout.model,
             layout.tp_rank,
             len(buffers),
-            "unknown (TCP)" if caller is None else f"{caller.pid} uid {caller.uid}",
+            _describe(caller),
         )
         if watch is not None and watch.exited():
             self._died(engine_id)  # it died while its buffers were being registered
         return engine
 
-    async def _check_rank_free(self, tp_rank: int) -> None:
-        """One engine per TP rank. A dead engine's rank frees once its retirement ends."""
+    def _refuse_live_rank(self, tp_rank: int) -> None:
+        """One engine per TP rank: refuse the rank of an engine whose process is alive."""
+        for other in self._engines.values():
+            if other.layout.tp_rank != tp_rank or other.retired is not None:
+                continue
+            if other.watch is not None and other.watch.exited():
+                self._died(other.engine_id)  # seen here before the pidfd callback ran
+            elif other.watch is not None:
+                raise InvalidInputError(
+                    "layout.tp_rank",
+                    f"an engine with tp_rank {tp_rank} is already registered "
+                    f"({other.engine_id}); unregister it first",
+                )
+
+    async def _free_rank(self, tp_rank: int) -> None:
+        """Wait for the rank's engine to retire: one whose process died, or one whose
+        process cannot be watched (TCP, or a pid namespace this sidecar cannot see),
+        which this new registration replaces."""
         for other in list(self._engines.values()):
             if other.layout.tp_rank != tp_rank:
                 continue
-            if not other.retiring and other.watch is not None and other.watch.exited():
-                self._died(other.engine_id)  # seen here before the pidfd callback ran
-            if other.retired is not None:
-                await asyncio.wait([other.retired], timeout=self.settings.transfer.rpc_timeout_s)
-                if not other.retired.done():
-                    raise InvalidInputError(
-                        "layout.tp_rank",
-                        f"engine {other.engine_id} of tp_rank {tp_rank} is being retired "
-                        f"({other.retiring}) and a peer is still reading its blocks; retry "
-                        f"within {self._reads_deadline_s():.0f}s",
-                    )
-                continue
-            raise InvalidInputError(
-                "layout.tp_rank",
-                f"an engine with tp_rank {tp_rank} is already registered "
-                f"({other.engine_id}); unregister it first",
-            )
+            if other.retired is None:
+                self._replace(other)
+            assert other.retired is not None
+            await asyncio.wait([other.retired], timeout=self.settings.transfer.rpc_timeout_s)
+            if not other.retired.done():
+                raise InvalidInputError(
+                    "layout.tp_rank",
+                    f"engine {other.engine_id} of tp_rank {tp_rank} is being retired "
+                    f"({other.retiring}) and a peer is still reading its blocks; retry "
+                    f"within {self._reads_deadline_s():.0f}s",
+                )
+
+    def _replace(self, engine: Engine) -> None:
+        reason = "replaced: a new engine registered its tp_rank and its process is unknown"
+        log.warning("engine %s %s", engine.engine_id, reason)
+        engine.retired = asyncio.create_task(self._retire(engine, reason, None))
 
     def _identify(self, claimed_pid: int | None) -> Caller | None:
         """The registering process on a unix socket; None over TCP (no credentials)."""
@@ -380,10 +416,9 @@ class Sidecar:
         engine = self._engines.get(engine_id)
         if engine is None or engine.retired is not None:
             return
-        assert engine.caller is not None
-        log.warning("engine %s (process %d) exited; retiring it", engine_id, engine.caller.pid)
+        reason = f"process {_describe(engine.caller)} exited"
+        log.warning("engine %s: %s; retiring it", engine_id, reason)
         self.metrics.engine_exits.inc()
-        reason = f"process {engine.caller.pid} exited"
         engine.retired = asyncio.create_task(self._retire(engine, reason, None))
 
     async def _retire(
@@ -574,3 +609,10 @@ class Sidecar:
     def _engine_gauges(self) -> None:
         self.metrics.engines.set(len(self._engines))
         self.metrics.registered_bytes.set(sum(e.registered_bytes for e in self._engines.values()))
+
+
+def _describe(caller: Caller | None) -> str:
+    if caller is None:
+        return "unknown (TCP)"
+    pid = "in another pid namespace" if caller.pid is None else str(caller.pid)
+    return f"{pid} (uid {caller.uid})"
