@@ -10,6 +10,7 @@ retired (only after the reads of its blocks end) and its restart registers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -22,7 +23,7 @@ import pytest
 from sidecars import scrape, spans
 
 from kvxfer._exceptions import InvalidInputError, RegistrationError
-from kvxfer.cli.fleet import ChildDiedError, EngineView, Fleet, Proc, metric
+from kvxfer.cli.fleet import BIN, ChildDiedError, EngineView, Fleet, Proc, metric, spawn
 from kvxfer.client.engine import EngineClient
 from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.buffers import BufferHandle, MemoryKind
@@ -38,6 +39,7 @@ from kvxfer.wire.sidecar import handle_to_proto
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 MODEL = "llama-3.1-8b"  # one full-attention group
+CYCLES = int(os.environ.get("KVXFER_INGRESS_CYCLES", "3"))  # kill/restart cycles
 B = 16
 ME = (("kvxfer-engine-pid", str(os.getpid())),)
 
@@ -246,5 +248,70 @@ async def test_a_killed_engine_is_retired_after_its_reads_and_can_register_again
         assert metric(samples, "kvxfer_engine_exits_total") == 1
         assert metric(samples, "kvxfer_registered_engines") == 1
         assert metric(samples, "kvxfer_active_leases") == 0
+    finally:
+        fleet.close()
+
+
+def test_an_engine_the_sidecar_cannot_see_is_replaced_by_its_restart(tmp_path: Path) -> None:
+    """The pod case: sidecar and engine in different pid namespaces. SO_PEERCRED gives
+    the engine's uid but pid 0, so its death cannot be watched; its restart replaces it."""
+    fleet = Fleet(tmp_path)
+    argv = [
+        "unshare", "--pid", "--mount-proc", "--kill-child=SIGTERM",
+        str(BIN / "kvxfer-server"),
+        "--peer-address", "127.0.0.1:0",
+        "--engine-address", f"unix:{tmp_path / 'ns.sock'}",
+        "--metrics-address", "127.0.0.1:0",
+    ]  # fmt: skip
+    sidecar = spawn("sidecar ns", argv, tmp_path / "ns.log")
+    fleet.procs.append(sidecar)
+    try:
+        first = fleet.engine(sidecar, MODEL, "prefill", "--num-blocks", "4")
+        first.proc.popen.send_signal(signal.SIGKILL)
+        first.proc.popen.wait(30)
+        second = fleet.engine(sidecar, MODEL, "prefill", "--num-blocks", "4")
+        assert second.engine_id != first.engine_id
+        assert "in another pid namespace" in sidecar.log_text()
+        assert f"engine {first.engine_id} replaced" in sidecar.log_text()
+        assert metric(scrape(sidecar), "kvxfer_registered_engines") == 1
+    finally:
+        # unshare does not pass SIGTERM on: stop the sidecar itself, then unshare ends.
+        with contextlib.suppress(OSError):
+            children = Path(f"/proc/{sidecar.pid}/task/{sidecar.pid}/children").read_text()
+            for pid in children.split():
+                os.kill(int(pid), signal.SIGTERM)
+        fleet.close()
+
+
+async def test_kill_restart_cycles_leave_no_lease_mapping_or_registration(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL the engine CYCLES times (KVXFER_INGRESS_CYCLES for a longer run), each time
+    with requests published: every restart registers, and the sidecar keeps no lease,
+    mapping or engine of the dead processes."""
+    fleet = Fleet(tmp_path)
+    try:
+        sidecar = fleet.sidecar("s")
+        dead: list[EngineView] = []
+        for cycle in range(CYCLES + 1):
+            engine = fleet.engine(sidecar, MODEL, "prefill", "--num-blocks", "8")
+            async with EngineClient(
+                sidecar.ready["engine_address"], engine_id=engine.engine_id
+            ) as client:
+                for i in range(2):
+                    await client.publish(f"c{cycle}-{i}", 32, spans({0: [2 * i, 2 * i + 1]}))
+            if cycle == CYCLES:
+                break
+            engine.proc.popen.send_signal(signal.SIGKILL)
+            engine.proc.popen.wait(30)
+            await _until_metric(sidecar, "kvxfer_engine_exits_total", cycle + 1)
+            dead.append(engine)
+        samples = scrape(sidecar)
+        assert metric(samples, "kvxfer_registered_engines") == 1
+        assert metric(samples, "kvxfer_active_leases") == 2  # the live engine's only
+        maps = Path(f"/proc/{sidecar.pid}/maps").read_text()
+        for engine in dead:
+            for name in engine.shm_names():
+                assert name not in maps, f"the sidecar still maps dead engine's {name}"
     finally:
         fleet.close()
