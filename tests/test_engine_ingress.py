@@ -287,25 +287,22 @@ async def test_kill_restart_cycles_leave_no_lease_mapping_or_registration(
     tmp_path: Path,
 ) -> None:
     """SIGKILL the engine CYCLES times (KVXFER_INGRESS_CYCLES for a longer run), each time
-    with requests published: every restart registers, and the sidecar keeps no lease,
-    mapping or engine of the dead processes."""
+    with requests published, every other time with one of them being read: the dead
+    engine's memory stays mapped until the read ends, every restart registers, and the
+    sidecar keeps no lease, mapping or engine of the dead processes."""
     fleet = Fleet(tmp_path)
     try:
         sidecar = fleet.sidecar("s")
         dead: list[EngineView] = []
-        for cycle in range(CYCLES + 1):
-            engine = fleet.engine(sidecar, MODEL, "prefill", "--num-blocks", "8")
-            async with EngineClient(
-                sidecar.ready["engine_address"], engine_id=engine.engine_id
-            ) as client:
-                for i in range(2):
-                    await client.publish(f"c{cycle}-{i}", 32, spans({0: [2 * i, 2 * i + 1]}))
-            if cycle == CYCLES:
-                break
-            engine.proc.popen.send_signal(signal.SIGKILL)
-            engine.proc.popen.wait(30)
-            await _until_metric(sidecar, "kvxfer_engine_exits_total", cycle + 1)
-            dead.append(engine)
+        async with grpc.aio.insecure_channel(sidecar.ready["peer_address"]) as channel:
+            peer = pb_grpc.PeerServiceStub(channel)
+            for cycle in range(CYCLES + 1):
+                engine = fleet.engine(sidecar, MODEL, "prefill", "--num-blocks", "8")
+                if cycle == CYCLES:
+                    await _publish_two(sidecar, engine, cycle)
+                    break
+                await _kill_while_published(sidecar, engine, peer, cycle, reading=cycle % 2 == 1)
+                dead.append(engine)
         samples = scrape(sidecar)
         assert metric(samples, "kvxfer_registered_engines") == 1
         assert metric(samples, "kvxfer_active_leases") == 2  # the live engine's only
@@ -315,3 +312,29 @@ async def test_kill_restart_cycles_leave_no_lease_mapping_or_registration(
                 assert name not in maps, f"the sidecar still maps dead engine's {name}"
     finally:
         fleet.close()
+
+
+async def _publish_two(sidecar: Proc, engine: EngineView, cycle: int) -> int:
+    async with EngineClient(sidecar.ready["engine_address"], engine_id=engine.engine_id) as c:
+        for i in range(2):
+            params = await c.publish(f"c{cycle}-{i}", 32, spans({0: [2 * i, 2 * i + 1]}))
+    return params.epoch
+
+
+async def _kill_while_published(
+    sidecar: Proc, engine: EngineView, peer: pb_grpc.PeerServiceStub, cycle: int, reading: bool
+) -> None:
+    key = {"epoch": await _publish_two(sidecar, engine, cycle), "tp_rank": 0}
+    if reading:
+        await peer.BeginRead(pb.BeginReadRequest(**key, request_id=f"c{cycle}-0"))
+    engine.proc.popen.send_signal(signal.SIGKILL)
+    engine.proc.popen.wait(30)
+    await _until_metric(sidecar, "kvxfer_engine_exits_total", cycle + 1)
+    if not reading:
+        return
+    maps = Path(f"/proc/{sidecar.pid}/maps").read_text()
+    assert all(name in maps for name in engine.shm_names()), "unmapped under a read"
+    beat = await peer.Heartbeat(pb.HeartbeatRequest(**key, request_ids=[f"c{cycle}-0"]))
+    assert list(beat.states) == [pb.LEASE_STATE_ABORTED]
+    end = pb.EndReadRequest(**key, request_id=f"c{cycle}-0", reason=pb.RELEASE_REASON_ABORTED)
+    await peer.EndRead(end)
