@@ -489,6 +489,10 @@ class Sidecar:
         try:
             await asyncio.wait_for(engine.reads_ended.wait(), deadline_s)
         except TimeoutError:
+            # The reader kept its lease alive but never ended the read (an alive reader
+            # learns of the abort within TTL/3 and ends within its stall deadline). Peers
+            # only READ this memory, so a read still posted after the deregistration
+            # fails on their side; nothing can write into this process's memory.
             left = self._leases.drop_engine(engine.engine_id)
             log.warning(
                 "engine %s: %d reads still open after %.1fs; their readers are presumed gone",

@@ -28,6 +28,7 @@ from kvxfer.client.engine import EngineClient
 from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.profiles import layout_for_model
+from kvxfer.core.requests import check_address, check_request_id
 from kvxfer.server.main import flag_insecure_listeners, is_loopback
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.settings import Settings
@@ -338,3 +339,16 @@ async def _kill_while_published(
     assert list(beat.states) == [pb.LEASE_STATE_ABORTED]
     end = pb.EndReadRequest(**key, request_id=f"c{cycle}-0", reason=pb.RELEASE_REASON_ABORTED)
     await peer.EndRead(end)
+
+
+def test_names_and_addresses_match_as_a_whole() -> None:
+    """A `$` pattern accepts a trailing newline; these checks must not."""
+    with pytest.raises(InvalidInputError, match="request_id"):
+        check_request_id("req-1\n")
+    with pytest.raises(InvalidInputError, match="bad host"):
+        check_address("localhost\n:7500", "peer_address")
+    for name in ("seg\n", ".", ".."):
+        with pytest.raises(InvalidInputError, match="shm_name"):
+            BufferHandle("b", MemoryKind.DRAM, 4096, shm_name=name)
+    with pytest.raises(InvalidInputError, match="port"):
+        check_address("localhost:\u0661\u0662", "peer_address")  # Arabic-Indic digits
