@@ -92,7 +92,9 @@ async def serve(settings: Settings) -> int:
     )
     try:
         peer_port = _bind_peer(peer_server, settings)
-        engine_address = _bind_engine(engine_server, settings.engine_address)
+        # gRPC creates the socket file at bind time (not at start): umask it there.
+        with _private_umask(settings.engine_address):
+            engine_address = _bind_engine(engine_server, settings.engine_address)
         metrics_http, metrics_port = _start_metrics(settings.metrics_address, metrics)
     except KvxferError:
         await backend.close()
@@ -100,8 +102,7 @@ async def serve(settings: Settings) -> int:
     if settings.advertise_address is None:
         sidecar.address = _with_port(settings.peer_address, peer_port)
     await peer_server.start()
-    with _private_umask(settings.engine_address):
-        await engine_server.start()
+    await engine_server.start()
     sidecar.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
