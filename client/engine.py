@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
@@ -93,8 +94,12 @@ class EngineClient:
             buffers=[handle_to_proto(b) for b in buffers],
             engine_name=name,
         )
+        # Which connected process registers: the sidecar checks the claim against the
+        # socket's peer credentials and retires the engine when this process exits.
+        metadata = (("kvxfer-engine-pid", str(os.getpid())),)
         reply = await self._call(
-            "register", lambda: self._stub.RegisterEngine(request, timeout=self._timeout_s)
+            "register",
+            lambda: self._stub.RegisterEngine(request, timeout=self._timeout_s, metadata=metadata),
         )
         self.engine_id = reply.engine_id
         return Registration(reply.engine_id, reply.epoch, reply.peer_address)

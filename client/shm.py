@@ -66,7 +66,7 @@ class ShmKVCache:
                 count = counts[group.kind]
                 size = count * group.bytes_per_block
                 name = f"{tag}-g{group.group_id}"
-                self._segments.append(_Segment(_create(name, size), _map(name, size)))
+                self._segments.append(_create(name, size))
                 offset = 0
                 for tensor in group.tensors:
                     regions.append(
@@ -119,25 +119,24 @@ class ShmKVCache:
             finalizer.detach()
 
 
-def _create(name: str, size: int) -> BufferHandle:
+def _create(name: str, size: int) -> _Segment:
+    """Create, size and map a new segment through one file descriptor: nothing can swap
+    the file between creating and mapping it."""
     path = os.path.join(SHM_DIR, name)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
         raise RegistrationError(f"cannot create shared memory {name!r}: {exc.strerror}") from exc
     try:
         os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size)
+    except BaseException:
+        os.unlink(path)
+        raise
     finally:
         os.close(fd)
-    return BufferHandle(name=name, kind=MemoryKind.DRAM, size_bytes=size, shm_name=name)
-
-
-def _map(name: str, size: int) -> mmap.mmap:
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-    try:
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
+    handle = BufferHandle(name=name, kind=MemoryKind.DRAM, size_bytes=size, shm_name=name)
+    return _Segment(handle, mapping)
 
 
 def _unlink_all(names: list[str]) -> None:

@@ -2,10 +2,14 @@
 
 An engine hands over its layout (with regions) and buffer handles; the
 sidecar maps every buffer, checks each region fits inside its buffer, and
-registers them with NIXL. Events (PullDone, Released, LeaseExpired) wait in
-a per-engine queue until the engine's watcher takes them, so an event
-emitted before the engine started watching is not lost; one watcher at a
-time.
+registers them with NIXL. An engine whose process is known (a unix-socket
+caller, `server/callers.py`) is watched: when it dies it is retired like an
+explicit Unregister. A retiring engine takes no new work but keeps its
+buffers registered until no read of its blocks is in flight.
+
+Events (PullDone, Released, LeaseExpired) wait in a per-engine queue until
+the engine's watcher takes them, so an event emitted before the engine
+started watching is not lost; one watcher at a time.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from dataclasses import dataclass, field
 
 from kvxfer._exceptions import InvalidInputError, LayoutError
 from kvxfer.core.buffers import BoundBuffer, BufferHandle
-from kvxfer.core.layout import EngineLayout
+from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind
+from kvxfer.core.planner import needed_blocks
 from kvxfer.core.requests import EngineEvent
 from kvxfer.dataplane.memory import MappedBuffer
+from kvxfer.server.callers import Caller, ProcessWatch
 
 
 class EventQueue:
@@ -69,6 +75,11 @@ class Engine:
     buffers: list[MappedBuffer]
     events: EventQueue
     bound: dict[str, BoundBuffer] = field(default_factory=dict)
+    caller: Caller | None = None  # None: registered over TCP, the process is unknown
+    watch: ProcessWatch | None = None
+    retiring: str = ""  # why it is going ("unregistered", "process 123 exited"), once it is
+    retired: asyncio.Task[tuple[int, int]] | None = None  # the retirement, once started
+    reads_ended: asyncio.Event = field(default_factory=asyncio.Event)  # last lease gone
 
     @property
     def registered_bytes(self) -> int:
@@ -79,7 +90,11 @@ def check_regions_fit(layout: EngineLayout, handles: list[BufferHandle]) -> None
     """Every region must lie inside a declared buffer, before anything is mapped."""
     if not layout.regions:
         raise LayoutError("layout.regions", "an engine must register the regions of its layout")
-    sizes = {h.name: h.size_bytes for h in handles}
+    sizes: dict[str, int] = {}
+    for i, handle in enumerate(handles):
+        if handle.name in sizes:
+            raise LayoutError(f"buffers[{i}].name", f"buffer name {handle.name!r} repeats")
+        sizes[handle.name] = handle.size_bytes
     for region in layout.regions:
         size = sizes.get(region.buffer)
         where = f"layout.regions['{region.name}']"
@@ -89,4 +104,36 @@ def check_regions_fit(layout: EngineLayout, handles: list[BufferHandle]) -> None
             raise LayoutError(
                 where,
                 f"ends at byte {region.end_bytes}, past buffer {region.buffer!r} ({size} bytes)",
+            )
+
+
+def check_spans_cover(layout: EngineLayout, num_tokens: int, spans: tuple[BlockSpan, ...]) -> None:
+    """A published request must hold what any pull of it needs: every group that moves
+    anything needs a span, reaching the last block of the `num_tokens` tokens (the Mamba
+    state: block 0). A pull whose reader holds a prefix may need less, never more."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise InvalidInputError("num_tokens", f"must be at least 1, got {num_tokens!r}")
+    if not spans:
+        raise InvalidInputError(
+            "spans", f"empty: {num_tokens} tokens need the blocks of every KV group"
+        )
+    by_group = {span.group_id: (i, span) for i, span in enumerate(spans)}
+    for group in layout.groups:
+        kind, window = group.kind, group.sliding_window
+        blocks = needed_blocks(kind, window, num_tokens, 0, layout.block_size)
+        if not blocks:
+            continue
+        last = blocks.stop - 1
+        what = "the state block 0" if kind is GroupKind.MAMBA else f"logical block {last}"
+        found = by_group.get(group.group_id)
+        if found is None:
+            raise InvalidInputError(
+                f"spans[group {group.group_id}]", f"missing; {num_tokens} tokens need {what}"
+            )
+        i, span = found
+        if not span.first_block <= last < span.end_block:
+            raise InvalidInputError(
+                f"spans[{i}]",
+                f"covers logical blocks {span.first_block}..{span.end_block - 1} of group "
+                f"{group.group_id}; num_tokens {num_tokens} needs {what}",
             )

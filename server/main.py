@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import os
 import signal
+import socket
+import stat
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -82,6 +85,7 @@ async def serve(settings: Settings) -> int:
         return FaultInjectingBackend(agent, rule) if faults.enabled else agent
 
     sidecar = Sidecar(settings, backend, metrics, Readers(reader))
+    flag_insecure_listeners(settings, metrics)
     peer_server = _server(
         settings, [("peer", PeerServicer(sidecar, settings.tls)), ("admin", AdminServicer(sidecar))]
     )
@@ -90,7 +94,9 @@ async def serve(settings: Settings) -> int:
     )
     try:
         peer_port = _bind_peer(peer_server, settings)
-        engine_address = _bind_engine(engine_server, settings.engine_address)
+        # gRPC creates the socket file at bind time (not at start): umask it there.
+        with _private_umask(settings.engine_address):
+            engine_address = _bind_engine(engine_server, settings.engine_address)
         metrics_http, metrics_port = _start_metrics(settings.metrics_address, metrics)
     except KvxferError:
         await backend.close()
@@ -98,8 +104,7 @@ async def serve(settings: Settings) -> int:
     if settings.advertise_address is None:
         sidecar.address = _with_port(settings.peer_address, peer_port)
     await peer_server.start()
-    with _private_umask(settings.engine_address):
-        await engine_server.start()
+    await engine_server.start()
     sidecar.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -176,9 +181,7 @@ def _bind_peer(server: grpc.aio.Server, settings: Settings) -> int:
 
 def _bind_engine(server: grpc.aio.Server, address: str) -> str:
     if address.startswith("unix:"):
-        path = address.removeprefix("unix:")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a socket left by a killed sidecar
+        _claim_socket_path(address.removeprefix("unix:"))
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as exc:
@@ -188,6 +191,68 @@ def _bind_engine(server: grpc.aio.Server, address: str) -> str:
     if port == 0:
         raise InvalidInputError("engine_address", f"cannot bind {address}")
     return _with_port(address, port)
+
+
+def _claim_socket_path(path: str) -> None:
+    """Remove a socket a killed sidecar left behind; refuse one a live process serves
+    (a second sidecar must not take over the first one's engines) and anything else."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise InvalidInputError(
+            "engine_address", f"{path} exists and is not a socket; refusing to replace it"
+        )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(5.0)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)  # nobody listens: stale
+            return
+        except OSError as exc:
+            raise InvalidInputError(
+                "engine_address", f"cannot check whether {path} is in use: {exc.strerror}"
+            ) from exc
+    raise InvalidInputError(
+        "engine_address",
+        f"{path} is served by another live process (another kvxfer-server?); "
+        "stop it or choose another --engine-address",
+    )
+
+
+def flag_insecure_listeners(settings: Settings, metrics: Metrics) -> None:
+    """Warn about, and count, the engine and metrics endpoints reachable beyond loopback.
+    (The peer port's own check lives with its binding.)"""
+    engine = settings.engine_address
+    engine_exposed = not engine.startswith("unix:") and not is_loopback(engine)
+    metrics_exposed = not is_loopback(settings.metrics_address)
+    if not engine.startswith("unix:"):
+        log.warning(
+            "INSECURE: EngineService on TCP %s (insecure_engine_tcp): callers are not "
+            "identified, engine deaths are not detected, and any process that reaches "
+            "the port can register memory and read published KV",
+            engine,
+        )
+    if metrics_exposed:
+        log.warning(
+            "INSECURE: /metrics on %s is reachable beyond loopback without authentication",
+            settings.metrics_address,
+        )
+    metrics.insecure_listeners.labels("engine").set(int(engine_exposed))
+    metrics.insecure_listeners.labels("metrics").set(int(metrics_exposed))
+
+
+def is_loopback(address: str) -> bool:
+    """HOST:PORT names this host only: 127.0.0.0/8, ::1 or localhost (not 0.0.0.0/::)."""
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
 
 
 @contextlib.contextmanager

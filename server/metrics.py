@@ -136,6 +136,18 @@ class Metrics:
             "Engine events dropped: queue full and nobody watching",
             registry=r,
         )
+        self.engine_exits = Counter(
+            "kvxfer_engine_exits",
+            "Registered engines whose process exited without unregistering",
+            registry=r,
+        )
+        # Shared with the peer port: service is "peer", "engine" or "metrics".
+        self.insecure_listeners = Gauge(
+            "kvxfer_insecure_listeners",
+            "1 per service listening beyond loopback without authentication",
+            ["service"],
+            registry=r,
+        )
         self.fault_injection = Gauge(
             "kvxfer_fault_injection",
             "1 when this sidecar injects chunk faults (testing)",

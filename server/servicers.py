@@ -33,6 +33,7 @@ from kvxfer._exceptions import (
     RegistrationError,
     ShuttingDownError,
 )
+from kvxfer.server.callers import claimed_pid
 from kvxfer.server.leases import LeaseState
 from kvxfer.server.settings import TlsSettings
 from kvxfer.server.sidecar import Sidecar
@@ -128,7 +129,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     ) -> pb.RegisterEngineResponse:
         layout = layout_from_proto(request.layout, "layout")
         handles = handles_from_proto(request.buffers, "buffers")
-        engine = await self._sidecar.register_engine(layout, handles, request.engine_name)
+        pid = claimed_pid(context.invocation_metadata())
+        engine = await self._sidecar.register_engine(layout, handles, request.engine_name, pid)
         return pb.RegisterEngineResponse(
             engine_id=engine.engine_id,
             epoch=self._sidecar.epoch,

@@ -145,6 +145,12 @@ class Settings(BaseSettings):
     engine_address: str = Field(
         "unix:/tmp/kvxfer-engine.sock", description="unix:PATH or HOST:PORT for engines"
     )
+    insecure_engine_tcp: bool = Field(
+        False,
+        description="INSECURE: allow a TCP engine_address (even loopback). TCP callers are "
+        "not identified and their deaths not detected; any process reaching the port can "
+        "register memory and read published KV. Use unix:PATH",
+    )
     metrics_address: str = Field("127.0.0.1:9400", description="HOST:PORT of /metrics")
     sidecar_id: str = Field("", description="name in logs and peers' views (default: hostname)")
     shutdown_grace_s: float = Field(10.0, ge=0, le=600, description="SIGTERM grace period")
@@ -177,6 +183,16 @@ class Settings(BaseSettings):
         if value.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise ValueError(f"must be DEBUG, INFO, WARNING or ERROR, got {value!r}")
         return value.upper()
+
+    @model_validator(mode="after")
+    def _engine_socket(self) -> Settings:
+        if not self.engine_address.startswith("unix:") and not self.insecure_engine_tcp:
+            raise ValueError(
+                f"engine_address: {self.engine_address!r} is TCP; the engine service only "
+                "listens on unix:PATH (0600, callers identified by SO_PEERCRED) unless "
+                "--insecure-engine-tcp is given"
+            )
+        return self
 
     @model_validator(mode="after")
     def _deadlines(self) -> Settings:

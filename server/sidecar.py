@@ -42,7 +42,8 @@ from kvxfer.dataplane.adapter import TransferBackend
 from kvxfer.dataplane.executor import ExecOptions
 from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
 from kvxfer.dataplane.readers import Readers
-from kvxfer.server.engines import Engine, EventQueue, check_regions_fit
+from kvxfer.server.callers import Caller, ProcessWatch, identify_caller
+from kvxfer.server.engines import Engine, EventQueue, check_regions_fit, check_spans_cover
 from kvxfer.server.leases import Lease, LeaseState, LeaseTable
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import Dialer, PeerLinks
@@ -67,6 +68,7 @@ class Sidecar:
         self._backend = backend  # serves reads of our engines' memory; never reads itself
         self._readers = readers  # read into our engines' memory: one agent per peer and engine
         self._engines: dict[str, Engine] = {}
+        self._registering: set[int] = set()  # tp ranks whose registration is under way
         self._leases = LeaseTable(settings.lease.ttl_s, settings.limits.max_leases, time.monotonic)
         self._pulls: dict[tuple[str, str], Pull] = {}
         self._dialer = Dialer(settings)
@@ -106,6 +108,7 @@ class Sidecar:
                     lease.engine_id,
                     LeaseExpired(lease.request_id, time.monotonic() - lease.created),
                 )
+                self._lease_ended(lease.engine_id)
             self._lease_gauges()
 
     async def shutdown(self, grace_s: float) -> None:
@@ -126,10 +129,10 @@ class Sidecar:
         # Memory safety: every agent that could touch our engines' memory (readers write
         # into it, the serving agent reads from it for peers) is destroyed before any of
         # it is unmapped by unregister().
-        readers_gone = await self._readers.close()
+        await self._readers.close()
         await self._backend.close()
         for engine_id in list(self._engines):
-            await self.unregister(engine_id, unmap=readers_gone and not self._backend.alive)
+            await self.unregister(engine_id, reads_deadline_s=max(0.0, end - time.monotonic()))
         if self._sweeper is not None:
             self._sweeper.cancel()
         await self._dialer.close()
@@ -152,52 +155,147 @@ class Sidecar:
     # -- engine side -------------------------------------------------------
 
     async def register_engine(
-        self, layout: EngineLayout, handles: Sequence[BufferHandle], name: str
+        self,
+        layout: EngineLayout,
+        handles: Sequence[BufferHandle],
+        name: str,
+        claimed_pid: int | None = None,
     ) -> Engine:
+        """Map and register an engine's buffers. Fails whole: a refused call leaves no
+        mapping, no NIXL registration and no table entry behind."""
         self._check_open()
+        if layout.tp_rank in self._registering:
+            raise InvalidInputError(
+                "layout.tp_rank", f"another call is registering tp_rank {layout.tp_rank} now"
+            )
+        self._registering.add(layout.tp_rank)
+        try:
+            return await self._register(layout, handles, name, claimed_pid)
+        finally:
+            self._registering.discard(layout.tp_rank)
+
+    async def _register(
+        self,
+        layout: EngineLayout,
+        handles: Sequence[BufferHandle],
+        name: str,
+        claimed_pid: int | None,
+    ) -> Engine:
+        self._refuse_live_rank(layout.tp_rank)
+        check_regions_fit(layout, list(handles))
+        caller = self._identify(claimed_pid)
+        await self._free_rank(layout.tp_rank)  # only now: it may retire an engine
         if len(self._engines) >= self.settings.limits.max_engines:
             raise LimitExceededError(
                 f"limits.max_engines: {self.settings.limits.max_engines} engines already registered"
             )
-        for other in self._engines.values():
-            if other.layout.tp_rank == layout.tp_rank:
-                raise InvalidInputError(
-                    "layout.tp_rank",
-                    f"an engine with tp_rank {layout.tp_rank} is already registered "
-                    f"({other.engine_id}); unregister it first",
-                )
-        check_regions_fit(layout, list(handles))
-        buffers: list[MappedBuffer] = []
-        try:
-            for handle in handles:
-                buffers.append(open_buffer(handle))
-            await self._backend.register(buffers)
-        except BaseException:
-            for buffer in buffers:
-                buffer.close()
-            raise
         engine_id = f"e-{secrets.token_hex(6)}"
+        watch = None
+        if caller is not None and caller.pid is not None:
+            watch = ProcessWatch(caller.pid, lambda: self._died(engine_id))
+        try:
+            owner = os.geteuid() if caller is None else caller.uid
+            buffers = await self._map_and_register(handles, owner)
+        except BaseException:
+            if watch is not None:
+                watch.close()
+            raise
         events = EventQueue(
             self.settings.limits.max_pending_events, self.metrics.events_dropped.inc
         )
-        engine = Engine(engine_id, name[:128], layout, buffers, events, bind(buffers))
+        engine = Engine(
+            engine_id, name[:128], layout, buffers, events, bind(buffers), caller, watch
+        )
         self._engines[engine_id] = engine
         self.registration_version += 1
         self._engine_gauges()
         log.info(
-            "registered engine %s (%s, %s, rank %d, %d buffers)",
+            "registered engine %s (%s, %s, rank %d, %d buffers, process %s)",
             engine_id,
             name,
             layout.model,
             layout.tp_rank,
             len(buffers),
+            _describe(caller),
         )
+        if watch is not None and watch.exited():
+            self._died(engine_id)  # it died while its buffers were being registered
         return engine
+
+    def _refuse_live_rank(self, tp_rank: int) -> None:
+        """One engine per TP rank: refuse the rank of an engine whose process is alive."""
+        for other in self._engines.values():
+            if other.layout.tp_rank != tp_rank or other.retired is not None:
+                continue
+            if other.watch is not None and other.watch.exited():
+                self._died(other.engine_id)  # seen here before the pidfd callback ran
+            elif other.watch is not None:
+                raise InvalidInputError(
+                    "layout.tp_rank",
+                    f"an engine with tp_rank {tp_rank} is already registered "
+                    f"({other.engine_id}); unregister it first",
+                )
+
+    async def _free_rank(self, tp_rank: int) -> None:
+        """Wait for the rank's engine to retire: one whose process died, or one whose
+        process cannot be watched (TCP, or a pid namespace this sidecar cannot see),
+        which this new registration replaces."""
+        for other in list(self._engines.values()):
+            if other.layout.tp_rank != tp_rank:
+                continue
+            if other.retired is None:
+                self._replace(other)
+            assert other.retired is not None
+            await asyncio.wait([other.retired], timeout=self.settings.transfer.rpc_timeout_s)
+            if not other.retired.done():
+                raise InvalidInputError(
+                    "layout.tp_rank",
+                    f"engine {other.engine_id} of tp_rank {tp_rank} is being retired "
+                    f"({other.retiring}) and a peer is still reading its blocks; retry "
+                    f"within {self._reads_deadline_s():.0f}s",
+                )
+
+    def _replace(self, engine: Engine) -> None:
+        reason = "replaced: a new engine registered its tp_rank and its process is unknown"
+        log.warning("engine %s %s", engine.engine_id, reason)
+        engine.retired = asyncio.create_task(self._retire(engine, reason, None))
+
+    def _identify(self, claimed_pid: int | None) -> Caller | None:
+        """The registering process on a unix socket; None over TCP (no credentials)."""
+        address = self.settings.engine_address
+        if not address.startswith("unix:"):
+            return None
+        return identify_caller(address.removeprefix("unix:"), claimed_pid)
+
+    async def _map_and_register(
+        self, handles: Sequence[BufferHandle], owner_uid: int
+    ) -> list[MappedBuffer]:
+        mapped: list[MappedBuffer] = []
+        registered: list[MappedBuffer] = []
+        try:
+            for handle in handles:
+                mapped.append(open_buffer(handle, owner_uid))
+            for buffer in mapped:
+                # One at a time, so a refusal leaves a known set to undo (and the undo
+                # never deregisters another engine's buffer of the same name).
+                await self._backend.register([buffer])
+                registered.append(buffer)
+        except BaseException:
+            # Memory safety: these buffers never reached the engine table, so no peer was
+            # given their addresses and no pull planned into them: no NIXL handle can touch
+            # them. Deregister first, so NIXL never holds a registration of unmapped memory.
+            await self._backend.deregister(registered)
+            for buffer in mapped:
+                buffer.close()
+            raise
+        return mapped
 
     def engine(self, engine_id: str) -> Engine:
         engine = self._engines.get(engine_id)
         if engine is None:
             raise NotFoundError(f"engine {engine_id!r} is not registered with this sidecar")
+        if engine.retiring:
+            raise NotFoundError(f"engine {engine_id!r} is going away ({engine.retiring})")
         return engine
 
     def engines(self) -> list[Engine]:
@@ -216,6 +314,7 @@ class Sidecar:
                 raise InvalidInputError(f"spans[{i}].group_id", f"group {span.group_id} repeats")
             seen.add(span.group_id)
             check_span_ids(engine.layout, span, f"spans[{i}]")
+        check_spans_cover(engine.layout, num_tokens, spans)
         params = TransferParams(
             peer_address=self.address,
             engine_id=engine_id,
@@ -319,36 +418,124 @@ class Sidecar:
     def watch(self, engine_id: str) -> AsyncIterator[EngineEvent]:
         return self.engine(engine_id).events.watch()
 
-    async def unregister(self, engine_id: str, *, unmap: bool = True) -> tuple[int, int]:
-        engine = self.engine(engine_id)
-        cancelled = 0
-        for key, pull in list(self._pulls.items()):
-            if key[0] == engine_id and pull.task is not None:
-                pull.aborted = True
-                pull.cancel.set()
-                cancelled += 1
-                await asyncio.wait([pull.task], timeout=self.settings.transfer.stall_deadline_s + 1)
-        leases = self._leases.drop_engine(engine_id)
-        for lease in leases:
-            self._release(lease, ReleaseReason.UNREGISTERED, 0)
-        del self._engines[engine_id]
+    async def unregister(
+        self, engine_id: str, reads_deadline_s: float | None = None
+    ) -> tuple[int, int]:
+        """Retire an engine: (leases released or aborted, pulls cancelled). Returns once
+        its buffers are deregistered; waits for reads of its blocks (at most
+        `reads_deadline_s`, default lease TTL + stall deadline). An engine already
+        retiring (its process died) is waited for."""
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            raise NotFoundError(f"engine {engine_id!r} is not registered with this sidecar")
+        if engine.retired is None:
+            engine.retired = asyncio.create_task(
+                self._retire(engine, "unregistered", reads_deadline_s)
+            )
+        return await asyncio.shield(engine.retired)
+
+    def _died(self, engine_id: str) -> None:
+        """The engine's process exited: retire it in the background (pidfd callback)."""
+        engine = self._engines.get(engine_id)
+        if engine is None or engine.retired is not None:
+            return
+        reason = f"process {_describe(engine.caller)} exited"
+        log.warning("engine %s: %s; retiring it", engine_id, reason)
+        self.metrics.engine_exits.inc()
+        engine.retired = asyncio.create_task(self._retire(engine, reason, None))
+
+    async def _retire(
+        self, engine: Engine, reason: str, reads_deadline_s: float | None
+    ) -> tuple[int, int]:
+        engine.retiring = reason
+        if engine.watch is not None:
+            engine.watch.close()
+        cancelled = await self._cancel_pulls(engine)
+        released = self._end_leases(engine)
+        deadline = self._reads_deadline_s() if reads_deadline_s is None else reads_deadline_s
+        await self._wait_reads(engine, deadline)
+        del self._engines[engine.engine_id]
         engine.events.close()
-        # Memory safety: the readers that write into these buffers are destroyed (their
-        # pulls were stopped above; destroying the agents ends any request still live).
-        # The serving agent only reads them for peers and stops doing so once they are
-        # deregistered. If a reader's thread would not stop, the mapping is left in place
-        # (leaked) rather than unmapped under a transfer.
-        readers_gone = await self._readers.close_engine(engine_id)
-        await self._backend.deregister(engine.buffers)
-        if unmap and readers_gone:
+        # The agents that read into these buffers are destroyed (readers.py): whatever
+        # they posted, even a handle that never ended, can no longer land here.
+        readers_gone = await self._readers.close_engine(engine.engine_id)
+        if cancelled < 0 or not readers_gone:
+            # A pull into these buffers did not end, or its agent would not stop: its
+            # NIXL handles may still write here. Leaving the memory mapped and registered
+            # is a leak; unmapping would let a late write land in whatever the address
+            # holds next.
+            log.error("engine %s: a pull did not end; its buffers stay mapped", engine.engine_id)
+        else:
+            # Memory safety: no pull into these buffers is running and no agent that
+            # posted one exists (above), and no peer read of them is in flight (every
+            # lease of this engine ended, by EndRead or by its reader's silence past the
+            # TTL, which outlasts the reader's stall deadline). So no NIXL handle, ours or
+            # a peer's, can touch them: deregister, then unmap.
+            await self._backend.deregister(engine.buffers)
             for buffer in engine.buffers:
                 buffer.close()
-        else:
-            log.error("engine %s: buffers left mapped, an agent may still touch them", engine_id)
         self.registration_version += 1
         self._engine_gauges()
         self._lease_gauges()
-        return len(leases), cancelled
+        log.info("engine %s retired (%s)", engine.engine_id, reason)
+        return released, max(cancelled, 0)
+
+    def _reads_deadline_s(self) -> float:
+        return self.settings.lease.ttl_s + self.settings.transfer.stall_deadline_s
+
+    async def _cancel_pulls(self, engine: Engine) -> int:
+        """Abort the engine's pulls and wait for them; -1 when one would not end."""
+        tasks = []
+        for key, pull in list(self._pulls.items()):
+            if key[0] == engine.engine_id and pull.task is not None:
+                pull.aborted = True
+                pull.cancel.set()
+                tasks.append(pull.task)
+        if not tasks:
+            return 0
+        _, late = await asyncio.wait(tasks, timeout=2 * self.settings.transfer.stall_deadline_s + 5)
+        return -1 if late else len(tasks)
+
+    def _end_leases(self, engine: Engine) -> int:
+        """Release the engine's held leases now; mark the ones being read aborted, so
+        their readers stop (they learn it from their next heartbeat) and end the read."""
+        ended = 0
+        for lease in self._leases.all():
+            if lease.engine_id != engine.engine_id:
+                continue
+            _, released = self._leases.abort(engine.engine_id, lease.request_id)
+            if released is not None:
+                self._release(released, ReleaseReason.UNREGISTERED, 0)
+            ended += 1
+        self._lease_gauges()
+        return ended
+
+    async def _wait_reads(self, engine: Engine, deadline_s: float) -> None:
+        if not self._engine_leases(engine.engine_id):
+            return
+        try:
+            await asyncio.wait_for(engine.reads_ended.wait(), deadline_s)
+        except TimeoutError:
+            # The reader kept its lease alive but never ended the read (an alive reader
+            # learns of the abort within TTL/3 and ends within its stall deadline). Peers
+            # only READ this memory, so a read still posted after the deregistration
+            # fails on their side; nothing can write into this process's memory.
+            left = self._leases.drop_engine(engine.engine_id)
+            log.warning(
+                "engine %s: %d reads still open after %.1fs; their readers are presumed gone",
+                engine.engine_id,
+                len(left),
+                deadline_s,
+            )
+
+    def _engine_leases(self, engine_id: str) -> list[Lease]:
+        return [lease for lease in self._leases.all() if lease.engine_id == engine_id]
+
+    def _lease_ended(self, engine_id: str) -> None:
+        """A retiring engine's buffers may go once its last lease has."""
+        engine = self._engines.get(engine_id)
+        if engine is not None and engine.retiring and not self._engine_leases(engine_id):
+            engine.reads_ended.set()
 
     def _emit(self, engine_id: str, event: EngineEvent) -> None:
         engine = self._engines.get(engine_id)
@@ -360,6 +547,7 @@ class Sidecar:
     def _release(self, lease: Lease, reason: ReleaseReason, bytes_read: int) -> None:
         self.metrics.released_leases.labels(reason.value).inc()
         self._emit(lease.engine_id, Released(lease.request_id, reason, bytes_read))
+        self._lease_ended(lease.engine_id)
 
     # -- peer side ---------------------------------------------------------
 
@@ -452,3 +640,10 @@ class Sidecar:
     def _engine_gauges(self) -> None:
         self.metrics.engines.set(len(self._engines))
         self.metrics.registered_bytes.set(sum(e.registered_bytes for e in self._engines.values()))
+
+
+def _describe(caller: Caller | None) -> str:
+    if caller is None:
+        return "unknown (TCP)"
+    pid = "in another pid namespace" if caller.pid is None else str(caller.pid)
+    return f"{pid} (uid {caller.uid})"

@@ -234,6 +234,10 @@ class _Runner:
             if watchdog in done:
                 work.cancel()
                 watchdog.result()  # raises ChildDiedError
+            elif work.exception() is not None:
+                # A sidecar retires a dead engine at once, so a request may fail before
+                # the watchdog looks: the dead process is the cause to report.
+                self.fleet.check_alive()
             outcomes = work.result()
         finally:
             for task in (*pumps, watchdog):

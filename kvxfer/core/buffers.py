@@ -1,6 +1,7 @@
 """How an engine shares a KV buffer with its sidecar: by handle, never by copy.
 
-A DRAM buffer is a POSIX shared-memory segment named `shm_name`; a VRAM
+A DRAM buffer is `size_bytes` at `offset_bytes` of a POSIX shared-memory
+segment named `shm_name` (the segment must hold offset + size bytes); a VRAM
 buffer is a CUDA IPC memory handle (64 opaque bytes from
 cudaIpcGetMemHandle) plus the offset of the tensor inside that allocation.
 Regions name buffers by `name`.
@@ -16,7 +17,8 @@ from kvxfer._exceptions import LayoutError
 from kvxfer.core.layout import check_int
 
 CUDA_IPC_HANDLE_BYTES = 64
-_SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+# fullmatch, not `$`: a `$` pattern also accepts a trailing newline.
+_SHM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
 
 class MemoryKind(enum.StrEnum):
@@ -42,10 +44,11 @@ class BufferHandle:
         check_int(f"{where}.device_id", self.device_id, 0, 1024)
         check_int(f"{where}.offset_bytes", self.offset_bytes, 0)
         if self.kind is MemoryKind.DRAM:
-            if not _SHM_NAME.match(self.shm_name):
+            if not _SHM_NAME.fullmatch(self.shm_name) or self.shm_name in (".", ".."):
                 raise LayoutError(
                     f"{where}.shm_name",
-                    f"must be 1-200 characters of [A-Za-z0-9_.-], got {self.shm_name!r}",
+                    f"must be 1-200 characters of [A-Za-z0-9_.-], not '.' or '..', "
+                    f"got {self.shm_name!r}",
                 )
             if self.ipc_handle:
                 raise LayoutError(f"{where}.ipc_handle", "must be empty for a DRAM buffer")

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.core.layout import BlockSpan, check_int
 
-_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")  # printable ASCII, no spaces
-_HOST = re.compile(r"^[A-Za-z0-9.-]{1,253}$")
+# Matched with fullmatch: a `$` pattern also accepts a trailing newline.
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII, no spaces
+_HOST = re.compile(r"[A-Za-z0-9.-]{1,253}")
 MAX_EPOCH = (1 << 53) - 1  # exact in a float, so it can be a Prometheus sample too
 
 
 def check_request_id(value: str, field: str = "request_id") -> str:
-    if not isinstance(value, str) or not _REQUEST_ID.match(value):
+    if not isinstance(value, str) or not _REQUEST_ID.fullmatch(value):
         raise InvalidInputError(
             field, f"must be 1-256 printable ASCII characters without spaces, got {value!r}"
         )
@@ -42,7 +43,7 @@ def check_address(
         return value
     host, sep, port = value.rpartition(":")
     lowest = 0 if allow_port_zero else 1
-    if not sep or not port.isdigit() or not lowest <= int(port) < 65536:
+    if not sep or not (port.isascii() and port.isdigit()) or not lowest <= int(port) < 65536:
         form = "HOST:PORT or unix:PATH" if allow_unix else "HOST:PORT"
         raise InvalidInputError(
             field, f"must be {form} with a port in {lowest}-65535, got {value!r}"
@@ -52,7 +53,7 @@ def check_address(
             ipaddress.IPv6Address(host[1:-1])
         except ValueError as exc:
             raise InvalidInputError(field, f"bad IPv6 address in {value!r}") from exc
-    elif not _HOST.match(host):
+    elif not _HOST.fullmatch(host):
         raise InvalidInputError(field, f"bad host in {value!r}")
     return value
 

@@ -10,8 +10,10 @@ imported only when a VRAM buffer is actually opened.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,35 +56,52 @@ def bind(buffers: Sequence[MappedBuffer]) -> dict[str, BoundBuffer]:
     }
 
 
-def open_buffer(handle: BufferHandle) -> MappedBuffer:
+def open_buffer(handle: BufferHandle, owner_uid: int | None = None) -> MappedBuffer:
+    """Map one engine buffer. A DRAM segment must be a regular file directly in /dev/shm
+    owned by `owner_uid` (the registering engine's user; default: this process's)."""
     if handle.kind is MemoryKind.DRAM:
-        return _open_shm(handle)
+        return _open_shm(handle, os.geteuid() if owner_uid is None else owner_uid)
     return _open_cuda_ipc(handle)
 
 
-def _open_shm(handle: BufferHandle) -> MappedBuffer:
-    path = SHM_DIR / handle.shm_name
+def _open_shm(handle: BufferHandle, owner_uid: int) -> MappedBuffer:
+    where = f"buffer '{handle.name}': shared memory {handle.shm_name!r}"
+    # The sidecar may run with more rights than the engine: never follow a symlink the
+    # engine planted, never open a device or FIFO, never map another user's file.
+    # O_NONBLOCK keeps a FIFO from blocking the open; the fstat below refuses it.
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(SHM_DIR / handle.shm_name, flags)
     except OSError as exc:
+        reason = "is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
         raise RegistrationError(
-            f"buffer '{handle.name}': cannot open shared memory {handle.shm_name!r}: {exc.strerror}"
+            f"buffer '{handle.name}': cannot open shared memory {handle.shm_name!r}: {reason}"
         ) from exc
     try:
-        actual = os.fstat(fd).st_size
-        if actual < handle.size_bytes:
-            raise RegistrationError(
-                f"buffer '{handle.name}': shared memory {handle.shm_name!r} holds {actual} "
-                f"bytes, the engine declared {handle.size_bytes}"
-            )
-        mapping = mmap.mmap(fd, handle.size_bytes)
+        info = os.fstat(fd)
+        _check_segment(where, info, owner_uid, handle.offset_bytes + handle.size_bytes)
+        mapping = mmap.mmap(fd, handle.offset_bytes + handle.size_bytes)
     finally:
         os.close(fd)
-    anchor = ctypes.c_char.from_buffer(mapping)
+    anchor = ctypes.c_char.from_buffer(mapping, handle.offset_bytes)
     address = ctypes.addressof(anchor)
     buffer = MappedBuffer(handle, address, _keepalive=[anchor])
     buffer._close.append(mapping.close)
     return buffer
+
+
+def _check_segment(where: str, info: os.stat_result, owner_uid: int, end_bytes: int) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise RegistrationError(f"{where}: is not a regular file")
+    if info.st_uid != owner_uid:
+        raise RegistrationError(
+            f"{where}: owned by uid {info.st_uid}, the registering engine runs as uid {owner_uid}"
+        )
+    if info.st_size < end_bytes:
+        raise RegistrationError(
+            f"{where}: holds {info.st_size} bytes, the engine declared offset_bytes + "
+            f"size_bytes = {end_bytes}"
+        )
 
 
 def _open_cuda_ipc(handle: BufferHandle) -> MappedBuffer:
