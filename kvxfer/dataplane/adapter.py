@@ -154,7 +154,11 @@ def _nixl() -> Any:
 
 
 def _logs_to_stderr() -> None:
-    """NIXL logs to stdout; stdout belongs to the program (JSON output, ready lines)."""
+    """NIXL and UCX log to stdout; stdout belongs to the program (JSON output, ready
+    lines), and a parent that reads only the ready line leaves that pipe undrained: UCX
+    warning about requests a severed worker never returned would block on a full pipe
+    inside the teardown. UCX reads UCX_LOG_FILE when its backend is created (after this)."""
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
     for handler in logging.getLogger("nixl").handlers:
         if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
             handler.setStream(sys.stderr)
