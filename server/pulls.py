@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from kvxfer._exceptions import InvalidInputError, KvxferError
+from kvxfer._exceptions import InvalidInputError, KvxferError, PeerUnavailableError
 from kvxfer.core.planner import TransferPlan
 from kvxfer.core.recompute import valid_tokens
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
@@ -57,6 +57,7 @@ class PullContext:
     metrics: Metrics
     options: ExecOptions
     reader_id: str
+    end_read_patience_s: float = 300.0
 
 
 async def run_pull(pull: Pull, ctx: PullContext, report: Callable[[PullDone], None]) -> None:
@@ -169,6 +170,10 @@ async def _heartbeat(pull: Pull, ctx: PullContext, ttl_s: float) -> None:
 
 
 async def _end_read(pull: Pull, ctx: PullContext, done: PullDone) -> None:
+    """Tell the publisher the read ended, retrying while it cannot be reached: a stalled or
+    frozen peer answers later, and its lease clock stops while it is frozen (LiveClock),
+    so without the retry it would report the consumed blocks as expired. Only a definite
+    answer, or `end_read_patience_s`, ends this."""
     if pull.lease_lost:
         return
     reason = pb.RELEASE_REASON_ABORTED if pull.aborted else pb.RELEASE_REASON_CONSUMED
@@ -179,10 +184,22 @@ async def _end_read(pull: Pull, ctx: PullContext, done: PullDone) -> None:
         reason=reason,
         bytes_read=done.bytes_moved,
     )
-    try:
-        await ctx.links.end_read(pull.link, request)
-    except KvxferError as exc:  # the lease expires on its own; the engine still gets PullDone
-        log.warning("ending read of %s at %s: %s", pull.request_id, pull.link.address, exc)
+    give_up = time.monotonic() + ctx.end_read_patience_s
+    pause = 0.25
+    while True:
+        try:
+            await ctx.links.end_read(pull.link, request)
+            return
+        except PeerUnavailableError as exc:
+            if time.monotonic() + pause > give_up:
+                log.warning("ending read of %s at %s: %s", pull.request_id, pull.link.address, exc)
+                return  # its lease expires there on its own
+            log.info("ending read of %s: %s; retrying in %.2f s", pull.request_id, exc, pause)
+        except KvxferError as exc:  # a definite answer: the lease is gone or refused
+            log.warning("ending read of %s at %s: %s", pull.request_id, pull.link.address, exc)
+            return
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 2.0)
 
 
 def _from_result(pull: Pull, result: TransferResult) -> PullDone:

@@ -52,6 +52,13 @@ class TransferSettings(_Group):
         32, ge=1, le=4096, description="chunks posted at once per pull"
     )
     rpc_timeout_s: float = Field(5.0, gt=0, le=300, description="deadline of each peer RPC")
+    end_read_patience_s: float = Field(
+        300.0,
+        ge=0,
+        le=3600,
+        description="how long a finished pull keeps retrying EndRead at a peer that does not "
+        "answer (a stalled or frozen peer holds the lease until it hears it)",
+    )
 
 
 class LimitSettings(_Group):

@@ -54,6 +54,32 @@ from kvxfer.wire.sidecar import PeerHello
 log = logging.getLogger(__name__)
 
 
+class LiveClock:
+    """Monotonic seconds that do not count time this process was stopped (SIGSTOP, a
+    paused VM, a host that stalled). Leases run on it: a lease ends when its reader was
+    not heard from for its TTL while we could have heard it. On wall time, every lease
+    whose reader finished during a freeze (its EndRead timed out meanwhile) would be
+    reported expired on thaw, though its blocks were read; on this clock the reader's
+    retried EndRead arrives first and the engine hears `consumed`."""
+
+    def __init__(self) -> None:
+        self._stopped_s = 0.0
+        self._last = time.monotonic()
+
+    def __call__(self) -> float:
+        return time.monotonic() - self._stopped_s
+
+    def tick(self, expected_s: float) -> None:
+        """Called by a loop that sleeps `expected_s` between calls: a call much later than
+        that means the process did not run in between."""
+        now = time.monotonic()
+        late = now - self._last - expected_s
+        if late > max(1.0, expected_s):
+            self._stopped_s += late
+            log.warning("this process did not run for %.1f s: leases are extended by it", late)
+        self._last = now
+
+
 class Sidecar:
     def __init__(
         self, settings: Settings, backend: TransferBackend, metrics: Metrics, readers: Readers
@@ -69,7 +95,8 @@ class Sidecar:
         self._readers = readers  # read into our engines' memory: one agent per peer and engine
         self._engines: dict[str, Engine] = {}
         self._registering: set[int] = set()  # tp ranks whose registration is under way
-        self._leases = LeaseTable(settings.lease.ttl_s, settings.limits.max_leases, time.monotonic)
+        self._clock = LiveClock()
+        self._leases = LeaseTable(settings.lease.ttl_s, settings.limits.max_leases, self._clock)
         self._pulls: dict[tuple[str, str], Pull] = {}
         self._dialer = Dialer(settings)
         self.links = PeerLinks(
@@ -89,6 +116,7 @@ class Sidecar:
                 max_inflight=settings.transfer.max_inflight_chunks,
             ),
             reader_id=self.sidecar_id,
+            end_read_patience_s=settings.transfer.end_read_patience_s,
         )
         self._draining = False
         self._sweeper: asyncio.Task[None] | None = None
@@ -101,6 +129,7 @@ class Sidecar:
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.settings.lease.sweep_s)
+            self._clock.tick(self.settings.lease.sweep_s)
             for lease in self._leases.expire():
                 log.info("lease of %s expired unconsumed", lease.request_id)
                 self.metrics.expired_leases.inc()

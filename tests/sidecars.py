@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc.aio
 import numpy as np
 import numpy.typing as npt
 from oracle import oracle_blocks
@@ -26,6 +28,8 @@ from kvxfer.cli.fleet import scrape as scrape_metrics
 from kvxfer.client.engine import EngineClient
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId
 from kvxfer.core.requests import EngineEvent
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 
 
 def start_sidecar(tmp: Path, name: str, *args: str, peer_port: int = 0) -> Proc:
@@ -136,3 +140,17 @@ async def engine_link(
 def scrape(sidecar: Proc) -> Samples:
     """One real scrape of the sidecar's /metrics."""
     return scrape_metrics(sidecar.ready["metrics_address"])
+
+
+async def being_read(sidecar: Proc, request_id: str, timeout_s: float = 30.0) -> None:
+    """Wait until a peer has begun reading `request_id` from this (prefill) sidecar:
+    a Pull is accepted before its BeginRead reaches the peer."""
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(sidecar.ready["engine_address"]) as channel:
+        admin = pb_grpc.AdminServiceStub(channel)
+        while time.monotonic() < deadline:
+            status = await admin.GetStatus(pb.GetStatusRequest(), timeout=5)
+            if any(lease.request_id == request_id and lease.reading for lease in status.leases):
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError(f"no peer began reading {request_id!r} within {timeout_s} s")

@@ -1,5 +1,6 @@
-"""No write after "failed": a frozen prefill sidecar, thawed after the failure report.
+"""A frozen prefill sidecar: what the engines are told must match what happened.
 
+No write after "failed" (UCX over TCP):
 Real kvxfer-server and engine-sim processes, UCX over TCP (`UCX_TLS=tcp,self`),
 as between two hosts. Two 32k-token gpt-oss-20b pulls start, the prefill
 sidecar is frozen with SIGSTOP, the decode engine gets PullDone with failed
@@ -7,6 +8,11 @@ blocks after the stall deadline, and then the prefill sidecar is thawed. NIXL
 has no cancel: before kvxfer severed the reading agent, every byte of the
 "failed" blocks landed within seconds of the thaw. Every byte of the decode
 engine must hold, after the thaw, exactly what it held when PullDone came.
+
+Consumed, not expired (UCX's default transports, CMA on one host): the decode
+side reads a frozen peer's memory without its help, so the pull succeeds while
+its EndRead cannot be answered. The prefill engine must hear that its blocks
+were consumed, not that their lease expired.
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import pytest
-from sidecars import engine_link, spans, start_engine, start_sidecar
+from sidecars import being_read, engine_link, spans, start_engine, start_sidecar
 
-from kvxfer.core.requests import PullDone, PullStatus
+from kvxfer.core.requests import PullDone, PullStatus, Released, ReleaseReason
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -90,6 +96,52 @@ async def test_no_byte_lands_after_pulldone_from_a_frozen_peer(
             name: int(np.count_nonzero(after_thaw[name] != at_report[name])) for name in at_report
         }
         assert not any(landed.values()), f"bytes landed after PullDone: {landed}"
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+async def test_a_read_that_finished_while_its_publisher_was_frozen_is_reported_consumed(
+    tmp_path: Path,
+) -> None:
+    ttl = ("--lease.ttl-s", "3", "--transfer.stall-deadline-s", "2")
+    p = start_sidecar(tmp_path, "p", *ttl, "--lease.sweep-s", "0.1")
+    d = start_sidecar(tmp_path, "d", *ttl, "--transfer.rpc-timeout-s", "1")
+    procs = [p, d]
+    try:
+        sizes = ("--sliding-blocks", str(WINDOW_BLOCKS))
+        pe = start_engine(tmp_path, p, MODEL, "prefill", *sizes, num_blocks=PER_REQUEST)
+        de = start_engine(tmp_path, d, MODEL, "decode", *sizes, num_blocks=PER_REQUEST)
+        procs += [pe, de]
+        ids = list(range(PER_REQUEST))
+
+        def window(blocks: int) -> list:
+            return spans({0: list(range(WINDOW_BLOCKS))}, first=blocks - WINDOW_BLOCKS)
+
+        async with (
+            engine_link(p, pe) as (pc, p_events),
+            engine_link(d, de) as (dc, d_events),
+        ):
+            # A first pull connects the decode side's reading agent to the publisher (UCX
+            # wire-up needs both sides running); the second one is read during the freeze.
+            warm = await pc.publish("warm-up", 64 * B, spans({1: ids[:64]}) + window(64))
+            await dc.pull(warm, spans({1: ids[:64]}) + window(64), 0)
+            assert isinstance(await d_events.next(timeout_s=60), PullDone)
+            assert isinstance(await p_events.next(timeout_s=60), Released)
+            params = await pc.publish("frozen-cma", TOKENS, spans({1: ids}) + window(PER_REQUEST))
+            await dc.pull(params, spans({1: ids[::-1]}) + window(PER_REQUEST), 0)
+            await being_read(p, "frozen-cma")
+            os.kill(p.pid, signal.SIGSTOP)
+            try:
+                done = await d_events.next(timeout_s=60)
+                await asyncio.sleep(5)  # past the lease TTL, and EndRead times out meanwhile
+            finally:
+                os.kill(p.pid, signal.SIGCONT)
+            released = await p_events.next(timeout_s=30)
+        assert isinstance(done, PullDone) and done.status is PullStatus.OK, done
+        assert isinstance(released, Released), f"the prefill engine was told {released}"
+        assert released.reason is ReleaseReason.CONSUMED
+        assert released.bytes_read == done.bytes_moved
     finally:
         for proc in reversed(procs):
             proc.stop()

@@ -29,21 +29,18 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc.aio
 import netns
 import numpy as np
 import pytest
 from netns import Host
 from oracle import oracle_blocks, oracle_valid_tokens
-from sidecars import EngineSim, Events, engine_link
+from sidecars import EngineSim, Events, being_read, engine_link
 
 from kvxfer.cli.fleet import Proc
 from kvxfer.client.patterns import holds_pattern
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId
 from kvxfer.core.planner import plan_blocks
 from kvxfer.core.requests import PullDone, PullStatus, Released
-from kvxfer.v1 import sidecar_pb2 as pb
-from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(150)]
 
@@ -194,20 +191,6 @@ async def next_for(events: Events, request_id: str, timeout_s: float = 60.0) -> 
         event = await events.next(timeout_s=max(0.1, deadline - time.monotonic()))
         if getattr(event, "request_id", None) == request_id:
             return event
-
-
-async def being_read(sidecar: Proc, request_id: str, timeout_s: float = 30.0) -> None:
-    """Wait until a peer has begun reading `request_id` from this (prefill) sidecar:
-    a Pull is accepted before its BeginRead reaches the peer."""
-    deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(sidecar.ready["engine_address"]) as channel:
-        admin = pb_grpc.AdminServiceStub(channel)
-        while time.monotonic() < deadline:
-            status = await admin.GetStatus(pb.GetStatusRequest(), timeout=5)
-            if any(lease.request_id == request_id and lease.reading for lease in status.leases):
-                return
-            await asyncio.sleep(0.01)
-    raise AssertionError(f"no peer began reading {request_id!r} within {timeout_s} s")
 
 
 async def pull_done(events: Events, request_id: str, timeout_s: float = 60.0) -> PullDone:
