@@ -151,5 +151,5 @@ def test_unsupported_specs_are_refused_by_name() -> None:
     config.kv_cache_groups[1] = KVCacheGroupSpec(
         [_name(1), "model.layers.9.x"], FullAttentionSpec(128, 32768)
     )
-    with pytest.raises(LayoutError, match="model.layers.9.x has no kv_cache_tensor"):
+    with pytest.raises(LayoutError, match=r"model\.layers\.9\.x has no kv_cache_tensor"):
         layout_from_vllm(config, buffer="seg", base_offset=0, model="m")
