@@ -109,12 +109,12 @@ def test_gemma3_groups_regions_and_shared_pages() -> None:
 def test_spans_cut_null_blocks_and_cover_the_window() -> None:
     layout = layout_from_vllm(gemma3_config(), buffer="seg", base_offset=0, model="tiny")
     # What request_finished_all_groups saw for a 299-token prompt + 3 generated.
-    spans = spans_from_block_ids(layout, [[0, 2, 3], [4, 5, 6]])
+    spans = spans_from_block_ids([g.kind for g in layout.groups], [[0, 2, 3], [4, 5, 6]])
     assert [(s.first_block, s.block_ids) for s in spans] == [(1, (2, 3)), (0, (4, 5, 6))]
     plans = plan_blocks(layout, 299, 0)
     assert [p.blocks for p in plans] == [range(1, 3), range(3)]
     with pytest.raises(LayoutError, match="null block inside"):
-        spans_from_block_ids(layout, [[2, 0, 3], [4]])
+        spans_from_block_ids([g.kind for g in layout.groups], [[2, 0, 3], [4]])
 
 
 def test_state_group_keeps_its_own_block_size_and_last_block() -> None:
@@ -138,7 +138,7 @@ def test_state_group_keeps_its_own_block_size_and_last_block() -> None:
     assert layout.block_size == 160
     assert [layout.block_size_of(g) for g in layout.groups] == [160, 1024]
     assert layout.groups[1].kind is GroupKind.MAMBA
-    spans = spans_from_block_ids(layout, [[7, 8], [0, 9]])
+    spans = spans_from_block_ids([g.kind for g in layout.groups], [[7, 8], [0, 9]])
     assert [(s.first_block, s.block_ids) for s in spans] == [(0, (7, 8)), (0, (9,))]
 
 

@@ -170,8 +170,16 @@ def _fingerprint(model: str, shapes: Sequence[GroupShape], groups: Sequence[KVGr
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def group_kinds(kv_cache_config: Any) -> tuple[GroupKind, ...]:
+    """The kind of every group, for code that has the config but no layout (the scheduler)."""
+    return tuple(
+        group_shape(g.kv_cache_spec, f"kv_cache_groups[{i}].kv_cache_spec").kind
+        for i, g in enumerate(kv_cache_config.kv_cache_groups)
+    )
+
+
 def spans_from_block_ids(
-    layout: EngineLayout, block_ids: Sequence[Iterable[int]]
+    kinds: Sequence[GroupKind], block_ids: Sequence[Iterable[int]]
 ) -> tuple[BlockSpan, ...]:
     """One span per group from vLLM's per-group block id lists.
 
@@ -180,12 +188,12 @@ def spans_from_block_ids(
     real block. A Mamba group's state is its last real block, which is
     kvxfer's logical block 0. A group with no real block gets an empty span.
     """
-    if len(block_ids) != len(layout.groups):
-        raise LayoutError("block_ids", f"{len(block_ids)} lists for {len(layout.groups)} groups")
+    if len(block_ids) != len(kinds):
+        raise LayoutError("block_ids", f"{len(block_ids)} lists for {len(kinds)} groups")
     spans: list[BlockSpan] = []
     for gid, ids in enumerate(block_ids):
         listed = [int(b) for b in ids]
-        if layout.groups[gid].kind is GroupKind.MAMBA:
+        if kinds[gid] is GroupKind.MAMBA:
             state = [b for b in listed if b != NULL_BLOCK][-1:]
             spans.append(BlockSpan(GroupId(gid), 0, tuple(BlockId(b) for b in state)))
             continue
