@@ -103,7 +103,7 @@ def decode_main(model: str, sidecar: str, work: Path) -> None:
     (work / "decode-done").write_text("")
 
 
-def _sidecars(bin_path: str, work: Path) -> list[Any]:
+def _sidecars(bin_path: str, work: Path, decode_args: list[str]) -> list[Any]:
     from kvxfer.cli.fleet import spawn  # noqa: PLC0415
 
     procs = []
@@ -114,6 +114,7 @@ def _sidecars(bin_path: str, work: Path) -> list[Any]:
             "--engine-address", f"unix:{work / name}.sock",
             "--metrics-address", "127.0.0.1:0",
             "--sidecar-id", f"sidecar-{name}",
+            *(decode_args if name == "decode" else []),
         ]  # fmt: skip
         procs.append(spawn(f"sidecar {name}", argv, work / f"sidecar-{name}.log"))
     return procs
@@ -169,6 +170,7 @@ def _report(work: Path, job: dict[str, Any], wall_s: float) -> dict[str, Any]:
         "bytes_exact_minimum": exact,
         "bytes_full_attention": full,
         "failed_blocks": sum(len(b) for s in done for b in s["failed_blocks"].values()),
+        "failed_pulls": sum(s["status"] != "ok" for s in done),
         "transfer_ms": sorted(round(s["duration_s"] * 1000, 2) for s in done),
         "remap_s": round(next(s["remap_s"] for s in stats if "remap_s" in s), 3),
         "decode_s": round(decoded["decode_s"], 2),
@@ -186,6 +188,12 @@ def main() -> int:
     parser.add_argument("--tokens-range", default="150:700")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--decode-sidecar-arg",
+        action="append",
+        default=[],
+        help="extra decode sidecar flag, e.g. --decode-sidecar-arg=--faults.fail-rate=0.5",
+    )
     parser.add_argument("--role", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     parser.add_argument("--sidecar", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
@@ -205,7 +213,7 @@ def main() -> int:
            "max_tokens": args.max_tokens}  # fmt: skip
     (work / "job.json").write_text(json.dumps(job))
     started = time.perf_counter()
-    sidecars = _sidecars(args.sidecar_bin, work)
+    sidecars = _sidecars(args.sidecar_bin, work, args.decode_sidecar_arg)
     children = []
     try:
         for core, (role, proc) in enumerate(zip(("prefill", "decode"), sidecars, strict=True)):
