@@ -84,6 +84,7 @@ class PullOrder:
     params: dict[str, Any]
     block_ids: tuple[list[int], ...]
     computed_tokens: int
+    awaiting: bool = True  # False: nothing to load, only tell the prefill to release
 
 
 @dataclass
@@ -130,13 +131,13 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         if not params or not params.get("do_remote_prefill") or KEY not in params:
             return
         params["do_remote_prefill"] = False  # one pull per request
-        if num_external_tokens <= 0:
-            return  # a full local hit: the prefill lease expires on its TTL
         block_ids = tuple(list(g) for g in blocks.get_block_ids())
         remote = int(params[KEY]["num_tokens"])
         assert self._scheduler is not None
+        # A full local hit still "pulls" with C == N: nothing moves, the prefill releases.
+        computed = remote - max(num_external_tokens, 0)
         self._scheduler.pending.append(
-            PullOrder(request.request_id, params[KEY], block_ids, remote - num_external_tokens)
+            PullOrder(request.request_id, params[KEY], block_ids, computed, num_external_tokens > 0)
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -154,7 +155,18 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode") or self._scheduler is None:
+        if not params or self._scheduler is None:
+            return False, None
+        if params.get("do_remote_prefill") and KEY in params:
+            # Finished (aborted) before blocks were allocated: let the prefill release.
+            params["do_remote_prefill"] = False
+            remote = int(params[KEY].get("num_tokens", 0))
+            empty = tuple([] for _ in block_ids)
+            self._scheduler.pending.append(
+                PullOrder(request.request_id, params[KEY], empty, remote, awaiting=False)
+            )
+            return False, None
+        if not params.get("do_remote_decode"):
             return False, None
         return self._scheduler.publish(request, block_ids)
 
@@ -358,8 +370,9 @@ class _Worker:
             )
         except KvxferError as exc:
             log.error("kvxfer: pull of %s refused: %s", order.request_id, exc)
-            self._failed_recving.add(order.request_id)
-            self._done_recving.add(order.request_id)
+            if order.awaiting:
+                self._failed_recving.add(order.request_id)
+                self._done_recving.add(order.request_id)
 
     def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         self._finished |= finished_req_ids
@@ -382,7 +395,7 @@ class _Worker:
             return
         assert isinstance(event, PullDone)
         order = self._pulls.pop(event.request_id, None)
-        if order is None:
+        if order is None or not order.awaiting:
             return
         self._done_recving.add(order.request_id)
         self._record(
