@@ -180,6 +180,20 @@ def _report(work: Path, job: dict[str, Any], wall_s: float) -> dict[str, Any]:
     }
 
 
+def _sidecar_times(metrics_address: str) -> dict[str, float]:
+    """Where the decode sidecar's time went, from its own /metrics."""
+    from kvxfer.cli.fleet import metric, scrape  # noqa: PLC0415
+
+    samples = scrape(metrics_address)
+    names = {
+        "handshake_s": "kvxfer_handshake_duration_seconds_sum",
+        "post_s": "kvxfer_post_duration_seconds_sum",
+        "transfer_s": "kvxfer_transfer_duration_seconds_sum",
+        "active_s": "kvxfer_transfer_active_seconds_total",
+    }
+    return {key: round(metric(samples, name), 4) for key, name in names.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -226,6 +240,7 @@ def main() -> int:
         for child in children:
             child.wait(900)
         report = _report(work, job, time.perf_counter() - started)
+        report["decode_sidecar"] = _sidecar_times(sidecars[1].ready["metrics_address"])
     finally:
         for child in children:
             if child.poll() is None:
