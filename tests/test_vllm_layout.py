@@ -36,7 +36,12 @@ class SlidingWindowSpec(AttentionSpec):
 
 @dataclass(frozen=True)
 class MambaSpec(KVCacheSpec):
-    pass
+    state_bytes: int = 0
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """The packed states; page_size_bytes is padded to the attention page."""
+        return self.state_bytes or self.page_size_bytes
 
 
 @dataclass(frozen=True)
@@ -131,13 +136,17 @@ def test_state_group_keeps_its_own_block_size_and_last_block() -> None:
         ],
         kv_cache_groups=[
             KVCacheGroupSpec(["model.layers.1.self_attn.attn"], FullAttentionSpec(160, state_page)),
-            KVCacheGroupSpec(["model.layers.0.linear_attn"], MambaSpec(1024, state_page)),
+            KVCacheGroupSpec(
+                ["model.layers.0.linear_attn"], MambaSpec(1024, state_page, state_bytes=90000)
+            ),
         ],
     )
     layout = layout_from_vllm(config, buffer="seg", base_offset=0, model="q")
     assert layout.block_size == 160
     assert [layout.block_size_of(g) for g in layout.groups] == [160, 1024]
     assert layout.groups[1].kind is GroupKind.MAMBA
+    state = layout.region_map["model.layers.0.linear_attn"]
+    assert (state.block_bytes, state.stride_bytes) == (90000, state_page)  # no padding moves
     spans = spans_from_block_ids([g.kind for g in layout.groups], [[7, 8], [0, 9]])
     assert [(s.first_block, s.block_ids) for s in spans] == [(0, (7, 8)), (0, (9,))]
 

@@ -16,8 +16,10 @@ What it maps, as vLLM 0.32 lays the cache out on CPU:
 - MLA, chunked-local, cross-attention and anything else -> refused by name.
 Each layer is one region: layer l of a `KVCacheTensor` starts at
 `offset + l * layer_stride` in the backing allocation, block b at
-`+ b * block_stride`, and a block moves `page_size_bytes` of its spec (K and V
-fused in one page for attention, every state tensor of the layer for Mamba).
+`+ b * block_stride`, and a block moves the content of its page,
+`real_page_size_bytes` (K and V fused in one page for attention, every state
+tensor of the layer packed from the page's start for Mamba), not the padding
+that makes every group's page one size.
 Layers of different groups share bytes (the groups overlay one pool), which
 regions allow. Block 0 is vLLM's null block: it never holds a request's KV,
 so spans never include it (see `spans_from_block_ids`).
@@ -72,7 +74,9 @@ def group_shape(spec: Any, where: str) -> GroupShape:
     refused = next((n for n in names if n in _REFUSED), None)
     if refused is not None:
         raise LayoutError(where, f"{refused} is not supported by kvxfer yet")
-    page = int(spec.page_size_bytes)
+    # A page may be padded to one size for every group (the hybrid manager shares one
+    # pool); the content sits at the page's start, so only that much moves.
+    page = int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
     block_size = int(spec.block_size)
     if "MambaSpec" in names:
         return GroupShape(GroupKind.MAMBA, None, block_size, page, "opaque")
