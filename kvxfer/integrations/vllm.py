@@ -161,7 +161,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             # Finished (aborted) before blocks were allocated: let the prefill release.
             params["do_remote_prefill"] = False
             remote = int(params[KEY].get("num_tokens", 0))
-            empty = tuple([] for _ in block_ids)
+            empty: tuple[list[int], ...] = tuple([] for _ in block_ids)
             self._scheduler.pending.append(
                 PullOrder(request.request_id, params[KEY], empty, remote, awaiting=False)
             )
