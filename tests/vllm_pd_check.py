@@ -34,7 +34,12 @@ def _llm(model: str, role: str | None, sidecar: str, stats: str) -> Any:
     from vllm.config import KVTransferConfig  # noqa: PLC0415 (vLLM must load in the child, after its env is set)
 
     transfer = None
-    if role is not None:
+    if role is not None and os.environ.get("PD_CHECK_CONNECTOR") == "nixl":
+        # vLLM's own connector, as the reference P/D run for state models.
+        transfer = KVTransferConfig(
+            kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cpu"
+        )
+    elif role is not None:
         transfer = KVTransferConfig(
             kv_connector="KvxferConnector",
             kv_connector_module_path="kvxfer.integrations.vllm",
@@ -144,7 +149,10 @@ def _oracle_bytes(layout: dict[str, Any], num_tokens: int, computed: int) -> tup
 
 def _report(work: Path, job: dict[str, Any], wall_s: float) -> dict[str, Any]:
     decoded = json.loads((work / "decode.json").read_text())
-    stats = [json.loads(line) for line in (work / "decode-stats.jsonl").read_text().splitlines()]
+    stats_file = work / "decode-stats.jsonl"
+    if not stats_file.exists():  # a NixlConnector run: tokens only
+        return {"model": job["model"], "connector": "nixl", "transferred": decoded["transferred"]}
+    stats = [json.loads(line) for line in stats_file.read_text().splitlines()]
     layout = next(s["layout"] for s in stats if "layout" in s)
     done = [s for s in stats if "bytes_moved" in s]
     n = len(job["prompts"])
@@ -202,6 +210,7 @@ def main() -> int:
     parser.add_argument("--tokens-range", default="150:700")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--connector", choices=["kvxfer", "nixl"], default="kvxfer")
     parser.add_argument(
         "--decode-sidecar-arg",
         action="append",
@@ -234,13 +243,20 @@ def main() -> int:
             address = proc.ready["engine_address"]
             argv = [sys.executable, __file__, args.model, "--sidecar-bin", args.sidecar_bin,
                     "--role", role, "--sidecar", address, "--work", str(work)]  # fmt: skip
-            env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+            env = {
+                **os.environ,
+                "VLLM_CPU_OMP_THREADS_BIND": str(core),
+                "PD_CHECK_CONNECTOR": args.connector,
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(5600 + 7 * core),
+            }
             with (work / f"{role}.log").open("w") as log:
                 children.append(subprocess.Popen(argv, env=env, stdout=log, stderr=log))
         for child in children:
             child.wait(900)
         report = _report(work, job, time.perf_counter() - started)
-        report["decode_sidecar"] = _sidecar_times(sidecars[1].ready["metrics_address"])
+        if "connector" not in report:
+            report["decode_sidecar"] = _sidecar_times(sidecars[1].ready["metrics_address"])
+            report["transferred"] = json.loads((work / "decode.json").read_text())["transferred"]
     finally:
         for child in children:
             if child.poll() is None:
@@ -249,6 +265,8 @@ def main() -> int:
             proc.stop()
     report["workdir"] = str(work)
     print(json.dumps(report))
+    if args.connector == "nixl":
+        return 0
     ok = report["matched"] == report["requests"] and report["negative_control_diverged"]
     return 0 if ok else 1
 
