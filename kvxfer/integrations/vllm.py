@@ -101,6 +101,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         sidecar = extra.get("sidecar")
         if not isinstance(sidecar, str) or not sidecar:
             raise KvxferError('kv_connector_extra_config.sidecar: required, e.g. "unix:/path"')
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise KvxferError(
+                "tensor_parallel_size: the kvxfer vLLM connector supports TP 1 only so far"
+            )
         self._kinds = group_kinds(kv_cache_config)
         self._has_state = GroupKind.MAMBA in self._kinds
         self._scheduler = _Scheduler(self, sidecar) if role is KVConnectorRole.SCHEDULER else None
