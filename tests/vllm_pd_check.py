@@ -53,7 +53,9 @@ def _llm(model: str, role: str | None, sidecar: str, stats: str) -> Any:
         enforce_eager=True,
         dtype="bfloat16",
         max_model_len=1024,
-        enable_prefix_caching=False,
+        # With --decode-prefix-hit the decode engine keeps what its reference run
+        # computed, so the P/D requests hit it locally and pull only the tail.
+        enable_prefix_caching=role == "kv_consumer" and os.environ.get("PD_CHECK_PREFIX") == "1",
         kv_transfer_config=transfer,
     )
 
@@ -211,6 +213,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--connector", choices=["kvxfer", "nixl"], default="kvxfer")
+    parser.add_argument("--decode-prefix-hit", action="store_true")
     parser.add_argument(
         "--decode-sidecar-arg",
         action="append",
@@ -247,6 +250,7 @@ def main() -> int:
                 **os.environ,
                 "VLLM_CPU_OMP_THREADS_BIND": str(core),
                 "PD_CHECK_CONNECTOR": args.connector,
+                "PD_CHECK_PREFIX": "1" if args.decode_prefix_hit else "0",
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(5600 + 7 * core),
             }
             with (work / f"{role}.log").open("w") as log:
