@@ -22,8 +22,14 @@ def attended_cached_positions(group: KVGroup, num_tokens: int) -> range:
     return range(num_tokens)
 
 
+def own_block_size(group: KVGroup, layout_block_size: int) -> int:
+    """A group sized apart from its layout (vLLM's hybrid manager) uses its own size."""
+    return layout_block_size if group.block_size is None else group.block_size
+
+
 def oracle_blocks(group: KVGroup, num_tokens: int, computed: int, block_size: int) -> set[int]:
     """Logical blocks holding at least one needed token the destination lacks."""
+    block_size = own_block_size(group, block_size)
     if computed == num_tokens:
         return set()
     if group.kind is GroupKind.MAMBA:
@@ -56,7 +62,7 @@ def oracle_valid_tokens(
         for t in range(held_from, computed):
             valid[t] = 1
         for t in range(computed, num_tokens):
-            block = t // block_size
+            block = t // own_block_size(group, block_size)
             if block in moved and block not in lost:
                 valid[t] = 1
         invalid_prefix[group.group_id] = [0, *accumulate(1 - v for v in valid)]

@@ -76,15 +76,23 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class KVGroup:
+    """`block_size` is this group's own block size in tokens when it differs from the
+    layout's (an engine such as vLLM's hybrid manager sizes groups separately, e.g.
+    a state group of 1024 tokens beside 160-token attention blocks); None means the
+    layout's `block_size`. Always read it through `EngineLayout.block_size_of`."""
+
     group_id: GroupId
     kind: GroupKind
     sliding_window: int | None
     layers: tuple[int, ...]
     tensors: tuple[TensorSpec, ...]
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         where = f"groups[{self.group_id}]"
         check_int(f"{where}.group_id", self.group_id, 0, 1 << 16)
+        if self.block_size is not None:
+            check_int(f"{where}.block_size", self.block_size, 1, 1 << 20)
         if not isinstance(self.kind, GroupKind):
             raise LayoutError(f"{where}.kind", f"unknown group kind {self.kind!r}")
         if self.kind is GroupKind.SLIDING_WINDOW:
@@ -107,6 +115,11 @@ class KVGroup:
     def bytes_per_block(self) -> int:
         """Bytes of one logical block across every tensor of the group."""
         return sum(t.bytes_per_block for t in self.tensors)
+
+
+def group_block_size(group: KVGroup, default: int) -> int:
+    """Tokens per block of `group`, falling back to the layout's `default`."""
+    return default if group.block_size is None else group.block_size
 
 
 @dataclass(frozen=True)
@@ -225,6 +238,10 @@ class EngineLayout:
     @property
     def region_map(self) -> dict[str, Region]:
         return {r.name: r for r in self.regions}
+
+    def block_size_of(self, group: KVGroup) -> int:
+        """Tokens per block of `group`: its own size, else the layout's."""
+        return group_block_size(group, self.block_size)
 
     def group(self, group_id: int) -> KVGroup:
         if not 0 <= group_id < len(self.groups):

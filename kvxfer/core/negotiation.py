@@ -107,6 +107,7 @@ def find_mismatches(
         ]
     found = _top_level(local, peer)
     found += _groups(local.groups, peer.groups)
+    found += _group_block_sizes(local, peer)
     return found
 
 
@@ -189,6 +190,24 @@ def _groups(local: tuple[KVGroup, ...], peer: tuple[KVGroup, ...]) -> list[Misma
             )
         else:
             found += _group(where, local[index], peer[index])
+    return found
+
+
+def _group_block_sizes(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
+    """Groups with their own block size (vLLM's hybrid manager) must agree group by group."""
+    found: list[Mismatch] = []
+    for a, b in zip(local.groups, peer.groups, strict=False):
+        mine, theirs = local.block_size_of(a), peer.block_size_of(b)
+        if mine != theirs and local.block_size == peer.block_size:
+            found.append(
+                Mismatch(
+                    f"layout.groups[{a.group_id}].block_size",
+                    str(mine),
+                    str(theirs),
+                    "different block sizes are not supported yet; "
+                    "give both engines the same block sizes",
+                )
+            )
     return found
 
 

@@ -30,6 +30,7 @@ from kvxfer.core.layout import (
     GroupKind,
     KVGroup,
     Region,
+    group_block_size,
 )
 
 DEFAULT_CHUNK_BLOCKS = 1024  # 16k tokens at B=16; see docs/dataplane.md "Chunks"
@@ -52,6 +53,16 @@ def check_request(num_tokens: int, computed_tokens: int, block_size: int) -> Non
             f"must be a multiple of block_size {block_size} or equal num_tokens "
             f"{num_tokens}, got {computed_tokens}",
         )
+
+
+def check_groups_request(
+    groups: Sequence[KVGroup], num_tokens: int, computed_tokens: int, block_size: int
+) -> None:
+    """`check_request` against the block size of every attention group (a Mamba group
+    holds one state whatever its block size, so it does not constrain C)."""
+    sizes = {group_block_size(g, block_size) for g in groups if g.kind is not GroupKind.MAMBA}
+    for size in sorted(sizes) or [block_size]:
+        check_request(num_tokens, computed_tokens, size)
 
 
 def needed_blocks(
@@ -92,12 +103,16 @@ def plan_blocks(
     layout: EngineLayout, num_tokens: int, computed_tokens: int
 ) -> tuple[GroupPlan, ...]:
     """The exact blocks of every group for one request."""
-    check_request(num_tokens, computed_tokens, layout.block_size)
+    check_groups_request(layout.groups, num_tokens, computed_tokens, layout.block_size)
     return tuple(
         GroupPlan(
             group,
             needed_blocks(
-                group.kind, group.sliding_window, num_tokens, computed_tokens, layout.block_size
+                group.kind,
+                group.sliding_window,
+                num_tokens,
+                computed_tokens,
+                layout.block_size_of(group),
             ),
         )
         for group in layout.groups
@@ -115,9 +130,9 @@ def full_attention_blocks(
 
 def full_attention_bytes(layout: EngineLayout, num_tokens: int, computed_tokens: int) -> int:
     """Bytes moved if every sliding-window group were treated as full attention."""
-    check_request(num_tokens, computed_tokens, layout.block_size)
+    check_groups_request(layout.groups, num_tokens, computed_tokens, layout.block_size)
     return sum(
-        len(full_attention_blocks(g, num_tokens, computed_tokens, layout.block_size))
+        len(full_attention_blocks(g, num_tokens, computed_tokens, layout.block_size_of(g)))
         * g.bytes_per_block
         for g in layout.groups
     )
@@ -126,12 +141,13 @@ def full_attention_bytes(layout: EngineLayout, num_tokens: int, computed_tokens:
 def pool_blocks(layout: EngineLayout, max_tokens: int) -> dict[GroupKind, int]:
     """The most blocks one request of up to `max_tokens` can need in a group of each kind:
     what an engine's pool must hold per request in flight."""
-    full = -(-max_tokens // layout.block_size)
-    windows = [g.sliding_window for g in layout.groups if g.sliding_window is not None]
+    attention = [g for g in layout.groups if g.kind is not GroupKind.MAMBA]
+    sizes = [layout.block_size_of(g) for g in attention] or [layout.block_size]
+    full = max(-(-max_tokens // size) for size in sizes)
+    windows = [(g.sliding_window, layout.block_size_of(g)) for g in attention if g.sliding_window]
     # W - 1 cached tokens starting anywhere in a block span at most cdiv(W - 1 + B - 1, B)
     # blocks; at least one block so an engine can be sized at all (W == 1 needs none).
-    block = layout.block_size
-    sliding = max((max(1, -(-(w + block - 2) // block)) for w in windows), default=1)
+    sliding = max((max(1, -(-(w + b - 2) // b)) for w, b in windows), default=1)
     return {
         GroupKind.FULL_ATTENTION: full,
         GroupKind.SLIDING_WINDOW: min(full, sliding),
@@ -266,6 +282,11 @@ def _check_same_shape(src: EngineLayout, dst: EngineLayout) -> None:
         raise PlanError("groups", f"src has {len(src.groups)} groups, dst has {len(dst.groups)}")
     for a, b in zip(src.groups, dst.groups, strict=True):
         where = f"groups[{a.group_id}]"
+        if src.block_size_of(a) != dst.block_size_of(b):
+            raise PlanError(
+                f"{where}.block_size",
+                f"src has {src.block_size_of(a)}, dst has {dst.block_size_of(b)}; must be equal",
+            )
         if (a.kind, a.sliding_window) != (b.kind, b.sliding_window):
             raise PlanError(
                 where,

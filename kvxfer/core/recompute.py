@@ -19,8 +19,8 @@ import bisect
 from collections.abc import Collection, Mapping, Sequence
 
 from kvxfer._exceptions import PlanError
-from kvxfer.core.layout import GroupKind, KVGroup
-from kvxfer.core.planner import check_request, needed_blocks
+from kvxfer.core.layout import GroupKind, KVGroup, group_block_size
+from kvxfer.core.planner import check_groups_request, needed_blocks
 
 Intervals = list[tuple[int, int]]  # sorted, disjoint, non-adjacent half-open [a, b)
 
@@ -32,8 +32,10 @@ def valid_tokens(
     block_size: int,
     failed: Mapping[int, Collection[int]],
 ) -> int:
-    """The token the engine resumes from: it recomputes [result, N)."""
-    check_request(num_tokens, computed_tokens, block_size)
+    """The token the engine resumes from: it recomputes [result, N).
+
+    `block_size` is the layout's; a group with its own `block_size` uses that."""
+    check_groups_request(groups, num_tokens, computed_tokens, block_size)
     _check_failed(groups, num_tokens, computed_tokens, block_size, failed)
     if not any(failed.values()):
         return num_tokens
@@ -44,7 +46,8 @@ def valid_tokens(
             if failed.get(group.group_id):
                 return computed_tokens
             continue
-        valid = _valid(group, num_tokens, computed_tokens, block_size, failed.get(group.group_id))
+        size = group_block_size(group, block_size)
+        valid = _valid(group, num_tokens, computed_tokens, size, failed.get(group.group_id))
         if group.kind is GroupKind.FULL_ATTENTION:
             resume = min(resume, _first_invalid(valid, num_tokens))
         else:
@@ -70,7 +73,11 @@ def _check_failed(
         if group is None:
             raise PlanError("failed_blocks", f"unknown group {group_id}")
         moved = needed_blocks(
-            group.kind, group.sliding_window, num_tokens, computed_tokens, block_size
+            group.kind,
+            group.sliding_window,
+            num_tokens,
+            computed_tokens,
+            group_block_size(group, block_size),
         )
         stray = sorted(b for b in blocks if b not in moved)
         if stray:

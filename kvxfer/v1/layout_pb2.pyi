@@ -5,6 +5,9 @@ Layout vocabulary on the wire (ARCHITECTURE.md section 3).
 
 History:
   v1 (protocol 1): first version.
+  KVGroup.block_size (optional, added within protocol 1): a group's own block
+  size when it differs from EngineLayout.block_size; unset means the layout's.
+  An old reader ignores it, so a layout using it must only meet new peers.
 """
 
 from collections import abc as _abc
@@ -82,10 +85,15 @@ class KVGroup(_message.Message):
     SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
     LAYERS_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     group_id: _builtins.int
     kind: Global___GroupKind.ValueType
     sliding_window: _builtins.int
     """Window in tokens; set only for sliding-window groups."""
+    block_size: _builtins.int
+    """Tokens per block of this group when not EngineLayout.block_size (vLLM's
+    hybrid manager sizes state groups apart from attention groups).
+    """
     @_builtins.property
     def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -98,13 +106,19 @@ class KVGroup(_message.Message):
         sliding_window: _builtins.int | None = ...,
         layers: _abc.Iterable[_builtins.int] | None = ...,
         tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
+        block_size: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_sliding_window", b"_sliding_window", "sliding_window", b"sliding_window"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_sliding_window", b"_sliding_window", "block_size", b"block_size", "sliding_window", b"sliding_window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_sliding_window", b"_sliding_window", "group_id", b"group_id", "kind", b"kind", "layers", b"layers", "sliding_window", b"sliding_window", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_sliding_window", b"_sliding_window", "block_size", b"block_size", "group_id", b"group_id", "kind", b"kind", "layers", b"layers", "sliding_window", b"sliding_window", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__block_size: _TypeAlias = _typing.Literal["block_size"]  # noqa: Y015
+    _WhichOneofArgType__block_size: _TypeAlias = _typing.Literal["_block_size", b"_block_size"]  # noqa: Y015
     _WhichOneofReturnType__sliding_window: _TypeAlias = _typing.Literal["sliding_window"]  # noqa: Y015
     _WhichOneofArgType__sliding_window: _TypeAlias = _typing.Literal["_sliding_window", b"_sliding_window"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__block_size) -> _WhichOneofReturnType__block_size | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sliding_window) -> _WhichOneofReturnType__sliding_window | None: ...
 
 Global___KVGroup: _TypeAlias = KVGroup  # noqa: Y015

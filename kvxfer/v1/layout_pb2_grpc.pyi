@@ -5,6 +5,9 @@ Layout vocabulary on the wire (ARCHITECTURE.md section 3).
 
 History:
   v1 (protocol 1): first version.
+  KVGroup.block_size (optional, added within protocol 1): a group's own block
+  size when it differs from EngineLayout.block_size; unset means the layout's.
+  An old reader ignores it, so a layout using it must only meet new peers.
 """
 
 from collections import abc as _abc

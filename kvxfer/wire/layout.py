@@ -55,6 +55,8 @@ def _group_to_proto(group: KVGroup) -> pb.KVGroup:
     )
     if group.sliding_window is not None:
         message.sliding_window = group.sliding_window
+    if group.block_size is not None:
+        message.block_size = group.block_size
     return message
 
 
@@ -104,6 +106,7 @@ def _group_from_proto(message: pb.KVGroup, index: int) -> KVGroup:
             TensorSpec(name=t.name, layer=t.layer, bytes_per_block=t.bytes_per_block)
             for t in message.tensors
         ),
+        block_size=message.block_size if message.HasField("block_size") else None,
     )
 
 

@@ -1,0 +1,436 @@
+"""kvxfer as a vLLM v1 KV connector (KVConnectorBase_V1 + SupportsHMA).
+
+Load it with
+
+    --kv-transfer-config '{"kv_connector": "KvxferConnector",
+        "kv_connector_module_path": "kvxfer.integrations.vllm",
+        "kv_role": "kv_producer" | "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"sidecar": "unix:/run/kvxfer/engine.sock"}}'
+
+Prefill (producer): the router sends `kv_transfer_params={"do_remote_decode": true}`.
+When the request finishes, the scheduler publishes its blocks to the local
+sidecar and returns the transfer params (under "kvxfer") in the request
+output; the blocks stay allocated until the sidecar reports them Released.
+Decode (consumer): the router passes those params with
+`"do_remote_prefill": true`. The scheduler reports the remote tokens as an
+asynchronous external hit; once vLLM allocated blocks, the worker asks its
+sidecar to pull and the request waits until PullDone. A partly failed pull
+makes vLLM recompute: from `valid_tokens` for a one-group model, from the
+start for hybrid models (vLLM 0.32 takes only request-level failures when
+there are several KV cache groups).
+
+The worker remaps vLLM's KV allocation onto shared memory in place and
+registers it with its sidecar (`shm_remap`); the scheduler learns the
+registration through vLLM's handshake-metadata channel. Models with Mamba/GDN
+state prefill N-1 tokens and the decode side computes the last one (the state
+at N cannot be recomputed from a state already at N).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.request import RequestStatus
+
+from kvxfer._exceptions import KvxferError
+from kvxfer.client.engine import SyncEngineClient
+from kvxfer.core.layout import EngineLayout, GroupKind
+from kvxfer.core.requests import EngineEvent, LeaseExpired, PullDone, PullStatus, Released
+from kvxfer.integrations.shm_remap import SharedRemap
+from kvxfer.integrations.vllm_layout import group_kinds, layout_from_vllm, spans_from_block_ids
+from kvxfer.integrations.vllm_params import KEY, load_errors, params_from_dict, params_to_dict
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvxfer.vllm")
+
+
+@dataclass
+class KvxferHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler: who this worker is at its sidecar."""
+
+    engine_id: str
+    epoch: int
+    peer_address: str
+
+
+@dataclass(frozen=True)
+class PullOrder:
+    """Scheduler -> worker: pull one request into these local blocks."""
+
+    request_id: str  # this engine's id for the request
+    params: dict[str, Any]
+    block_ids: tuple[list[int], ...]
+    computed_tokens: int
+    awaiting: bool = True  # False: nothing to load, only tell the prefill to release
+
+
+@dataclass
+class KvxferMetadata(KVConnectorMetadata):
+    pulls: list[PullOrder] = field(default_factory=list)
+
+
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        sidecar = extra.get("sidecar")
+        if not isinstance(sidecar, str) or not sidecar:
+            raise KvxferError('kv_connector_extra_config.sidecar: required, e.g. "unix:/path"')
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise KvxferError(
+                "tensor_parallel_size: the kvxfer vLLM connector supports TP 1 only so far"
+            )
+        self._kinds = group_kinds(kv_cache_config)
+        self._has_state = GroupKind.MAMBA in self._kinds
+        self._scheduler = _Scheduler(self, sidecar) if role is KVConnectorRole.SCHEDULER else None
+        stats = extra.get("stats_path")
+        worker = role is KVConnectorRole.WORKER
+        self._worker = _Worker(self, sidecar, stats) if worker else None
+
+    # ---- scheduler side -------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if self._has_state and params and params.get("do_remote_decode"):
+            _trim_last_prompt_token(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or KEY not in params:
+            return 0, False
+        remote = int(params[KEY].get("num_tokens", 0))
+        count = min(remote, request.num_prompt_tokens) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or KEY not in params:
+            return
+        params["do_remote_prefill"] = False  # one pull per request
+        block_ids = tuple(list(g) for g in blocks.get_block_ids())
+        remote = int(params[KEY]["num_tokens"])
+        assert self._scheduler is not None
+        # A full local hit still "pulls" with C == N: nothing moves, the prefill releases.
+        computed = remote - max(num_external_tokens, 0)
+        self._scheduler.pending.append(
+            PullOrder(request.request_id, params[KEY], block_ids, computed, num_external_tokens > 0)
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        meta = KvxferMetadata(self._scheduler.pending)
+        self._scheduler.pending = []
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params or self._scheduler is None:
+            return False, None
+        if params.get("do_remote_prefill") and KEY in params:
+            # Finished (aborted) before blocks were allocated: let the prefill release.
+            params["do_remote_prefill"] = False
+            remote = int(params[KEY].get("num_tokens", 0))
+            empty: tuple[list[int], ...] = tuple([] for _ in block_ids)
+            self._scheduler.pending.append(
+                PullOrder(request.request_id, params[KEY], empty, remote, awaiting=False)
+            )
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        return self._scheduler.publish(request, block_ids)
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        if self._scheduler is not None and 0 in metadata:
+            handshake = metadata[0]
+            assert isinstance(handshake, KvxferHandshake)
+            self._scheduler.handshake = handshake
+
+    # ---- worker side ----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._worker.handshake if self._worker is not None else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferMetadata)
+        for order in meta.pulls:
+            self._worker.pull(order)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        return self._worker.results(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is None:
+            return set()
+        errors, self._worker.load_errors = self._worker.load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+
+def _trim_last_prompt_token(request: Request) -> None:
+    """Prefill of a state model computes N-1 tokens: the decode side then computes
+    token N itself from the state at N-1 (what NixlConnector does too)."""
+    params = request.kv_transfer_params
+    if params.get("_kvxfer_trimmed") or request.num_prompt_tokens < 2:
+        return
+    if request.prompt_token_ids is None:
+        return
+    del request.prompt_token_ids[-1]
+    del request._all_token_ids[-1]
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    params["_kvxfer_trimmed"] = True
+
+
+class _Scheduler:
+    """Publishes finished prefill requests to the sidecar; queues decode pulls."""
+
+    def __init__(self, owner: KvxferConnector, sidecar: str) -> None:
+        self._owner = owner
+        self._sidecar = sidecar
+        self._client: SyncEngineClient | None = None
+        self.handshake: KvxferHandshake | None = None
+        self.pending: list[PullOrder] = []
+
+    def publish(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            return False, None  # aborted: nothing to hand off
+        if self.handshake is None:
+            log.error("kvxfer: no worker registration reached the scheduler; not publishing")
+            return False, None
+        if self._client is None:
+            self._client = SyncEngineClient(self._sidecar, engine_id=self.handshake.engine_id)
+        num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        try:
+            spans = spans_from_block_ids(self._owner._kinds, block_ids)
+            params = self._client.publish(request.request_id, num_tokens, spans)
+        except KvxferError as exc:
+            log.error("kvxfer: publish of %s failed: %s", request.request_id, exc)
+            return False, None
+        return True, {"do_remote_prefill": True, KEY: params_to_dict(params)}
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+class _Worker:
+    """Registers the KV cache, issues pulls, turns sidecar events into vLLM results."""
+
+    def __init__(self, owner: KvxferConnector, sidecar: str, stats_path: str | None) -> None:
+        self._owner = owner
+        self._client = SyncEngineClient(sidecar)
+        self._stats_path = stats_path
+        self._remap: SharedRemap | None = None
+        self.layout: EngineLayout | None = None
+        self.handshake: KvxferHandshake | None = None
+        self._events: queue.Queue[EngineEvent] = queue.Queue()
+        self._pulls: dict[str, PullOrder] = {}  # prefill request id -> order
+        self._finished: set[str] = set()  # ids vLLM told this worker have finished
+        self._released: set[str] = set()  # released by the sidecar, not reported yet
+        self._done_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self.load_errors: set[int] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        storages = {t.untyped_storage().data_ptr() for t in kv_caches.values()}
+        if len(storages) != 1:
+            raise KvxferError(f"expected one KV allocation, found {len(storages)}")
+        storage = next(iter(kv_caches.values())).untyped_storage()
+        self._remap = SharedRemap(storage.data_ptr(), storage.nbytes())
+        remapped = self._remap.range
+        config = self._owner._vllm_config
+        self.layout = layout_from_vllm(
+            self._owner._kv_cache_config,
+            buffer=remapped.name,
+            base_offset=remapped.offset_of(storage.data_ptr()),
+            model=str(config.model_config.model).rstrip("/").rsplit("/", 1)[-1],
+        )
+        role = self._owner._kv_transfer_config.kv_role
+        registration = self._client.register(self.layout, [remapped.handle()], name=f"vllm-{role}")
+        self.handshake = KvxferHandshake(
+            registration.engine_id, registration.epoch, registration.peer_address
+        )
+        log.info(
+            "kvxfer: registered %d bytes as %s (remap %.3f s)",
+            remapped.size,
+            registration.engine_id,
+            remapped.seconds,
+        )
+        self._record(
+            layout={
+                "block_size": self.layout.block_size,
+                "groups": [
+                    [
+                        g.kind.value,
+                        g.sliding_window,
+                        self.layout.block_size_of(g),
+                        g.bytes_per_block,
+                    ]
+                    for g in self.layout.groups
+                ],
+            },
+            registered_bytes=remapped.size,
+            remap_s=remapped.seconds,
+        )
+        threading.Thread(target=self._watch, name="kvxfer-events", daemon=True).start()
+
+    def _record(self, **fields: object) -> None:
+        """One JSON line of facts for benchmarks and the demo (extra config stats_path)."""
+        if self._stats_path:
+            with open(self._stats_path, "a") as out:
+                out.write(json.dumps(fields) + "\n")
+
+    def _watch(self) -> None:
+        try:
+            for event in self._client.events():
+                self._events.put(event)
+        except KvxferError as exc:
+            log.error("kvxfer: event stream ended: %s", exc)
+
+    def pull(self, order: PullOrder) -> None:
+        try:
+            params = params_from_dict(order.params)
+            spans = spans_from_block_ids(self._owner._kinds, order.block_ids)
+            self._pulls[params.request_id] = order
+            accepted = self._client.pull(params, spans, order.computed_tokens)
+            self._record(
+                request_id=order.request_id,
+                bytes_planned=accepted.bytes_planned,
+                full_attention_bytes=accepted.full_attention_bytes,
+            )
+        except KvxferError as exc:
+            log.error("kvxfer: pull of %s refused: %s", order.request_id, exc)
+            if order.awaiting:
+                self._failed_recving.add(order.request_id)
+                self._done_recving.add(order.request_id)
+
+    def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        self._finished |= finished_req_ids
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            self._on_event(event)
+        sending = self._released & self._finished
+        self._released -= sending
+        self._finished -= sending
+        recving, failed = self._done_recving, self._failed_recving
+        self._done_recving, self._failed_recving = set(), set()
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def _on_event(self, event: EngineEvent) -> None:
+        if isinstance(event, Released | LeaseExpired):
+            self._released.add(event.request_id)
+            return
+        assert isinstance(event, PullDone)
+        order = self._pulls.pop(event.request_id, None)
+        if order is None or not order.awaiting:
+            return
+        self._done_recving.add(order.request_id)
+        self._record(
+            request_id=order.request_id,
+            num_tokens=int(order.params["num_tokens"]),
+            computed_tokens=order.computed_tokens,
+            status=event.status.value,
+            bytes_moved=event.bytes_moved,
+            duration_s=event.duration_s,
+            failed_blocks={str(g): list(b) for g, b in event.failed_blocks.items()},
+            valid_tokens=event.valid_tokens,
+        )
+        if event.status is PullStatus.OK:
+            return
+        log.warning(
+            "kvxfer: pull of %s %s: failed blocks %s, resume at %d",
+            order.request_id,
+            event.status.value,
+            dict(event.failed_blocks),
+            event.valid_tokens,
+        )
+        if len(order.block_ids) == 1 and self.layout is not None:
+            self.load_errors |= load_errors(event, order.block_ids, self.layout.block_size)
+        else:
+            self._failed_recving.add(order.request_id)
+
+    def close(self) -> None:
+        try:
+            self._client.unregister()
+        except KvxferError as exc:
+            log.warning("kvxfer: unregister failed: %s", exc)
+        self._client.close()
+        if self._remap is not None:
+            self._remap.close()

@@ -1,0 +1,212 @@
+"""vLLM's own KV cache description -> kvxfer's `EngineLayout` (ARCHITECTURE.md section 9).
+
+The engine is the source of truth: this reads vLLM's `KVCacheConfig` (the
+groups, their specs and block sizes, and `kv_cache_tensors`, which place
+every layer's pages in one backing allocation) and never a config.json.
+
+It imports neither vLLM nor torch: specs are recognised by class name along
+their MRO, so tests feed plain dataclasses shaped like vLLM's, and a vLLM
+version that renames a spec class is refused by name instead of guessed at.
+
+What it maps, as vLLM 0.32 lays the cache out on CPU:
+- `FullAttentionSpec` -> full_attention (also with `sliding_window` set: that
+  is a window layer run with the hybrid manager off, which keeps every block);
+- `SlidingWindowSpec` -> sliding_window with its window in tokens;
+- `MambaSpec` (Mamba, GDN, ...) -> mamba: one opaque state page per block;
+- MLA, chunked-local, cross-attention and anything else -> refused by name.
+Each layer is one region: layer l of a `KVCacheTensor` starts at
+`offset + l * layer_stride` in the backing allocation, block b at
+`+ b * block_stride`, and a block moves the content of its page,
+`real_page_size_bytes` (K and V fused in one page for attention, every state
+tensor of the layer packed from the page's start for Mamba), not the padding
+that makes every group's page one size.
+Layers of different groups share bytes (the groups overlay one pool), which
+regions allow. Block 0 is vLLM's null block: it never holds a request's KV,
+so spans never include it (see `spans_from_block_ids`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer._exceptions import LayoutError
+from kvxfer.core.layout import (
+    BlockId,
+    BlockSpan,
+    EngineLayout,
+    GroupId,
+    GroupKind,
+    KVGroup,
+    Region,
+    TensorSpec,
+)
+
+NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null block
+_REFUSED = ("MLAAttentionSpec", "ChunkedLocalAttentionSpec", "CrossAttentionSpec")
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """What one vLLM group is, in kvxfer's terms, before any address exists."""
+
+    kind: GroupKind
+    window: int | None
+    block_size: int
+    page_bytes: int
+    dtype: str
+
+
+def _class_names(spec: object) -> list[str]:
+    return [cls.__name__ for cls in type(spec).__mro__]
+
+
+def group_shape(spec: Any, where: str) -> GroupShape:
+    """Classify one group's spec; refuse what kvxfer does not model, by name."""
+    names = _class_names(spec)
+    if names[0] == "UniformTypeKVCacheSpecs":
+        raise LayoutError(where, "UniformTypeKVCacheSpecs (mixed layer specs in one group)")
+    refused = next((n for n in names if n in _REFUSED), None)
+    if refused is not None:
+        raise LayoutError(where, f"{refused} is not supported by kvxfer yet")
+    # A page may be padded to one size for every group (the hybrid manager shares one
+    # pool); the content sits at the page's start, so only that much moves.
+    page = int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
+    block_size = int(spec.block_size)
+    if "MambaSpec" in names:
+        return GroupShape(GroupKind.MAMBA, None, block_size, page, "opaque")
+    dtype = str(spec.dtype).removeprefix("torch.")
+    if "SlidingWindowSpec" in names:
+        window = int(spec.sliding_window)
+        return GroupShape(GroupKind.SLIDING_WINDOW, window, block_size, page, dtype)
+    if "FullAttentionSpec" in names:
+        return GroupShape(GroupKind.FULL_ATTENTION, None, block_size, page, dtype)
+    raise LayoutError(where, f"unknown vLLM KV cache spec {names[0]}")
+
+
+def _layer_index(name: str, fallback: int) -> int:
+    found = _LAYER_INDEX.search(name)
+    return int(found.group(1)) if found else fallback
+
+
+def _layer_places(kv_cache_config: Any) -> dict[str, tuple[int, int]]:
+    """layer name -> (offset of its block 0 in the allocation, block stride)."""
+    places: dict[str, tuple[int, int]] = {}
+    for index, tensor in enumerate(kv_cache_config.kv_cache_tensors):
+        for position, layer in enumerate(tensor.layers):
+            if layer in places:
+                raise LayoutError(f"kv_cache_tensors[{index}]", f"layer {layer} placed twice")
+            offset = int(tensor.offset) + position * int(tensor.layer_stride)
+            places[layer] = (offset, int(tensor.block_stride))
+    return places
+
+
+def layout_from_vllm(
+    kv_cache_config: Any,
+    *,
+    buffer: str,
+    base_offset: int,
+    model: str,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+) -> EngineLayout:
+    """The layout of one vLLM worker whose backing allocation starts at
+    `base_offset` inside the registered buffer `buffer`."""
+    groups: list[KVGroup] = []
+    regions: list[Region] = []
+    shapes: list[GroupShape] = []
+    places = _layer_places(kv_cache_config)
+    num_blocks = int(kv_cache_config.num_blocks)
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        where = f"kv_cache_groups[{gid}]"
+        shape = group_shape(group.kv_cache_spec, f"{where}.kv_cache_spec")
+        shapes.append(shape)
+        tensors: list[TensorSpec] = []
+        for position, layer in enumerate(group.layer_names):
+            if layer not in places:
+                raise LayoutError(f"{where}.layer_names", f"{layer} has no kv_cache_tensor")
+            offset, stride = places[layer]
+            index = _layer_index(layer, position)
+            tensors.append(TensorSpec(layer, index, shape.page_bytes))
+            regions.append(
+                Region(layer, buffer, base_offset + offset, num_blocks, stride, shape.page_bytes)
+            )
+        groups.append(
+            KVGroup(
+                group_id=GroupId(gid),
+                kind=shape.kind,
+                sliding_window=shape.window,
+                layers=tuple(t.layer for t in tensors),
+                tensors=tuple(tensors),
+                block_size=shape.block_size,
+            )
+        )
+    attention = [s for s in shapes if s.kind is not GroupKind.MAMBA]
+    block_size = attention[0].block_size if attention else shapes[0].block_size
+    dtypes = {s.dtype for s in attention}
+    if len(dtypes) > 1:
+        raise LayoutError("kv_cache_groups", f"mixed attention dtypes {sorted(dtypes)}")
+    kv_dtype = dtypes.pop() if dtypes else "bfloat16"
+    return EngineLayout(
+        model=model,
+        fingerprint=_fingerprint(model, shapes, groups),
+        kv_dtype=kv_dtype,
+        block_size=block_size,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        groups=tuple(groups),
+        regions=tuple(regions),
+    )
+
+
+def _fingerprint(model: str, shapes: Sequence[GroupShape], groups: Sequence[KVGroup]) -> str:
+    """Same model and same cache shape on both sides -> same fingerprint."""
+    described = [
+        [s.kind.value, s.window, s.block_size, s.page_bytes, s.dtype, [t.name for t in g.tensors]]
+        for s, g in zip(shapes, groups, strict=True)
+    ]
+    text = json.dumps([model, described], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def group_kinds(kv_cache_config: Any) -> tuple[GroupKind, ...]:
+    """The kind of every group, for code that has the config but no layout (the scheduler)."""
+    return tuple(
+        group_shape(g.kv_cache_spec, f"kv_cache_groups[{i}].kv_cache_spec").kind
+        for i, g in enumerate(kv_cache_config.kv_cache_groups)
+    )
+
+
+def spans_from_block_ids(
+    kinds: Sequence[GroupKind], block_ids: Sequence[Iterable[int]]
+) -> tuple[BlockSpan, ...]:
+    """One span per group from vLLM's per-group block id lists.
+
+    List index i is logical block i. Leading null blocks (vLLM puts them where
+    a sliding window dropped blocks) are cut: the span starts at the first
+    real block. A Mamba group's state is its last real block, which is
+    kvxfer's logical block 0. A group with no real block gets an empty span.
+    """
+    if len(block_ids) != len(kinds):
+        raise LayoutError("block_ids", f"{len(block_ids)} lists for {len(kinds)} groups")
+    spans: list[BlockSpan] = []
+    for gid, ids in enumerate(block_ids):
+        listed = [int(b) for b in ids]
+        if kinds[gid] is GroupKind.MAMBA:
+            state = [b for b in listed if b != NULL_BLOCK][-1:]
+            spans.append(BlockSpan(GroupId(gid), 0, tuple(BlockId(b) for b in state)))
+            continue
+        first = next((i for i, b in enumerate(listed) if b != NULL_BLOCK), len(listed))
+        tail = listed[first:]
+        if NULL_BLOCK in tail:
+            raise LayoutError(
+                f"block_ids[{gid}]",
+                f"null block inside the request's blocks at {first + tail.index(NULL_BLOCK)}",
+            )
+        spans.append(BlockSpan(GroupId(gid), first, tuple(BlockId(b) for b in tail)))
+    return tuple(spans)

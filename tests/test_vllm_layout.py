@@ -1,0 +1,164 @@
+"""The layout a vLLM worker registers, built from vLLM-shaped cache configs (no vLLM here:
+plain dataclasses named and shaped like vLLM 0.32's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvxfer._exceptions import LayoutError
+from kvxfer.core.layout import GroupKind
+from kvxfer.core.planner import plan_blocks
+from kvxfer.integrations.vllm_layout import layout_from_vllm, spans_from_block_ids
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    block_size: int
+    page_size_bytes: int
+
+
+@dataclass(frozen=True)
+class AttentionSpec(KVCacheSpec):
+    dtype: str = "torch.bfloat16"
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    sliding_window: int = 0
+
+
+@dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    state_bytes: int = 0
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """The packed states; page_size_bytes is padded to the attention page."""
+        return self.state_bytes or self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    pass
+
+
+@dataclass
+class KVCacheTensor:
+    size: int
+    layers: list[str]
+    layer_stride: int
+    block_stride: int
+    offset: int = 0
+
+
+@dataclass
+class KVCacheGroupSpec:
+    layer_names: list[str]
+    kv_cache_spec: KVCacheSpec
+
+
+@dataclass
+class KVCacheConfig:
+    num_blocks: int
+    kv_cache_tensors: list[KVCacheTensor]
+    kv_cache_groups: list[KVCacheGroupSpec] = field(default_factory=list)
+
+
+def _name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def gemma3_config() -> KVCacheConfig:
+    """As vLLM 0.32 CPU printed it for a tiny Gemma3 (window 48, B = 128)."""
+    page, blocks = 32768, 16384
+    return KVCacheConfig(
+        num_blocks=blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(1 << 30, [_name(0), _name(2)], page * blocks, page),
+            KVCacheTensor(1 << 30, [_name(1), _name(3)], page * blocks, page),
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec([_name(0), _name(2)], SlidingWindowSpec(128, page, sliding_window=48)),
+            KVCacheGroupSpec([_name(1), _name(3)], FullAttentionSpec(128, page)),
+        ],
+    )
+
+
+def test_gemma3_groups_regions_and_shared_pages() -> None:
+    layout = layout_from_vllm(gemma3_config(), buffer="seg", base_offset=64, model="tiny")
+    sliding, full = layout.groups
+    assert (sliding.kind, sliding.sliding_window, sliding.layers) == (
+        GroupKind.SLIDING_WINDOW,
+        48,
+        (0, 2),
+    )
+    assert (full.kind, full.layers) == (GroupKind.FULL_ATTENTION, (1, 3))
+    assert layout.block_size == 128 and layout.kv_dtype == "bfloat16"
+    regions = layout.region_map
+    # Layer 0 (sliding) and layer 1 (full) overlay the same pages of the pool.
+    assert regions[_name(0)].offset_bytes == regions[_name(1)].offset_bytes == 64
+    assert regions[_name(2)].offset_bytes == 64 + 32768 * 16384
+    assert regions[_name(3)].stride_bytes == regions[_name(3)].block_bytes == 32768
+    assert regions[_name(3)].num_blocks == 16384
+    same = layout_from_vllm(gemma3_config(), buffer="other", base_offset=0, model="tiny")
+    assert same.fingerprint == layout.fingerprint
+
+
+def test_spans_cut_null_blocks_and_cover_the_window() -> None:
+    layout = layout_from_vllm(gemma3_config(), buffer="seg", base_offset=0, model="tiny")
+    # What request_finished_all_groups saw for a 299-token prompt + 3 generated.
+    spans = spans_from_block_ids([g.kind for g in layout.groups], [[0, 2, 3], [4, 5, 6]])
+    assert [(s.first_block, s.block_ids) for s in spans] == [(1, (2, 3)), (0, (4, 5, 6))]
+    plans = plan_blocks(layout, 299, 0)
+    assert [p.blocks for p in plans] == [range(1, 3), range(3)]
+    with pytest.raises(LayoutError, match="null block inside"):
+        spans_from_block_ids([g.kind for g in layout.groups], [[2, 0, 3], [4]])
+
+
+def test_state_group_keeps_its_own_block_size_and_last_block() -> None:
+    state_page = 3 * 32768
+    config = KVCacheConfig(
+        num_blocks=100,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                1 << 20,
+                ["model.layers.0.linear_attn", "model.layers.1.self_attn.attn"],
+                state_page * 100,
+                state_page,
+            ),
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.1.self_attn.attn"], FullAttentionSpec(160, state_page)),
+            KVCacheGroupSpec(
+                ["model.layers.0.linear_attn"], MambaSpec(1024, state_page, state_bytes=90000)
+            ),
+        ],
+    )
+    layout = layout_from_vllm(config, buffer="seg", base_offset=0, model="q")
+    assert layout.block_size == 160
+    assert [layout.block_size_of(g) for g in layout.groups] == [160, 1024]
+    assert layout.groups[1].kind is GroupKind.MAMBA
+    state = layout.region_map["model.layers.0.linear_attn"]
+    assert (state.block_bytes, state.stride_bytes) == (90000, state_page)  # no padding moves
+    spans = spans_from_block_ids([g.kind for g in layout.groups], [[7, 8], [0, 9]])
+    assert [(s.first_block, s.block_ids) for s in spans] == [(0, (7, 8)), (0, (9,))]
+
+
+def test_unsupported_specs_are_refused_by_name() -> None:
+    config = gemma3_config()
+    config.kv_cache_groups[1] = KVCacheGroupSpec([_name(1), _name(3)], MLAAttentionSpec(128, 1))
+    with pytest.raises(LayoutError, match="MLAAttentionSpec is not supported"):
+        layout_from_vllm(config, buffer="seg", base_offset=0, model="m")
+    config = gemma3_config()
+    config.kv_cache_groups[1] = KVCacheGroupSpec(
+        [_name(1), "model.layers.9.x"], FullAttentionSpec(128, 32768)
+    )
+    with pytest.raises(LayoutError, match=r"model\.layers\.9\.x has no kv_cache_tensor"):
+        layout_from_vllm(config, buffer="seg", base_offset=0, model="m")
