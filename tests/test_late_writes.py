@@ -75,7 +75,7 @@ async def test_no_byte_lands_after_pulldone_from_a_frozen_peer(
                 pulls.append((params, dst))
             for params, dst in pulls:
                 await dc.pull(params, dst, 0)
-            await asyncio.sleep(0.05)
+            await being_read(p, "frozen-1")  # both reads have begun (a pull starts async)
             os.kill(p.pid, signal.SIGSTOP)
             frozen_at = time.monotonic()
             try:

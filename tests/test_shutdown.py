@@ -16,7 +16,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from sidecars import DecodeImage, engine_link, spans, start_engine, start_sidecar
+from sidecars import DecodeImage, being_read, engine_link, spans, start_engine, start_sidecar
 
 from kvxfer.core.requests import PullDone, PullStatus, Released, ReleaseReason
 
@@ -57,7 +57,7 @@ async def test_prefill_sigterm_waits_for_the_live_read(
         ):
             params = await pc.publish("drain-0", TOKENS, src)
             await dc.pull(params, dst, 0)
-            await asyncio.sleep(0.1)
+            await being_read(p, "drain-0")
             p.popen.send_signal(signal.SIGTERM)
             done = await d_events.next(timeout_s=60)
             released = await p_events.next(timeout_s=60)
@@ -94,7 +94,7 @@ async def test_decode_sigterm_with_pulls_hung_on_a_frozen_peer_exits_cleanly(
             for i in range(2):
                 params = await pc.publish(f"hung-{i}", TOKENS, request_spans(i))
                 await dc.pull(params, request_spans(i, reverse=True), 0)
-            await asyncio.sleep(0.05)
+            await being_read(p, "hung-1")
             os.kill(p.pid, signal.SIGSTOP)
             try:
                 d.popen.send_signal(signal.SIGTERM)
