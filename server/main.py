@@ -30,10 +30,11 @@ from prometheus_client import start_http_server
 from kvxfer._exceptions import InvalidInputError, KvxferError
 from kvxfer.dataplane.adapter import AgentOptions, NixlAgent, TransferBackend
 from kvxfer.dataplane.faults import FaultInjectingBackend, random_faults
+from kvxfer.server.guard import PEER_SERVER_MAX_RECEIVE_BYTES, PeerPortGuard
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import channel_options
 from kvxfer.server.servicers import AdminServicer, EngineServicer, PeerServicer
-from kvxfer.server.settings import Settings, load_settings
+from kvxfer.server.settings import Settings, is_loopback, load_settings
 from kvxfer.server.sidecar import Sidecar
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
@@ -81,13 +82,16 @@ async def serve(settings: Settings) -> int:
         )
     sidecar = Sidecar(settings, data_plane, metrics)
     peer_server = _server(
-        settings, [("peer", PeerServicer(sidecar, settings.tls)), ("admin", AdminServicer(sidecar))]
+        settings,
+        [("peer", PeerServicer(sidecar)), ("admin", AdminServicer(sidecar))],
+        max_receive_bytes=PEER_SERVER_MAX_RECEIVE_BYTES,
+        interceptors=[PeerPortGuard(settings)],
     )
     engine_server = _server(
         settings, [("engine", EngineServicer(sidecar)), ("admin", AdminServicer(sidecar))]
     )
     try:
-        peer_port = _bind_peer(peer_server, settings)
+        peer_port = _bind_peer(peer_server, settings, metrics)
         engine_address = _bind_engine(engine_server, settings.engine_address)
         metrics_http, metrics_port = _start_metrics(settings.metrics_address, metrics)
     except KvxferError:
@@ -124,8 +128,17 @@ async def serve(settings: Settings) -> int:
     return 0
 
 
-def _server(settings: Settings, servicers: list[tuple[str, Any]]) -> grpc.aio.Server:
-    server = grpc.aio.server(options=channel_options(settings))
+def _server(
+    settings: Settings,
+    servicers: list[tuple[str, Any]],
+    *,
+    max_receive_bytes: int | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> grpc.aio.Server:
+    options = dict(channel_options(settings))
+    if max_receive_bytes is not None:  # refused by gRPC before the body is buffered
+        options["grpc.max_receive_message_length"] = max_receive_bytes
+    server = grpc.aio.server(options=list(options.items()), interceptors=interceptors)
     names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     health = HealthServicer()
     for kind, servicer in servicers:
@@ -143,8 +156,9 @@ def _server(settings: Settings, servicers: list[tuple[str, Any]]) -> grpc.aio.Se
     return server
 
 
-def _bind_peer(server: grpc.aio.Server, settings: Settings) -> int:
+def _bind_peer(server: grpc.aio.Server, settings: Settings, metrics: Metrics) -> int:
     tls = settings.tls
+    metrics.insecure_listeners.labels("peer").set(0)
     try:
         if tls.enabled:
             assert tls.cert_file and tls.key_file and tls.ca_file
@@ -155,10 +169,13 @@ def _bind_peer(server: grpc.aio.Server, settings: Settings) -> int:
             )
             port = server.add_secure_port(settings.peer_address, credentials)
         else:
-            host = settings.peer_address.rpartition(":")[0]
-            if host not in ("127.0.0.1", "localhost", "[::1]"):
+            # Settings refused a non-loopback address without TLS unless insecure_peer_port.
+            insecure = not is_loopback(settings.peer_address.rpartition(":")[0])
+            metrics.insecure_listeners.labels("peer").set(int(insecure))
+            if insecure:
                 log.warning(
-                    "PeerService on %s without TLS: any host that reaches it can read "
+                    "INSECURE PEER PORT: PeerService on %s without mTLS "
+                    "(--insecure-peer-port): any host that reaches it can read and write "
                     "registered KV memory; configure tls.* outside a trusted network",
                     settings.peer_address,
                 )

@@ -141,4 +141,11 @@ class Metrics:
             "1 when this sidecar injects chunk faults (testing)",
             registry=r,
         )
+        self.insecure_listeners = Gauge(
+            "kvxfer_insecure_listeners",
+            "1 when the service listens beyond loopback without authentication "
+            "(started with an explicit insecure setting)",
+            ["service"],
+            registry=r,
+        )
         self.active = ActiveClock(self.active_seconds)

@@ -40,6 +40,7 @@ from kvxfer.wire.sidecar import PeerHello, hello_from_proto, hello_request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_MAX_READ_TOKENS = 1 << 16
 
 
 def channel_options(settings: Settings) -> list[tuple[str, int]]:
@@ -126,6 +127,9 @@ class PeerLinks:
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._nixl_peers: dict[str, tuple[int, str]] = {}  # address -> (epoch, agent name)
+        # (address, rank, request id) -> the read token BeginRead returned; bounded, since
+        # a read that ends without EndRead (its lease lost) leaves its token behind.
+        self._read_tokens: dict[tuple[str, int, str], str] = {}
 
     def all(self) -> list[PeerLink]:
         return list(self._links.values())
@@ -229,14 +233,19 @@ class PeerLinks:
             epoch=link.epoch, tp_rank=link.tp_rank, request_id=request_id, reader_id=reader_id
         )
         timeout = self._settings.transfer.rpc_timeout_s
-        return await self._dialer.call(
+        reply = await self._dialer.call(
             link.address, "begin read", lambda: stub.BeginRead(request, timeout=timeout)
         )
+        if len(self._read_tokens) >= _MAX_READ_TOKENS:
+            del self._read_tokens[next(iter(self._read_tokens))]  # the oldest
+        self._read_tokens[(link.address, link.tp_rank, request_id)] = reply.read_token
+        return reply
 
     async def heartbeat(self, link: PeerLink, request_id: str) -> int:
         stub = self._dialer.stub(link.address)
+        token = self._read_tokens.get((link.address, link.tp_rank, request_id), "")
         request = pb.HeartbeatRequest(
-            epoch=link.epoch, tp_rank=link.tp_rank, request_ids=[request_id]
+            epoch=link.epoch, tp_rank=link.tp_rank, request_ids=[request_id], read_tokens=[token]
         )
         timeout = self._settings.transfer.rpc_timeout_s
         reply = await self._dialer.call(
@@ -245,6 +254,8 @@ class PeerLinks:
         return reply.states[0] if reply.states else pb.LEASE_STATE_UNKNOWN
 
     async def end_read(self, link: PeerLink, request: pb.EndReadRequest) -> None:
+        key = (link.address, link.tp_rank, request.request_id)
+        request.read_token = self._read_tokens.pop(key, "")
         stub = self._dialer.stub(link.address)
         timeout = self._settings.transfer.rpc_timeout_s
         await self._dialer.call(

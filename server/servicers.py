@@ -30,11 +30,12 @@ from kvxfer._exceptions import (
     NotFoundError,
     PeerDisconnectedError,
     PeerUnavailableError,
+    PermissionDeniedError,
     RegistrationError,
     ShuttingDownError,
 )
+from kvxfer.server.guard import identity
 from kvxfer.server.leases import LeaseState
-from kvxfer.server.settings import TlsSettings
 from kvxfer.server.sidecar import Sidecar
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
@@ -64,6 +65,7 @@ STATUS_FOR: tuple[tuple[type[KvxferError], grpc.StatusCode], ...] = (
     (NegotiationError, grpc.StatusCode.FAILED_PRECONDITION),
     (LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
     (PeerUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (PeerDisconnectedError, grpc.StatusCode.UNAVAILABLE),
@@ -184,27 +186,16 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
 
 class PeerServicer(pb_grpc.PeerServiceServicer):
-    def __init__(self, sidecar: Sidecar, tls: TlsSettings) -> None:
-        self._sidecar = sidecar
-        self._allowed = {name.encode() for name in tls.allowed_peers}
+    """The allow-list, body limits and call bounds are checked before these run, by
+    `kvxfer.server.guard.PeerPortGuard`; here each read is bound to its caller."""
 
-    async def _authorize(self, context: Context) -> None:
-        """With an allow-list, the client certificate's common name must be on it."""
-        if not self._allowed:
-            return
-        names = set(context.auth_context().get("x509_common_name", []))
-        if not names & self._allowed:
-            shown = sorted(n.decode(errors="replace") for n in names) or ["none"]
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"peer certificate {shown} is not in tls.allowed_peers",
-            )
+    def __init__(self, sidecar: Sidecar) -> None:
+        self._sidecar = sidecar
 
     @rpc
     async def Handshake(
         self, request: pb.HandshakeRequest, context: Context
     ) -> pb.HandshakeResponse:
-        await self._authorize(context)
         layout = layout_from_proto(request.layout, "layout")
         hello = await self._sidecar.hello(request.protocol_version, layout, request.dry_run)
         return hello_to_proto(hello)
@@ -213,29 +204,41 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
     async def BeginRead(
         self, request: pb.BeginReadRequest, context: Context
     ) -> pb.BeginReadResponse:
-        await self._authorize(context)
-        lease = self._sidecar.begin_read(request.epoch, request.tp_rank, request.request_id)
+        lease = self._sidecar.begin_read(
+            request.epoch, request.tp_rank, request.request_id, identity(context)
+        )
         return pb.BeginReadResponse(
             num_tokens=lease.num_tokens,
             spans=[span_to_proto(s) for s in lease.spans],
             lease_ttl_ms=round(self._sidecar.lease_ttl_s() * 1000),
             registration_version=self._sidecar.registration_version,
+            read_token=lease.read_token,
         )
 
     @rpc
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: Context
     ) -> pb.HeartbeatResponse:
-        await self._authorize(context)
-        states = self._sidecar.heartbeat(request.epoch, request.tp_rank, list(request.request_ids))
+        states = self._sidecar.heartbeat(
+            request.epoch,
+            request.tp_rank,
+            list(request.request_ids),
+            identity(context),
+            list(request.read_tokens),
+        )
         return pb.HeartbeatResponse(states=[_LEASE_STATE_TO_PB[s] for s in states])
 
     @rpc
     async def EndRead(self, request: pb.EndReadRequest, context: Context) -> pb.EndReadResponse:
-        await self._authorize(context)
         reason = release_reason_from_proto(request.reason)
         self._sidecar.end_read(
-            request.epoch, request.tp_rank, request.request_id, reason, request.bytes_read
+            request.epoch,
+            request.tp_rank,
+            request.request_id,
+            reason,
+            request.bytes_read,
+            reader=identity(context),
+            token=request.read_token,
         )
         return pb.EndReadResponse()
 
