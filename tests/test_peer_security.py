@@ -27,8 +27,8 @@ MODEL = "gemma-3-4b-it"
 
 
 def test_non_loopback_peer_port_needs_tls_or_the_insecure_flag(tmp_path: Path) -> None:
-    argv = [str(BIN / "kvxfer-server"), "--peer-address", "0.0.0.0:0",
-            "--engine-address", f"unix:{tmp_path}/e.sock", "--metrics-address", "127.0.0.1:0"]  # fmt: skip
+    argv = [str(BIN / "kvxfer-server"), "--peer-address", "0.0.0.0:0", "--engine-address",
+            f"unix:{tmp_path}/e.sock", "--metrics-address", "127.0.0.1:0"]  # fmt: skip
     refused = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert refused.returncode == 2, refused.stderr
     assert "not loopback" in refused.stderr and "--insecure-peer-port" in refused.stderr
