@@ -244,7 +244,9 @@ class Sidecar:
             self.settings.transfer.chunk_blocks,
         )
         full = full_attention_bytes(engine.layout, params.num_tokens, computed_tokens)
-        self.metrics.full_attention_bytes.labels(params.peer_address, "read").inc(full)
+        self.metrics.full_attention_bytes.labels(self.links.label(params.peer_address), "read").inc(
+            full
+        )
         pull = Pull(engine, params, link, plan)
         self._pulls[key] = pull
         pull.task = asyncio.create_task(self._finish_pull(key, pull))
