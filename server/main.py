@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -32,7 +33,7 @@ from kvxfer.dataplane.adapter import AgentOptions, NixlAgent, TransferBackend
 from kvxfer.dataplane.faults import FaultInjectingBackend, random_faults
 from kvxfer.server.guard import PEER_SERVER_MAX_RECEIVE_BYTES, PeerPortGuard
 from kvxfer.server.metrics import Metrics
-from kvxfer.server.peers import channel_options
+from kvxfer.server.peers import server_options
 from kvxfer.server.servicers import AdminServicer, EngineServicer, PeerServicer
 from kvxfer.server.settings import Settings, is_loopback, load_settings
 from kvxfer.server.sidecar import Sidecar
@@ -81,27 +82,27 @@ async def serve(settings: Settings) -> int:
             backend, random_faults(faults.fail_rate, faults.stall_rate, faults.seed)
         )
     sidecar = Sidecar(settings, data_plane, metrics)
-    peer_server = _server(
+    peer = _server(
         settings,
         [("peer", PeerServicer(sidecar)), ("admin", AdminServicer(sidecar))],
         max_receive_bytes=PEER_SERVER_MAX_RECEIVE_BYTES,
         interceptors=[PeerPortGuard(settings)],
     )
-    engine_server = _server(
+    engine = _server(
         settings, [("engine", EngineServicer(sidecar)), ("admin", AdminServicer(sidecar))]
     )
     try:
-        peer_port = _bind_peer(peer_server, settings, metrics)
-        engine_address = _bind_engine(engine_server, settings.engine_address)
+        peer_port = _bind_peer(peer.server, settings, metrics)
+        engine_address = _bind_engine(engine.server, settings.engine_address)
         metrics_http, metrics_port = _start_metrics(settings.metrics_address, metrics)
     except KvxferError:
         await backend.close()
         raise
     if settings.advertise_address is None:
         sidecar.address = _with_port(settings.peer_address, peer_port)
-    await peer_server.start()
+    await peer.start()
     with _private_umask(settings.engine_address):
-        await engine_server.start()
+        await engine.start()
     sidecar.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -119,13 +120,34 @@ async def serve(settings: Settings) -> int:
     log.info("serving: %s", ready)
     await stop.wait()
     log.info("shutting down (grace %.1fs)", settings.shutdown_grace_s)
+    await peer.drain()
+    await engine.drain()
     await sidecar.shutdown(settings.shutdown_grace_s)
-    await engine_server.stop(1.0)
-    await peer_server.stop(1.0)
+    await engine.server.stop(1.0)
+    await peer.server.stop(1.0)
     metrics_http.shutdown()
     await backend.close()
     log.info("stopped")
     return 0
+
+
+@dataclass
+class _Served:
+    """One gRPC server with its health service: every kvxfer service it serves reports
+    SERVING once started (by its full name, e.g. `kvxfer.v1.PeerService`, and as the
+    server's "" status) and NOT_SERVING from the moment the sidecar starts draining."""
+
+    server: grpc.aio.Server
+    health: HealthServicer
+    services: list[str]
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in self.services:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def drain(self) -> None:
+        await self.health.enter_graceful_shutdown()
 
 
 def _server(
@@ -134,26 +156,27 @@ def _server(
     *,
     max_receive_bytes: int | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-) -> grpc.aio.Server:
-    options = dict(channel_options(settings))
+) -> _Served:
+    options = dict(server_options(settings))
     if max_receive_bytes is not None:  # refused by gRPC before the body is buffered
         options["grpc.max_receive_message_length"] = max_receive_bytes
     server = grpc.aio.server(options=list(options.items()), interceptors=interceptors)
-    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     health = HealthServicer()
+    services: list[str] = []
     for kind, servicer in servicers:
         if kind == "peer":
             pb_grpc.add_PeerServiceServicer_to_server(servicer, server)
-            names.append(pb.DESCRIPTOR.services_by_name["PeerService"].full_name)
+            services.append(pb.DESCRIPTOR.services_by_name["PeerService"].full_name)
         elif kind == "engine":
             pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
-            names.append(pb.DESCRIPTOR.services_by_name["EngineService"].full_name)
+            services.append(pb.DESCRIPTOR.services_by_name["EngineService"].full_name)
         else:
             pb_grpc.add_AdminServiceServicer_to_server(servicer, server)
-            names.append(pb.DESCRIPTOR.services_by_name["AdminService"].full_name)
+            services.append(pb.DESCRIPTOR.services_by_name["AdminService"].full_name)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(names, server)
-    return server
+    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection([*names, *services], server)
+    return _Served(server, health, services)
 
 
 def _bind_peer(server: grpc.aio.Server, settings: Settings, metrics: Metrics) -> int:
@@ -181,12 +204,18 @@ def _bind_peer(server: grpc.aio.Server, settings: Settings, metrics: Metrics) ->
                 )
             port = server.add_insecure_port(settings.peer_address)
     except RuntimeError as exc:
-        raise InvalidInputError(
-            "peer_address", f"cannot bind {settings.peer_address}: {exc}"
-        ) from exc
+        raise InvalidInputError("peer_address", _bind_failed(settings.peer_address, exc)) from exc
     if port == 0:
-        raise InvalidInputError("peer_address", f"cannot bind {settings.peer_address}")
+        raise InvalidInputError("peer_address", _bind_failed(settings.peer_address, None))
     return port
+
+
+def _bind_failed(address: str, exc: BaseException | None) -> str:
+    why = f" ({exc})" if exc else ""
+    return (
+        f"cannot bind {address}{why}: is another kvxfer-server (or anything else) "
+        "listening there, or is the host not an address of this machine?"
+    )
 
 
 def _bind_engine(server: grpc.aio.Server, address: str) -> str:

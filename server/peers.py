@@ -44,11 +44,42 @@ _MAX_READ_TOKENS = 1 << 16
 OTHER_PEERS = "other"  # the metric label of peers beyond limits.max_peer_labels
 
 
+# Keepalive: a peer whose host vanished (no FIN, no RST) is noticed within about
+# KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS instead of at the next RPC's deadline, and
+# idle connections through NAT or load balancers stay open.
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
+
 def channel_options(settings: Settings) -> list[tuple[str, int]]:
+    """Options of channels to peer sidecars."""
     limit = settings.limits.max_message_bytes
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    """Options of the sidecar's gRPC servers."""
+    limit = settings.limits.max_message_bytes
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        # gRPC sets SO_REUSEPORT by default: a second server on the same port would bind
+        # silently and take half the connections. Off, binding a taken port fails.
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Accept the clients' keepalive pings (the default refuses pings more often
+        # than every 5 minutes and closes the connection with too_many_pings).
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
 
 

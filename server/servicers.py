@@ -87,11 +87,19 @@ def status_for(exc: KvxferError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def metadata_safe(text: str, limit: int = 1024) -> str:
+    """`text` as a metadata value gRPC accepts: printable ASCII only, the rest escaped
+    (a field path can hold a name from the wire: non-ASCII or a newline there made gRPC
+    fail the call with INTERNAL "Invalid metadata"), and bounded in length."""
+    out = "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode() for c in text)
+    return out[:limit]
+
+
 async def _abort(context: Context, exc: BaseException) -> None:
     if isinstance(exc, KvxferError):
         trailers = [(ERROR_TRAILER, type(exc).__name__)]
         if isinstance(exc, InvalidInputError):
-            trailers.append((FIELD_TRAILER, exc.field))
+            trailers.append((FIELD_TRAILER, metadata_safe(exc.field)))
         if isinstance(exc, NegotiationError):
             trailers.append((MISMATCH_TRAILER, json.dumps([asdict(m) for m in exc.mismatches])))
         context.set_trailing_metadata(tuple(trailers))
@@ -151,6 +159,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if not request.HasField("params"):
             raise InvalidInputError("params", "missing")
         params = params_from_proto(request.params, "params")
+        if params.epoch == self._sidecar.epoch or params.peer_address == self._sidecar.address:
+            raise InvalidInputError(
+                "params.peer_address",
+                f"{params.peer_address} (epoch {params.epoch}) is this sidecar itself: "
+                "pull from the sidecar that published the request",
+            )
         local = spans_from_proto(request.local_spans, "local_spans")
         accepted = await self._sidecar.pull(
             request.engine_id, params, local, request.computed_tokens
