@@ -23,8 +23,7 @@ from sidecars import EngineSim, engine_link, spans, start_engine, start_sidecar
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.cli.fleet import BIN, Proc
 from kvxfer.core.requests import TransferParams
-from kvxfer.server.peers import channel_options
-server_options = channel_options
+from kvxfer.server.peers import channel_options, server_options
 from kvxfer.server.settings import load_settings
 from kvxfer.v1 import layout_pb2
 from kvxfer.v1 import sidecar_pb2 as pb
