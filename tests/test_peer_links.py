@@ -13,8 +13,9 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
+import grpc
 import pytest
 from prometheus_client import generate_latest
 from sidecars import engine_link, scrape, spans, start_engine, start_sidecar
@@ -22,6 +23,7 @@ from sidecars import engine_link, scrape, spans, start_engine, start_sidecar
 from kvxfer._exceptions import NegotiationError, PeerUnavailableError
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.dataplane.adapter import TransferBackend
+from kvxfer.server.guard import PeerPortGuard
 from kvxfer.server.metrics import ActiveClock, Metrics
 from kvxfer.server.peers import Dialer, PeerLinks
 from kvxfer.server.settings import load_settings
@@ -179,3 +181,57 @@ async def test_a_refused_peer_loads_no_agent_and_counts_no_ok(tmp_path: Path) ->
     finally:
         for proc in (dxe, dx, pe, p):
             proc.stop()
+
+
+class FakeContext:
+    """The slice of grpc.aio.ServicerContext the peer-port guard reads."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise AbortedError(code, details)
+
+
+class AbortedError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, details)
+        self.code = code
+
+
+async def test_calls_per_client_are_bounded() -> None:
+    """One client host may run limits.max_calls_per_peer calls at once; another host is
+    not affected, and a finished call frees its slot."""
+    release = asyncio.Event()
+
+    async def slow(request: object, context: object) -> str:
+        await release.wait()
+        return "done"
+
+    settings = load_settings(["--limits.max-calls-per-peer", "2"], environ={})
+    guard = PeerPortGuard(settings)
+    method = "/kvxfer.v1.PeerService/BeginRead"
+
+    async def continuation(details: object) -> grpc.RpcMethodHandler[Any, Any]:
+        return grpc.unary_unary_rpc_method_handler(cast(Any, slow), lambda b: b, lambda r: r)
+
+    details = cast(grpc.HandlerCallDetails, type("D", (), {"method": method})())
+    handler = await guard.intercept_service(continuation, details)
+    assert handler is not None and handler.unary_unary is not None
+    call = cast(Any, handler.unary_unary)
+    a = FakeContext("ipv4:10.0.0.1:5000")
+    running = [asyncio.create_task(call(b"", a)) for _ in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(AbortedError) as refused:
+        await call(b"", FakeContext("ipv4:10.0.0.1:5001"))
+    assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    other = asyncio.create_task(call(b"", FakeContext("ipv4:10.0.0.2:5000")))
+    release.set()
+    assert await asyncio.gather(*running, other) == ["done"] * 3
+    assert await call(b"", a) == "done"
