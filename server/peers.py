@@ -113,6 +113,13 @@ class Dialer:
     async def call(self, address: str, what: str, rpc: Callable[[], Awaitable[T]]) -> T:
         return await guarded(f"{what} at peer {address}", rpc)
 
+    async def forget(self, address: str) -> None:
+        """Close the channel to a peer that has no link: params naming thousands of
+        addresses that never answer must not leave a channel each behind."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
+
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
         for channel in channels.values():
@@ -240,11 +247,13 @@ class PeerLinks:
                 hello = await self.hello(address, layout, dry_run=False)
             except KvxferError:
                 self._metrics.handshakes.labels(self.label(address), "error").inc()
+                await self._forget_unlinked(address)
                 raise
             try:
                 agreement = self._negotiate(address, engine_id, layout, hello)
             except NegotiationError:
                 self._metrics.handshakes.labels(self.label(address), "refused").inc()
+                await self._forget_unlinked(address)
                 raise
             try:
                 nixl_peer = await self._load_agent(address, hello)
@@ -257,6 +266,10 @@ class PeerLinks:
         self._metrics.handshakes.labels(label, "ok").inc()
         self._metrics.handshake_duration.labels(label).observe(time.perf_counter() - start)
         return link
+
+    async def _forget_unlinked(self, address: str) -> None:
+        if not any(link_address == address for link_address, _ in self._links):
+            await self._dialer.forget(address)
 
     def _install(self, address: str, tp_rank: int, hello: PeerHello, nixl_peer: str) -> PeerLink:
         key = (address, tp_rank)
