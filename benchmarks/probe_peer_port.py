@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import socket
 import tempfile
 import time
@@ -69,10 +70,8 @@ async def hung_peer(client: EngineClient, pulls: int) -> list[float]:
     start = time.monotonic()
 
     async def one(i: int) -> float:
-        try:
+        with contextlib.suppress(KvxferError):
             await client.pull(params_for(address, f"hung-{i}"), [], 0)
-        except KvxferError:
-            pass
         return time.monotonic() - start
 
     try:
