@@ -69,6 +69,10 @@ class LeaseError(KvxferError):
     """A lease expired or was released while a request still needed it."""
 
 
+class PermissionDeniedError(KvxferError):
+    """The caller may not do this: another reader's lease, or a peer not allowed."""
+
+
 class NegotiationError(KvxferError):
     """Two layouts do not agree; `mismatches` says where and what to do."""
 

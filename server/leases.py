@@ -11,15 +11,30 @@ read it posted).
 
 The table is plain synchronous code over an injected clock, so it is tested
 without sleeping; the sidecar sweeps it on a timer.
+
+
+Reads are bound to their reader: `begin_read` records the caller's identity
+(its certificate's name with mTLS, `anonymous` without) and hands back a
+random read token; heartbeats and the end of the read must come from the same
+identity with the same token, so another client can neither end (steal) nor
+renew (pin) a read it did not begin.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+import hmac
+import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvxfer._exceptions import InvalidInputError, LeaseError, LimitExceededError, NotFoundError
+from kvxfer._exceptions import (
+    InvalidInputError,
+    LeaseError,
+    LimitExceededError,
+    NotFoundError,
+    PermissionDeniedError,
+)
 from kvxfer.core.layout import BlockSpan
 
 
@@ -38,6 +53,8 @@ class Lease:
     created: float
     expires: float
     state: LeaseState = LeaseState.HELD
+    reader: str = ""  # who began the read
+    read_token: str = ""  # the secret that read's heartbeats and end must present
 
     @property
     def blocks(self) -> int:
@@ -94,31 +111,36 @@ class LeaseTable:
             )
         return lease
 
-    def begin_read(self, engine_id: str, request_id: str) -> Lease:
+    def begin_read(self, engine_id: str, request_id: str, reader: str) -> Lease:
+        """Start `reader`'s read; the lease's `read_token` goes back to it alone."""
         lease = self.get(engine_id, request_id)
         if lease.state is LeaseState.ABORTED:
             raise LeaseError(f"request {request_id!r} was aborted by its publisher")
         if lease.state is LeaseState.READING:
             raise LeaseError(f"request {request_id!r} is already being read")
         lease.state = LeaseState.READING
+        lease.reader, lease.read_token = reader, secrets.token_hex(16)
         lease.expires = self._clock() + self.ttl_s
         return lease
 
-    def renew(self, engine_id: str, request_ids: Iterable[str]) -> list[LeaseState | None]:
-        """Extend each lease by a TTL; None for requests no longer held."""
+    def renew(
+        self, engine_id: str, request_ids: Sequence[str], reader: str, tokens: Sequence[str]
+    ) -> list[LeaseState | None]:
+        """Extend each of `reader`'s reads by a TTL; None for requests no longer held.
+        Checked whole before anything is renewed: one foreign id refuses the call."""
+        leases = [self._leases.get((engine_id, request_id)) for request_id in request_ids]
+        for lease, token in zip(leases, tokens, strict=True):
+            if lease is not None:
+                _check_reader(lease, reader, token)
         now = self._clock()
-        states: list[LeaseState | None] = []
-        for request_id in request_ids:
-            lease = self._leases.get((engine_id, request_id))
+        for lease in leases:
             if lease is not None:
                 lease.expires = now + self.ttl_s
-            states.append(None if lease is None else lease.state)
-        return states
+        return [None if lease is None else lease.state for lease in leases]
 
-    def end_read(self, engine_id: str, request_id: str) -> Lease:
+    def end_read(self, engine_id: str, request_id: str, reader: str, token: str) -> Lease:
         lease = self.get(engine_id, request_id)
-        if lease.state is LeaseState.HELD:
-            raise LeaseError(f"request {request_id!r} has no read in progress to end")
+        _check_reader(lease, reader, token)
         return self._remove((engine_id, request_id))
 
     def abort(self, engine_id: str, request_id: str) -> tuple[LeaseState, Lease | None]:
@@ -146,3 +168,16 @@ class LeaseTable:
 
     def expires_in(self, lease: Lease) -> float:
         return max(0.0, lease.expires - self._clock())
+
+
+def _check_reader(lease: Lease, reader: str, token: str) -> None:
+    if lease.state is LeaseState.HELD:
+        raise PermissionDeniedError(
+            f"request {lease.request_id!r} has no read of yours to renew or end"
+        )
+    # compare_digest: the token is a secret, its comparison must not leak a prefix by timing
+    if lease.reader != reader or not hmac.compare_digest(lease.read_token, token):
+        raise PermissionDeniedError(
+            f"request {lease.request_id!r} is being read by another reader "
+            "(identity or read_token differs)"
+        )

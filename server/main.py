@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ import socket
 import stat
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -34,10 +34,11 @@ from kvxfer._exceptions import InvalidInputError, KvxferError
 from kvxfer.dataplane.adapter import AgentOptions, NixlAgent, TransferBackend
 from kvxfer.dataplane.faults import FaultInjectingBackend, random_faults
 from kvxfer.dataplane.readers import Readers
+from kvxfer.server.guard import PEER_SERVER_MAX_RECEIVE_BYTES, PeerPortGuard
 from kvxfer.server.metrics import Metrics
-from kvxfer.server.peers import channel_options
+from kvxfer.server.peers import server_options
 from kvxfer.server.servicers import AdminServicer, EngineServicer, PeerServicer
-from kvxfer.server.settings import Settings, load_settings
+from kvxfer.server.settings import Settings, is_loopback, load_settings
 from kvxfer.server.sidecar import Sidecar
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
@@ -86,25 +87,28 @@ async def serve(settings: Settings) -> int:
 
     sidecar = Sidecar(settings, backend, metrics, Readers(reader))
     flag_insecure_listeners(settings, metrics)
-    peer_server = _server(
-        settings, [("peer", PeerServicer(sidecar, settings.tls)), ("admin", AdminServicer(sidecar))]
+    peer = _server(
+        settings,
+        [("peer", PeerServicer(sidecar)), ("admin", AdminServicer(sidecar))],
+        max_receive_bytes=PEER_SERVER_MAX_RECEIVE_BYTES,
+        interceptors=[PeerPortGuard(settings)],
     )
-    engine_server = _server(
+    engine = _server(
         settings, [("engine", EngineServicer(sidecar)), ("admin", AdminServicer(sidecar))]
     )
     try:
-        peer_port = _bind_peer(peer_server, settings)
+        peer_port = _bind_peer(peer.server, settings, metrics)
         # gRPC creates the socket file at bind time (not at start): umask it there.
         with _private_umask(settings.engine_address):
-            engine_address = _bind_engine(engine_server, settings.engine_address)
+            engine_address = _bind_engine(engine.server, settings.engine_address)
         metrics_http, metrics_port = _start_metrics(settings.metrics_address, metrics)
     except KvxferError:
         await backend.close()
         raise
     if settings.advertise_address is None:
         sidecar.address = _with_port(settings.peer_address, peer_port)
-    await peer_server.start()
-    await engine_server.start()
+    await peer.start()
+    await engine.start()
     sidecar.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -122,36 +126,68 @@ async def serve(settings: Settings) -> int:
     log.info("serving: %s", ready)
     await stop.wait()
     log.info("shutting down (grace %.1fs)", settings.shutdown_grace_s)
+    await peer.drain()
+    await engine.drain()
     await sidecar.shutdown(settings.shutdown_grace_s)
-    await engine_server.stop(1.0)
-    await peer_server.stop(1.0)
+    await engine.server.stop(1.0)
+    await peer.server.stop(1.0)
     metrics_http.shutdown()
     await backend.close()
     log.info("stopped")
     return 0
 
 
-def _server(settings: Settings, servicers: list[tuple[str, Any]]) -> grpc.aio.Server:
-    server = grpc.aio.server(options=channel_options(settings))
-    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+@dataclass
+class _Served:
+    """One gRPC server with its health service: every kvxfer service it serves reports
+    SERVING once started (by its full name, e.g. `kvxfer.v1.PeerService`, and as the
+    server's "" status) and NOT_SERVING from the moment the sidecar starts draining."""
+
+    server: grpc.aio.Server
+    health: HealthServicer
+    services: list[str]
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in self.services:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def drain(self) -> None:
+        await self.health.enter_graceful_shutdown()
+
+
+def _server(
+    settings: Settings,
+    servicers: list[tuple[str, Any]],
+    *,
+    max_receive_bytes: int | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> _Served:
+    options = dict(server_options(settings))
+    if max_receive_bytes is not None:  # refused by gRPC before the body is buffered
+        options["grpc.max_receive_message_length"] = max_receive_bytes
+    server = grpc.aio.server(options=list(options.items()), interceptors=interceptors)
     health = HealthServicer()
+    services: list[str] = []
     for kind, servicer in servicers:
         if kind == "peer":
             pb_grpc.add_PeerServiceServicer_to_server(servicer, server)
-            names.append(pb.DESCRIPTOR.services_by_name["PeerService"].full_name)
+            services.append(pb.DESCRIPTOR.services_by_name["PeerService"].full_name)
         elif kind == "engine":
             pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
-            names.append(pb.DESCRIPTOR.services_by_name["EngineService"].full_name)
+            services.append(pb.DESCRIPTOR.services_by_name["EngineService"].full_name)
         else:
             pb_grpc.add_AdminServiceServicer_to_server(servicer, server)
-            names.append(pb.DESCRIPTOR.services_by_name["AdminService"].full_name)
+            services.append(pb.DESCRIPTOR.services_by_name["AdminService"].full_name)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(names, server)
-    return server
+    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection([*names, *services], server)
+    return _Served(server, health, services)
 
 
-def _bind_peer(server: grpc.aio.Server, settings: Settings) -> int:
+def _bind_peer(server: grpc.aio.Server, settings: Settings, metrics: Metrics) -> int:
     tls = settings.tls
+    metrics.insecure_listeners.labels("peer").set(0)
     try:
         if tls.enabled:
             assert tls.cert_file and tls.key_file and tls.ca_file
@@ -162,21 +198,30 @@ def _bind_peer(server: grpc.aio.Server, settings: Settings) -> int:
             )
             port = server.add_secure_port(settings.peer_address, credentials)
         else:
-            host = settings.peer_address.rpartition(":")[0]
-            if host not in ("127.0.0.1", "localhost", "[::1]"):
+            # Settings refused a non-loopback address without TLS unless insecure_peer_port.
+            insecure = not is_loopback(settings.peer_address.rpartition(":")[0])
+            metrics.insecure_listeners.labels("peer").set(int(insecure))
+            if insecure:
                 log.warning(
-                    "PeerService on %s without TLS: any host that reaches it can read "
+                    "INSECURE PEER PORT: PeerService on %s without mTLS "
+                    "(--insecure-peer-port): any host that reaches it can read and write "
                     "registered KV memory; configure tls.* outside a trusted network",
                     settings.peer_address,
                 )
             port = server.add_insecure_port(settings.peer_address)
     except RuntimeError as exc:
-        raise InvalidInputError(
-            "peer_address", f"cannot bind {settings.peer_address}: {exc}"
-        ) from exc
+        raise InvalidInputError("peer_address", _bind_failed(settings.peer_address, exc)) from exc
     if port == 0:
-        raise InvalidInputError("peer_address", f"cannot bind {settings.peer_address}")
+        raise InvalidInputError("peer_address", _bind_failed(settings.peer_address, None))
     return port
+
+
+def _bind_failed(address: str, exc: BaseException | None) -> str:
+    why = f" ({exc})" if exc else ""
+    return (
+        f"cannot bind {address}{why}: is another kvxfer-server (or anything else) "
+        "listening there, or is the host not an address of this machine?"
+    )
 
 
 def _bind_engine(server: grpc.aio.Server, address: str) -> str:
@@ -226,8 +271,8 @@ def flag_insecure_listeners(settings: Settings, metrics: Metrics) -> None:
     """Warn about, and count, the engine and metrics endpoints reachable beyond loopback.
     (The peer port's own check lives with its binding.)"""
     engine = settings.engine_address
-    engine_exposed = not engine.startswith("unix:") and not is_loopback(engine)
-    metrics_exposed = not is_loopback(settings.metrics_address)
+    engine_exposed = not engine.startswith("unix:") and not is_loopback(_host(engine))
+    metrics_exposed = not is_loopback(_host(settings.metrics_address))
     if not engine.startswith("unix:"):
         log.warning(
             "INSECURE: EngineService on TCP %s (insecure_engine_tcp): callers are not "
@@ -242,17 +287,6 @@ def flag_insecure_listeners(settings: Settings, metrics: Metrics) -> None:
         )
     metrics.insecure_listeners.labels("engine").set(int(engine_exposed))
     metrics.insecure_listeners.labels("metrics").set(int(metrics_exposed))
-
-
-def is_loopback(address: str) -> bool:
-    """HOST:PORT names this host only: 127.0.0.0/8, ::1 or localhost (not 0.0.0.0/::)."""
-    host = address.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve anywhere
 
 
 @contextlib.contextmanager
@@ -279,6 +313,10 @@ def _start_metrics(address: str, metrics: Metrics) -> tuple[Any, int]:
             "metrics_address", f"cannot bind {address}: {exc.strerror}"
         ) from exc
     return http, int(http.server_port)
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0]
 
 
 def _with_port(address: str, port: int) -> str:

@@ -1,7 +1,9 @@
 """The sidecar's Prometheus metrics (ARCHITECTURE.md section 8).
 
 One registry per sidecar (no process-global state). Names carry their units;
-labels are bounded: `peer` (a peer sidecar's address), `group_kind`,
+labels are bounded: `peer` (a peer sidecar's address, for the first
+`limits.max_peer_labels` peers a handshake succeeded with; every other
+address, and any that never answered, is `other`), `group_kind`,
 `direction` (`read`: this sidecar pulled), `result`. Never request ids.
 
 Throughput is bytes over wall time: `kvxfer_transfer_active_seconds_total`
@@ -12,32 +14,53 @@ is the real throughput, where summed per-pull durations would understate it.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class ActiveClock:
-    """Wall time during which at least one transfer was in flight."""
+    """Wall time during which at least one transfer was in flight, exported as the
+    counter `kvxfer_transfer_active_seconds_total`. Read at every scrape, so it advances
+    while pulls overlap without end, not only when the last one finishes."""
 
-    def __init__(self, counter: Counter, clock: Callable[[], float] = time.monotonic) -> None:
-        self._counter = counter
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
+        self._lock = threading.Lock()  # the scrape runs on the HTTP server's thread
         self._active = 0
         self._since = 0.0
+        self._total = 0.0
 
     def start(self) -> None:
-        if self._active == 0:
-            self._since = self._clock()
-        self._active += 1
+        with self._lock:
+            if self._active == 0:
+                self._since = self._clock()
+            self._active += 1
 
     def stop(self) -> None:
-        self._active -= 1
-        if self._active == 0:
-            self._counter.inc(self._clock() - self._since)
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._total += self._clock() - self._since
+
+    def seconds(self) -> float:
+        with self._lock:
+            running = self._clock() - self._since if self._active else 0.0
+            return self._total + running
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "kvxfer_transfer_active_seconds",
+            "Wall time with at least one pull in flight (the throughput denominator)",
+            value=self.seconds(),
+        )
+
+    describe = collect
 
 
 class Metrics:
@@ -68,11 +91,6 @@ class Metrics:
             "Time to build a pull's descriptors before its first NIXL post",
             ["peer"],
             buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.active_seconds = Counter(
-            "kvxfer_transfer_active_seconds",
-            "Wall time with at least one pull in flight (the throughput denominator)",
             registry=r,
         )
         self.descriptors = Counter(
@@ -141,16 +159,17 @@ class Metrics:
             "Registered engines whose process exited without unregistering",
             registry=r,
         )
-        # Shared with the peer port: service is "peer", "engine" or "metrics".
-        self.insecure_listeners = Gauge(
-            "kvxfer_insecure_listeners",
-            "1 per service listening beyond loopback without authentication",
-            ["service"],
-            registry=r,
-        )
         self.fault_injection = Gauge(
             "kvxfer_fault_injection",
             "1 when this sidecar injects chunk faults (testing)",
             registry=r,
         )
-        self.active = ActiveClock(self.active_seconds)
+        self.insecure_listeners = Gauge(
+            "kvxfer_insecure_listeners",
+            "1 when the service (peer, engine, metrics) listens beyond loopback without "
+            "authentication (started with an explicit insecure setting)",
+            ["service"],
+            registry=r,
+        )
+        self.active = ActiveClock()
+        r.register(self.active)

@@ -40,13 +40,46 @@ from kvxfer.wire.sidecar import PeerHello, hello_from_proto, hello_request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_MAX_READ_TOKENS = 1 << 16
+OTHER_PEERS = "other"  # the metric label of peers beyond limits.max_peer_labels
+
+
+# Keepalive: a peer whose host vanished (no FIN, no RST) is noticed within about
+# KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS instead of at the next RPC's deadline, and
+# idle connections through NAT or load balancers stay open.
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
 
 
 def channel_options(settings: Settings) -> list[tuple[str, int]]:
+    """Options of channels to peer sidecars."""
     limit = settings.limits.max_message_bytes
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    """Options of the sidecar's gRPC servers."""
+    limit = settings.limits.max_message_bytes
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        # gRPC sets SO_REUSEPORT by default: a second server on the same port would bind
+        # silently and take half the connections. Off, binding a taken port fails.
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Accept the clients' keepalive pings (the default refuses pings more often
+        # than every 5 minutes and closes the connection with too_many_pings).
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
 
 
@@ -79,6 +112,13 @@ class Dialer:
 
     async def call(self, address: str, what: str, rpc: Callable[[], Awaitable[T]]) -> T:
         return await guarded(f"{what} at peer {address}", rpc)
+
+    async def forget(self, address: str) -> None:
+        """Close the channel to a peer that has no link: params naming thousands of
+        addresses that never answer must not leave a channel each behind."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
@@ -124,45 +164,62 @@ class PeerLinks:
         self._sidecar_id = sidecar_id
         self._epoch = epoch
         self._links: dict[tuple[str, int], PeerLink] = {}
+        # Serialises handshakes and reloads of one (address, rank); never held by a pull
+        # waiting for another peer.
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._pending: dict[tuple[str, int], asyncio.Future[PeerLink]] = {}
+        self._labels: set[str] = set()  # addresses with a metric label of their own
         self._nixl_peers: dict[str, tuple[int, str]] = {}  # address -> (epoch, agent name)
+        # (address, rank, request id) -> the read token BeginRead returned; bounded, since
+        # a read that ends without EndRead (its lease lost) leaves its token behind.
+        self._read_tokens: dict[tuple[str, int, str], str] = {}
 
     def all(self) -> list[PeerLink]:
         return list(self._links.values())
+
+    def label(self, address: str) -> str:
+        """`address` as a metric label: its own for peers this sidecar handshook with (up
+        to limits.max_peer_labels), `other` for the rest, so params naming thousands of
+        addresses cannot grow the registry without bound."""
+        return address if address in self._labels else OTHER_PEERS
 
     async def link(
         self, address: str, engine_id: str, layout: EngineLayout, epoch: int, peer_engine: str
     ) -> tuple[PeerLink, Agreement]:
         """The link to `address` for `layout`'s rank, handshaking first when the cached one
-        is missing, stale, or of another epoch or engine than the pull expects."""
+        is missing, stale, or of another epoch or engine than the pull expects. Pulls that
+        arrive during a handshake share its outcome (success or failure) instead of queuing
+        one timeout each behind it; other peers never wait on this one."""
         key = (address, layout.tp_rank)
-        async with self._locks.setdefault(key, asyncio.Lock()):
-            link = self._links.get(key)
-            if (
-                link is None
-                or link.stale
-                or link.epoch != epoch
-                or link.hello.engine_id != peer_engine
-            ):
-                link = await self._handshake(address, layout)
-            agreement = link.agreements.get(engine_id)
-            if agreement is None:
-                try:
-                    agreement = negotiate(
-                        layout, link.layout, PROTOCOL_VERSION, link.hello.protocol_version
-                    )
-                except NegotiationError as exc:
-                    self._metrics.negotiation_failures.labels(address).inc()
-                    log.warning("layouts of %s and peer %s disagree: %s", engine_id, address, exc)
-                    raise
-                link.agreements[engine_id] = agreement
-            return link, agreement
+        link = self._links.get(key)
+        if link is None or link.stale or link.epoch != epoch or link.hello.engine_id != peer_engine:
+            pending = self._pending.get(key)
+            if pending is None:
+                pending = asyncio.ensure_future(self._handshake(address, layout, engine_id))
+                self._pending[key] = pending
+                pending.add_done_callback(lambda _: self._pending.pop(key, None))
+            link = await asyncio.shield(pending)
+        agreement = link.agreements.get(engine_id)
+        if agreement is None:
+            agreement = self._negotiate(address, engine_id, layout, link.hello)
+            link.agreements[engine_id] = agreement
+        return link, agreement
+
+    def _negotiate(
+        self, address: str, engine_id: str, layout: EngineLayout, hello: PeerHello
+    ) -> Agreement:
+        try:
+            return negotiate(layout, hello.layout, PROTOCOL_VERSION, hello.protocol_version)
+        except NegotiationError as exc:
+            self._metrics.negotiation_failures.labels(self.label(address)).inc()
+            log.warning("layouts of %s and peer %s disagree: %s", engine_id, address, exc)
+            raise
 
     async def reload(self, link: PeerLink, layout: EngineLayout) -> None:
         """The peer's registrations changed: load its new metadata in place."""
         async with self._locks.setdefault((link.address, link.tp_rank), asyncio.Lock()):
-            fresh = await self._handshake(link.address, layout)
-            link.hello, link.nixl_peer = fresh.hello, fresh.nixl_peer
+            hello = await self.hello(link.address, layout, dry_run=False)
+            link.hello, link.nixl_peer = hello, await self._load_agent(link.address, hello)
 
     def invalidate(self, link: PeerLink) -> None:
         link.stale = True
@@ -181,26 +238,52 @@ class PeerLinks:
         except InvalidInputError as exc:
             raise PeerUnavailableError(f"peer {address} sent a bad handshake: {exc}") from exc
 
-    async def _handshake(self, address: str, layout: EngineLayout) -> PeerLink:
+    async def _handshake(self, address: str, layout: EngineLayout, engine_id: str) -> PeerLink:
+        """Hello, then negotiate, and only if they agree load the peer's NIXL agent: a
+        refused peer adds no agent, no link and no `ok` handshake."""
         start = time.perf_counter()
-        try:
-            hello = await self.hello(address, layout, dry_run=False)
-            nixl_peer = await self._load_agent(address, hello)
-        except KvxferError:
-            self._metrics.handshakes.labels(address, "error").inc()
-            raise
-        self._metrics.handshakes.labels(address, "ok").inc()
-        self._metrics.handshake_duration.labels(address).observe(time.perf_counter() - start)
-        key = (address, layout.tp_rank)
+        async with self._locks.setdefault((address, layout.tp_rank), asyncio.Lock()):
+            try:
+                hello = await self.hello(address, layout, dry_run=False)
+            except KvxferError:
+                self._metrics.handshakes.labels(self.label(address), "error").inc()
+                await self._forget_unlinked(address)
+                raise
+            try:
+                agreement = self._negotiate(address, engine_id, layout, hello)
+            except NegotiationError:
+                self._metrics.handshakes.labels(self.label(address), "refused").inc()
+                await self._forget_unlinked(address)
+                raise
+            try:
+                nixl_peer = await self._load_agent(address, hello)
+            except KvxferError:
+                self._metrics.handshakes.labels(self.label(address), "error").inc()
+                raise
+            link = self._install(address, layout.tp_rank, hello, nixl_peer)
+            link.agreements[engine_id] = agreement
+        label = self.label(address)
+        self._metrics.handshakes.labels(label, "ok").inc()
+        self._metrics.handshake_duration.labels(label).observe(time.perf_counter() - start)
+        return link
+
+    async def _forget_unlinked(self, address: str) -> None:
+        if not any(link_address == address for link_address, _ in self._links):
+            await self._dialer.forget(address)
+
+    def _install(self, address: str, tp_rank: int, hello: PeerHello, nixl_peer: str) -> PeerLink:
+        key = (address, tp_rank)
         old = self._links.get(key)
-        link = PeerLink(address, layout.tp_rank, hello, nixl_peer)
+        link = PeerLink(address, tp_rank, hello, nixl_peer)
         if old is not None:
             link.handshakes = old.handshakes + 1
             if old.epoch == hello.epoch and old.hello.engine_id == hello.engine_id:
                 link.agreements = old.agreements
         self._links[key] = link
+        if len(self._labels) < self._settings.limits.max_peer_labels:
+            self._labels.add(address)
         self._metrics.peers.set(len({a for a, _ in self._links}))
-        self._metrics.peer_epoch.labels(address).set(hello.epoch)
+        self._metrics.peer_epoch.labels(self.label(address)).set(hello.epoch)
         return link
 
     async def _load_agent(self, address: str, hello: PeerHello) -> str:
@@ -212,7 +295,7 @@ class PeerLinks:
                 known[0],
                 hello.epoch,
             )
-            self._metrics.peer_restarts.labels(address).inc()
+            self._metrics.peer_restarts.labels(self.label(address)).inc()
             await self._backend.remove_peer(known[1])
             for (link_address, _), link in self._links.items():
                 if link_address == address:
@@ -229,14 +312,19 @@ class PeerLinks:
             epoch=link.epoch, tp_rank=link.tp_rank, request_id=request_id, reader_id=reader_id
         )
         timeout = self._settings.transfer.rpc_timeout_s
-        return await self._dialer.call(
+        reply = await self._dialer.call(
             link.address, "begin read", lambda: stub.BeginRead(request, timeout=timeout)
         )
+        if len(self._read_tokens) >= _MAX_READ_TOKENS:
+            del self._read_tokens[next(iter(self._read_tokens))]  # the oldest
+        self._read_tokens[(link.address, link.tp_rank, request_id)] = reply.read_token
+        return reply
 
     async def heartbeat(self, link: PeerLink, request_id: str) -> int:
         stub = self._dialer.stub(link.address)
+        token = self._read_tokens.get((link.address, link.tp_rank, request_id), "")
         request = pb.HeartbeatRequest(
-            epoch=link.epoch, tp_rank=link.tp_rank, request_ids=[request_id]
+            epoch=link.epoch, tp_rank=link.tp_rank, request_ids=[request_id], read_tokens=[token]
         )
         timeout = self._settings.transfer.rpc_timeout_s
         reply = await self._dialer.call(
@@ -245,6 +333,8 @@ class PeerLinks:
         return reply.states[0] if reply.states else pb.LEASE_STATE_UNKNOWN
 
     async def end_read(self, link: PeerLink, request: pb.EndReadRequest) -> None:
+        key = (link.address, link.tp_rank, request.request_id)
+        request.read_token = self._read_tokens.pop(key, "")
         stub = self._dialer.stub(link.address)
         timeout = self._settings.transfer.rpc_timeout_s
         await self._dialer.call(

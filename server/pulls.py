@@ -63,7 +63,7 @@ class PullContext:
 async def run_pull(pull: Pull, ctx: PullContext, report: Callable[[PullDone], None]) -> None:
     """Carry out the pull; `report` gets its PullDone as soon as the outcome is known,
     before the read is ended at the serving side (one round trip off the engine's path)."""
-    peer = pull.params.peer_address
+    peer = ctx.links.label(pull.params.peer_address)
     ctx.metrics.active.start()
     ctx.metrics.inflight_pulls.labels(peer).inc()
     end_read = False
@@ -77,7 +77,7 @@ async def run_pull(pull: Pull, ctx: PullContext, report: Callable[[PullDone], No
     finally:
         ctx.metrics.inflight_pulls.labels(peer).dec()
         ctx.metrics.active.stop()
-    _observe(pull, done, ctx.metrics)
+    _observe(pull, done, ctx.metrics, peer)
     report(done)
     if end_read:
         await _end_read(pull, ctx, done)
@@ -132,10 +132,11 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
     if TransferStatus.DISCONNECTED in result.chunk_statuses:
         ctx.links.invalidate(link)
     done = _from_result(pull, result)
-    ctx.metrics.post_duration.labels(params.peer_address).observe(result.bind_s)
-    ctx.metrics.descriptors.labels(params.peer_address).inc(result.descriptors)
+    peer = ctx.links.label(params.peer_address)
+    ctx.metrics.post_duration.labels(peer).observe(result.bind_s)
+    ctx.metrics.descriptors.labels(peer).inc(result.descriptors)
     for status in result.chunk_statuses:
-        ctx.metrics.chunks.labels(params.peer_address, status.value).inc()
+        ctx.metrics.chunks.labels(peer, status.value).inc()
     return done, True
 
 
@@ -246,8 +247,7 @@ def _all_failed(pull: Pull, status: PullStatus, reason: str) -> PullDone:
     )
 
 
-def _observe(pull: Pull, done: PullDone, metrics: Metrics) -> None:
-    peer = pull.params.peer_address
+def _observe(pull: Pull, done: PullDone, metrics: Metrics, peer: str) -> None:
     moved_by_kind: dict[str, int] = {}
     failed = {g: set(b) for g, b in done.failed_blocks.items()}
     for group_plan in pull.plan.groups:

@@ -30,12 +30,13 @@ from kvxfer._exceptions import (
     NotFoundError,
     PeerDisconnectedError,
     PeerUnavailableError,
+    PermissionDeniedError,
     RegistrationError,
     ShuttingDownError,
 )
 from kvxfer.server.callers import claimed_pid
+from kvxfer.server.guard import identity
 from kvxfer.server.leases import LeaseState
-from kvxfer.server.settings import TlsSettings
 from kvxfer.server.sidecar import Sidecar
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
@@ -65,6 +66,7 @@ STATUS_FOR: tuple[tuple[type[KvxferError], grpc.StatusCode], ...] = (
     (NegotiationError, grpc.StatusCode.FAILED_PRECONDITION),
     (LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
     (PeerUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (PeerDisconnectedError, grpc.StatusCode.UNAVAILABLE),
@@ -86,11 +88,19 @@ def status_for(exc: KvxferError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def metadata_safe(text: str, limit: int = 1024) -> str:
+    """`text` as a metadata value gRPC accepts: printable ASCII only, the rest escaped
+    (a field path can hold a name from the wire: non-ASCII or a newline there made gRPC
+    fail the call with INTERNAL "Invalid metadata"), and bounded in length."""
+    out = "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode() for c in text)
+    return out[:limit]
+
+
 async def _abort(context: Context, exc: BaseException) -> None:
     if isinstance(exc, KvxferError):
         trailers = [(ERROR_TRAILER, type(exc).__name__)]
         if isinstance(exc, InvalidInputError):
-            trailers.append((FIELD_TRAILER, exc.field))
+            trailers.append((FIELD_TRAILER, metadata_safe(exc.field)))
         if isinstance(exc, NegotiationError):
             trailers.append((MISMATCH_TRAILER, json.dumps([asdict(m) for m in exc.mismatches])))
         context.set_trailing_metadata(tuple(trailers))
@@ -151,6 +161,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if not request.HasField("params"):
             raise InvalidInputError("params", "missing")
         params = params_from_proto(request.params, "params")
+        if params.epoch == self._sidecar.epoch or params.peer_address == self._sidecar.address:
+            raise InvalidInputError(
+                "params.peer_address",
+                f"{params.peer_address} (epoch {params.epoch}) is this sidecar itself: "
+                "pull from the sidecar that published the request",
+            )
         local = spans_from_proto(request.local_spans, "local_spans")
         accepted = await self._sidecar.pull(
             request.engine_id, params, local, request.computed_tokens
@@ -186,27 +202,16 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
 
 class PeerServicer(pb_grpc.PeerServiceServicer):
-    def __init__(self, sidecar: Sidecar, tls: TlsSettings) -> None:
-        self._sidecar = sidecar
-        self._allowed = {name.encode() for name in tls.allowed_peers}
+    """The allow-list, body limits and call bounds are checked before these run, by
+    `kvxfer.server.guard.PeerPortGuard`; here each read is bound to its caller."""
 
-    async def _authorize(self, context: Context) -> None:
-        """With an allow-list, the client certificate's common name must be on it."""
-        if not self._allowed:
-            return
-        names = set(context.auth_context().get("x509_common_name", []))
-        if not names & self._allowed:
-            shown = sorted(n.decode(errors="replace") for n in names) or ["none"]
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"peer certificate {shown} is not in tls.allowed_peers",
-            )
+    def __init__(self, sidecar: Sidecar) -> None:
+        self._sidecar = sidecar
 
     @rpc
     async def Handshake(
         self, request: pb.HandshakeRequest, context: Context
     ) -> pb.HandshakeResponse:
-        await self._authorize(context)
         layout = layout_from_proto(request.layout, "layout")
         hello = await self._sidecar.hello(request.protocol_version, layout, request.dry_run)
         return hello_to_proto(hello)
@@ -215,29 +220,41 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
     async def BeginRead(
         self, request: pb.BeginReadRequest, context: Context
     ) -> pb.BeginReadResponse:
-        await self._authorize(context)
-        lease = self._sidecar.begin_read(request.epoch, request.tp_rank, request.request_id)
+        lease = self._sidecar.begin_read(
+            request.epoch, request.tp_rank, request.request_id, identity(context)
+        )
         return pb.BeginReadResponse(
             num_tokens=lease.num_tokens,
             spans=[span_to_proto(s) for s in lease.spans],
             lease_ttl_ms=round(self._sidecar.lease_ttl_s() * 1000),
             registration_version=self._sidecar.registration_version,
+            read_token=lease.read_token,
         )
 
     @rpc
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: Context
     ) -> pb.HeartbeatResponse:
-        await self._authorize(context)
-        states = self._sidecar.heartbeat(request.epoch, request.tp_rank, list(request.request_ids))
+        states = self._sidecar.heartbeat(
+            request.epoch,
+            request.tp_rank,
+            list(request.request_ids),
+            identity(context),
+            list(request.read_tokens),
+        )
         return pb.HeartbeatResponse(states=[_LEASE_STATE_TO_PB[s] for s in states])
 
     @rpc
     async def EndRead(self, request: pb.EndReadRequest, context: Context) -> pb.EndReadResponse:
-        await self._authorize(context)
         reason = release_reason_from_proto(request.reason)
         self._sidecar.end_read(
-            request.epoch, request.tp_rank, request.request_id, reason, request.bytes_read
+            request.epoch,
+            request.tp_rank,
+            request.request_id,
+            reason,
+            request.bytes_read,
+            reader=identity(context),
+            token=request.read_token,
         )
         return pb.EndReadResponse()
 

@@ -10,6 +10,7 @@ Built once in `main()` and passed down; nothing reads it at import time.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import tomllib
@@ -75,6 +76,19 @@ class LimitSettings(_Group):
     max_engines: int = Field(64, ge=1, description="engines registered at once")
     max_pending_events: int = Field(
         100_000, ge=16, description="events queued per engine while nobody watches"
+    )
+    max_calls_per_peer: int = Field(
+        512,
+        ge=1,
+        le=65536,
+        description="PeerService/AdminService calls one client (certificate, or host "
+        "without TLS) runs at once",
+    )
+    max_heartbeat_ids: int = Field(
+        4096, ge=1, le=1 << 20, description="request ids in one Heartbeat"
+    )
+    max_peer_labels: int = Field(
+        64, ge=1, le=4096, description="peer addresses with metric labels of their own"
     )
 
 
@@ -162,6 +176,11 @@ class Settings(BaseSettings):
     sidecar_id: str = Field("", description="name in logs and peers' views (default: hostname)")
     shutdown_grace_s: float = Field(10.0, ge=0, le=600, description="SIGTERM grace period")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+    insecure_peer_port: bool = Field(
+        False,
+        description="INSECURE: serve PeerService without mTLS on a non-loopback address; "
+        "anyone who reaches it can read and write registered KV memory",
+    )
     lease: LeaseSettings = LeaseSettings()
     transfer: TransferSettings = TransferSettings()
     limits: LimitSettings = LimitSettings()
@@ -202,6 +221,19 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _peer_port_secure(self) -> Settings:
+        host = self.peer_address.rpartition(":")[0]
+        if not self.tls.enabled and not self.insecure_peer_port and not is_loopback(host):
+            raise ValueError(
+                f"peer_address {self.peer_address!r} is not loopback and tls.* is not set: "
+                "PeerService hands out NIXL metadata that lets any client read and write "
+                "registered KV memory. Configure mTLS (tls.cert_file, tls.key_file, "
+                "tls.ca_file) or, on a network you trust, pass --insecure-peer-port "
+                "(KVXFER_INSECURE_PEER_PORT=true)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _deadlines(self) -> Settings:
         if self.transfer.stall_deadline_s >= self.lease.ttl_s:
             raise ValueError(
@@ -221,6 +253,18 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, _FileSource(settings_cls))
+
+
+def is_loopback(host: str) -> bool:
+    """`127.0.0.0/8`, `::1` and `localhost` are loopback; wildcards (`0.0.0.0`, `[::]`)
+    and every other name are not, since a name may resolve anywhere."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class _FileSource(PydanticBaseSettingsSource):

@@ -52,6 +52,8 @@ from kvxfer.server.settings import Settings
 from kvxfer.wire.sidecar import PeerHello
 
 log = logging.getLogger(__name__)
+# Unregistering is the publisher's business; a reader only consumes or gives up.
+_READER_REASONS = frozenset({ReleaseReason.CONSUMED, ReleaseReason.ABORTED})
 
 
 class LiveClock:
@@ -393,7 +395,9 @@ class Sidecar:
             self.settings.transfer.chunk_blocks,
         )
         full = full_attention_bytes(engine.layout, params.num_tokens, computed_tokens)
-        self.metrics.full_attention_bytes.labels(params.peer_address, "read").inc(full)
+        self.metrics.full_attention_bytes.labels(self.links.label(params.peer_address), "read").inc(
+            full
+        )
         pull = Pull(engine, params, link, plan)
         self._pulls[key] = pull
         pull.task = asyncio.create_task(self._finish_pull(key, pull))
@@ -618,22 +622,52 @@ class Sidecar:
                 "requests published before the restart are lost"
             )
 
-    def begin_read(self, epoch: int, tp_rank: int, request_id: str) -> Lease:
+    def begin_read(self, epoch: int, tp_rank: int, request_id: str, reader: str) -> Lease:
+        """Begin `reader`'s read of a published request; the lease's read token goes back
+        to it alone. Unpublished requests are NotFound: a lease is the only way in."""
         self._check_epoch(epoch)
         engine = self._serving_engine(tp_rank)
-        return self._leases.begin_read(engine.engine_id, check_request_id(request_id))
+        return self._leases.begin_read(engine.engine_id, check_request_id(request_id), reader)
 
     def heartbeat(
-        self, epoch: int, tp_rank: int, request_ids: Sequence[str]
+        self,
+        epoch: int,
+        tp_rank: int,
+        request_ids: Sequence[str],
+        reader: str,
+        tokens: Sequence[str],
     ) -> list[LeaseState | None]:
+        limit = self.settings.limits.max_heartbeat_ids
+        if len(request_ids) > limit:
+            raise LimitExceededError(
+                f"request_ids: {len(request_ids)} ids exceed limits.max_heartbeat_ids ({limit})"
+            )
+        if len(tokens) != len(request_ids):
+            raise InvalidInputError(
+                "read_tokens", f"{len(tokens)} tokens for {len(request_ids)} request ids"
+            )
+        for i, request_id in enumerate(request_ids):
+            check_request_id(request_id, f"request_ids[{i}]")
         if epoch != self.epoch:
             return [None] * len(request_ids)
         engine = self._serving_engine(tp_rank)
-        return self._leases.renew(engine.engine_id, request_ids)
+        return self._leases.renew(engine.engine_id, request_ids, reader, tokens)
 
     def end_read(
-        self, epoch: int, tp_rank: int, request_id: str, reason: ReleaseReason, bytes_read: int
+        self,
+        epoch: int,
+        tp_rank: int,
+        request_id: str,
+        reason: ReleaseReason,
+        bytes_read: int,
+        *,
+        reader: str,
+        token: str,
     ) -> None:
+        if reason not in _READER_REASONS:
+            raise InvalidInputError(
+                "reason", f"a reader ends a read as consumed or aborted, not {reason.value}"
+            )
         self._check_epoch(epoch)
         engine = self._serving_engine(tp_rank)
         lease = self._leases.get(engine.engine_id, check_request_id(request_id))
@@ -644,7 +678,7 @@ class Sidecar:
             raise InvalidInputError(
                 "bytes_read", f"{bytes_read} exceeds the {held} bytes request {request_id!r} holds"
             )
-        lease = self._leases.end_read(engine.engine_id, request_id)
+        lease = self._leases.end_read(engine.engine_id, request_id, reader, token)
         if lease.state is LeaseState.ABORTED:
             reason = ReleaseReason.ABORTED
         self.metrics.bytes_served.inc(bytes_read)

@@ -29,9 +29,9 @@ from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import check_address, check_request_id
-from kvxfer.server.main import flag_insecure_listeners, is_loopback
+from kvxfer.server.main import flag_insecure_listeners
 from kvxfer.server.metrics import Metrics
-from kvxfer.server.settings import Settings
+from kvxfer.server.settings import Settings, is_loopback
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.layout import layout_to_proto
@@ -192,8 +192,8 @@ def test_tcp_engine_address_needs_the_insecure_flag(tmp_path: Path) -> None:
 
 
 def test_listeners_beyond_loopback_are_flagged() -> None:
-    assert all(is_loopback(a) for a in ("127.0.0.1:1", "127.9.9.9:1", "[::1]:1", "localhost:1"))
-    assert not any(is_loopback(a) for a in ("0.0.0.0:1", "[::]:1", "10.0.0.1:1", "example:1"))
+    assert all(is_loopback(a) for a in ("127.0.0.1", "127.9.9.9", "[::1]", "localhost"))
+    assert not any(is_loopback(a) for a in ("0.0.0.0", "[::]", "10.0.0.1", "example"))
     settings = Settings(
         engine_address="0.0.0.0:7600", insecure_engine_tcp=True, metrics_address="[::]:9400"
     )

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvxfer._exceptions import InvalidInputError, LeaseError, LimitExceededError, NotFoundError
+from kvxfer._exceptions import (
+    InvalidInputError,
+    LeaseError,
+    LimitExceededError,
+    NotFoundError,
+    PermissionDeniedError,
+)
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId
 from kvxfer.server.leases import LeaseState, LeaseTable
 
@@ -34,20 +40,22 @@ def test_publish_read_end(table: LeaseTable) -> None:
     assert table.held_blocks == 2
     with pytest.raises(InvalidInputError, match="already published"):
         table.add("e", "r", 32, SPANS)
-    assert table.begin_read("e", "r").state is LeaseState.READING
+    lease = table.begin_read("e", "r", "d")
+    assert lease.state is LeaseState.READING
     with pytest.raises(LeaseError, match="already being read"):
-        table.begin_read("e", "r")
-    assert table.end_read("e", "r").request_id == "r"
+        table.begin_read("e", "r", "d")
+    assert table.end_read("e", "r", "d", lease.read_token).request_id == "r"
     assert len(table) == 0
     with pytest.raises(NotFoundError, match="not held"):
-        table.end_read("e", "r")
+        table.end_read("e", "r", "d", lease.read_token)
 
 
 def test_expiry_and_renewal(table: LeaseTable, clock: Clock) -> None:
     table.add("e", "a", 1, SPANS)
     table.add("e", "b", 1, SPANS)
+    token = table.begin_read("e", "a", "d").read_token
     clock.now += 6
-    assert table.renew("e", ["a", "gone"]) == [LeaseState.HELD, None]
+    assert table.renew("e", ["a", "gone"], "d", [token, ""]) == [LeaseState.READING, None]
     clock.now += 5  # b is 11 s old, a was renewed 5 s ago
     assert [lease.request_id for lease in table.expire()] == ["b"]
     clock.now += 5
@@ -59,13 +67,13 @@ def test_abort_waits_for_a_read_in_flight(table: LeaseTable) -> None:
     before, released = table.abort("e", "idle")
     assert before is LeaseState.HELD and released is not None
     table.add("e", "busy", 1, SPANS)
-    table.begin_read("e", "busy")
+    token = table.begin_read("e", "busy", "d").read_token
     before, released = table.abort("e", "busy")
     assert before is LeaseState.READING and released is None
-    assert table.renew("e", ["busy"]) == [LeaseState.ABORTED]
+    assert table.renew("e", ["busy"], "d", [token]) == [LeaseState.ABORTED]
     with pytest.raises(LeaseError, match="aborted"):
-        table.begin_read("e", "busy")
-    assert table.end_read("e", "busy").state is LeaseState.ABORTED
+        table.begin_read("e", "busy", "d")
+    assert table.end_read("e", "busy", "d", token).state is LeaseState.ABORTED
 
 
 def test_limits_and_engines(table: LeaseTable) -> None:
@@ -83,8 +91,7 @@ def test_held_blocks_follows_every_way_out(table: LeaseTable, clock: Clock) -> N
     table.add("f", "c", 1, SPANS)
     assert table.held_blocks == 6
     table.abort("e", "a")
-    table.begin_read("e", "b")
-    table.end_read("e", "b")
+    table.end_read("e", "b", "d", table.begin_read("e", "b", "d").read_token)
     assert table.held_blocks == 2
     clock.now += 11
     table.expire()
@@ -92,3 +99,19 @@ def test_held_blocks_follows_every_way_out(table: LeaseTable, clock: Clock) -> N
     table.add("f", "d", 1, SPANS)
     table.drop_engine("f")
     assert table.held_blocks == 0 and len(table) == 0
+
+
+def test_reads_are_bound_to_their_reader(table: LeaseTable, clock: Clock) -> None:
+    """Another identity, or the same anonymous identity without the read's token, can
+    neither end (steal) nor renew (pin) a read; a lease nobody reads cannot be pinned."""
+    table.add("e", "r", 1, SPANS)
+    with pytest.raises(PermissionDeniedError, match="no read of yours"):
+        table.renew("e", ["r"], "anonymous", [""])
+    token = table.begin_read("e", "r", "anonymous").read_token
+    for reader, wrong in (("anonymous", ""), ("anonymous", "0" * 32), ("mallory", token)):
+        with pytest.raises(PermissionDeniedError, match="another reader"):
+            table.renew("e", ["r"], reader, [wrong])
+        with pytest.raises(PermissionDeniedError, match="another reader"):
+            table.end_read("e", "r", reader, wrong)
+    clock.now += 10  # nothing foreign renewed it: it lapses on time
+    assert [lease.request_id for lease in table.expire()] == ["r"]

@@ -69,3 +69,20 @@ def test_server_exits_2_with_one_line_on_bad_settings() -> None:
     assert result.returncode == 2
     assert result.stderr.strip().startswith("kvxfer-server: lease.ttl_s")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.3.2.1", "[::1]", "localhost"])
+def test_loopback_peer_port_needs_no_tls(host: str) -> None:
+    assert load_settings(["--peer-address", f"{host}:0"], environ={}).peer_address == f"{host}:0"
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "[::]", "10.1.2.3", "sidecar.example"])
+def test_non_loopback_peer_port_is_refused_without_tls(
+    host: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(InvalidInputError, match=r"not loopback.*--insecure-peer-port"):
+        load_settings(["--peer-address", f"{host}:7500"], environ={})
+    s = load_settings(["--peer-address", f"{host}:7500", "--insecure-peer-port"], environ={})
+    assert s.insecure_peer_port
+    monkeypatch.setenv("KVXFER_INSECURE_PEER_PORT", "true")
+    assert load_settings(["--peer-address", f"{host}:7500"]).insecure_peer_port

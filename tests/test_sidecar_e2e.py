@@ -323,13 +323,17 @@ async def test_bad_input_is_refused_by_field_and_the_sidecar_keeps_serving(fleet
         params = await p.publish(fleet.request_id("peer-claims"), 32, fleet.src(2))
         peer = pb_grpc.PeerServiceStub(channel)
         key = {"epoch": params.epoch, "tp_rank": 0, "request_id": params.request_id}
-        await peer.BeginRead(pb.BeginReadRequest(**key))
+        token = (await peer.BeginRead(pb.BeginReadRequest(**key))).read_token
         with pytest.raises(grpc.aio.AioRpcError) as overclaim:
-            claim = pb.EndReadRequest(**key, reason=pb.RELEASE_REASON_CONSUMED, bytes_read=1 << 40)
+            claim = pb.EndReadRequest(
+                **key, reason=pb.RELEASE_REASON_CONSUMED, bytes_read=1 << 40, read_token=token
+            )
             await peer.EndRead(claim)
         assert overclaim.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert (overclaim.value.details() or "").startswith("bytes_read:")
-        await peer.EndRead(pb.EndReadRequest(**key, reason=pb.RELEASE_REASON_ABORTED))
+        await peer.EndRead(
+            pb.EndReadRequest(**key, reason=pb.RELEASE_REASON_ABORTED, read_token=token)
+        )
         released = await p_events.next()
         assert isinstance(released, Released) and released.request_id == params.request_id
     status = _cli("status", "--sidecar", address, "--json")  # still serving

@@ -767,9 +767,12 @@ class BeginReadResponse(_message.Message):
     SPANS_FIELD_NUMBER: _builtins.int
     LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
     REGISTRATION_VERSION_FIELD_NUMBER: _builtins.int
+    READ_TOKEN_FIELD_NUMBER: _builtins.int
     num_tokens: _builtins.int
     lease_ttl_ms: _builtins.int
     registration_version: _builtins.int
+    read_token: _builtins.str
+    """Secret binding this read to its reader: Heartbeat and EndRead must present it."""
     @_builtins.property
     def spans(self) -> _containers.RepeatedCompositeFieldContainer[_layout_pb2.BlockSpan]:
         """as published: the serving side is authoritative"""
@@ -781,10 +784,11 @@ class BeginReadResponse(_message.Message):
         spans: _abc.Iterable[_layout_pb2.BlockSpan] | None = ...,
         lease_ttl_ms: _builtins.int = ...,
         registration_version: _builtins.int = ...,
+        read_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ttl_ms", b"lease_ttl_ms", "num_tokens", b"num_tokens", "registration_version", b"registration_version", "spans", b"spans"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ttl_ms", b"lease_ttl_ms", "num_tokens", b"num_tokens", "read_token", b"read_token", "registration_version", b"registration_version", "spans", b"spans"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -797,20 +801,26 @@ class HeartbeatRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     TP_RANK_FIELD_NUMBER: _builtins.int
     REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    READ_TOKENS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     tp_rank: _builtins.int
     @_builtins.property
     def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def read_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """one per request id, as BeginRead returned it"""
+
     def __init__(
         self,
         *,
         epoch: _builtins.int = ...,
         tp_rank: _builtins.int = ...,
         request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        read_tokens: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "request_ids", b"request_ids", "tp_rank", b"tp_rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "read_tokens", b"read_tokens", "request_ids", b"request_ids", "tp_rank", b"tp_rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -847,11 +857,14 @@ class EndReadRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     BYTES_READ_FIELD_NUMBER: _builtins.int
+    READ_TOKEN_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     tp_rank: _builtins.int
     request_id: _builtins.str
     reason: Global___ReleaseReason.ValueType
     bytes_read: _builtins.int
+    read_token: _builtins.str
+    """as BeginRead returned it"""
     def __init__(
         self,
         *,
@@ -860,10 +873,11 @@ class EndReadRequest(_message.Message):
         request_id: _builtins.str = ...,
         reason: Global___ReleaseReason.ValueType = ...,
         bytes_read: _builtins.int = ...,
+        read_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_read", b"bytes_read", "epoch", b"epoch", "reason", b"reason", "request_id", b"request_id", "tp_rank", b"tp_rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_read", b"bytes_read", "epoch", b"epoch", "read_token", b"read_token", "reason", b"reason", "request_id", b"request_id", "tp_rank", b"tp_rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,6 +26,7 @@ from kvxfer._exceptions import (
     NotFoundError,
     PeerDisconnectedError,
     PeerUnavailableError,
+    PermissionDeniedError,
     PlanError,
     ProfileError,
     RegistrationError,
@@ -50,6 +51,7 @@ _BY_NAME: dict[str, type[KvxferError]] = {
         RegistrationError,
         PeerDisconnectedError,
         TransferError,
+        PermissionDeniedError,
     )
 }
 _INPUT_BY_NAME: dict[str, type[InvalidInputError]] = {
@@ -83,6 +85,8 @@ def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> KvxferError:
         return _BY_NAME[name](f"{what}: {detail}")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return PeerUnavailableError(f"{what}: unreachable ({code.name}: {detail})")
+    if code is grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDeniedError(f"{what}: {detail}")
     if code is grpc.StatusCode.NOT_FOUND:
         return NotFoundError(f"{what}: {detail}")
     if code is grpc.StatusCode.FAILED_PRECONDITION:

@@ -71,7 +71,27 @@ def _region_to_proto(region: Region) -> pb.Region:
     )
 
 
+# What the largest real models need, many times over; checked on the decoded message's
+# counts before any kvxfer object is built, so a hostile layout costs no more.
+MAX_GROUPS = 256
+MAX_LAYERS_PER_GROUP = 4096
+MAX_TENSORS_PER_GROUP = 16384
+MAX_REGIONS = 65536
+
+
+def _check_counts(message: pb.EngineLayout, field: str) -> None:
+    counts = [(f"{field}.groups", len(message.groups), MAX_GROUPS)]
+    counts.append((f"{field}.regions", len(message.regions), MAX_REGIONS))
+    for i, group in enumerate(message.groups):
+        counts.append((f"{field}.groups[{i}].layers", len(group.layers), MAX_LAYERS_PER_GROUP))
+        counts.append((f"{field}.groups[{i}].tensors", len(group.tensors), MAX_TENSORS_PER_GROUP))
+    for name, count, limit in counts:
+        if count > limit:
+            raise LayoutError(name, f"{count} entries exceed the limit of {limit}")
+
+
 def layout_from_proto(message: pb.EngineLayout, field: str = "layout") -> EngineLayout:
+    _check_counts(message, field)
     try:
         return EngineLayout(
             model=message.model,

@@ -1,0 +1,149 @@
+"""The peer port's gate: every kvxfer call on it passes here before its servicer runs.
+
+One gRPC server interceptor wraps each unary `kvxfer.v1.*` method of the peer
+server and, in this order:
+
+1. refuses a body larger than its RPC can need (`MAX_REQUEST_BYTES`, checked
+   on the raw bytes before protobuf allocates anything) and a body that does
+   not decode: INVALID_ARGUMENT naming the method, with at most one log line
+   per `LOG_EVERY_S` (the port is reachable by untrusted clients: a flood of
+   junk must not become a flood of tracebacks);
+2. with mTLS and an allow-list, refuses a client certificate not on it:
+   PERMISSION_DENIED, for PeerService and AdminService alike;
+3. bounds the calls one client identity runs at once
+   (`limits.max_calls_per_peer`): RESOURCE_EXHAUSTED beyond it.
+
+`identity()` is the caller as the lease table binds reads to it: the
+certificate's common name with mTLS, else `anonymous` (then a per-read token
+binds the read; see `LeaseTable.begin_read`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import grpc.aio
+from google.protobuf.message import DecodeError
+
+from kvxfer.server.settings import Settings
+
+log = logging.getLogger(__name__)
+
+ANONYMOUS = "anonymous"
+LOG_EVERY_S = 10.0
+_KIB = 1 << 10
+# What a real request of each RPC can need, with room to spare. Handshake
+# carries the reader's layout (groups, layers, regions: tens of KiB for the
+# largest models); Heartbeat carries up to limits.max_heartbeat_ids ids of at
+# most 256 bytes each; the rest carry one request id or nothing.
+MAX_REQUEST_BYTES: dict[str, int] = {
+    "/kvxfer.v1.PeerService/Handshake": 1024 * _KIB,
+    "/kvxfer.v1.PeerService/BeginRead": 4 * _KIB,
+    "/kvxfer.v1.PeerService/Heartbeat": 2048 * _KIB,
+    "/kvxfer.v1.PeerService/EndRead": 4 * _KIB,
+    "/kvxfer.v1.AdminService/GetStatus": 1 * _KIB,
+    "/kvxfer.v1.AdminService/ListPeers": 1 * _KIB,
+}
+PEER_SERVER_MAX_RECEIVE_BYTES = max(MAX_REQUEST_BYTES.values())
+Context = grpc.aio.ServicerContext[Any, Any]
+if TYPE_CHECKING:  # the stubs' generic; not subscriptable at run time
+    Handler = grpc.RpcMethodHandler[Any, Any]
+
+
+class _Refused:
+    """What the deserializer hands on instead of a message it would not decode."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def identity(context: Context) -> str:
+    """The authenticated caller: its certificate's common name, or `anonymous`."""
+    names = context.auth_context().get("x509_common_name", [])
+    return min(n.decode(errors="replace") for n in names) if names else ANONYMOUS
+
+
+class PeerPortGuard(grpc.aio.ServerInterceptor):
+    def __init__(self, settings: Settings) -> None:
+        self._allowed = frozenset(settings.tls.allowed_peers)
+        self._max_calls = settings.limits.max_calls_per_peer
+        self._calls: dict[str, int] = {}
+        self._last_log = -LOG_EVERY_S
+        self._suppressed = 0
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> Handler | None:
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or handler.unary_unary is None or method not in MAX_REQUEST_BYTES:
+            return handler
+        behavior: Any = handler.unary_unary
+        decode: Any = handler.request_deserializer
+        limit = MAX_REQUEST_BYTES[method]
+
+        def deserialize(raw: bytes) -> Any:
+            if len(raw) > limit:
+                return _Refused(f"{len(raw)} bytes exceed the {limit} a {method} request may use")
+            try:
+                return decode(raw)
+            except (DecodeError, ValueError, RuntimeError) as exc:
+                return _Refused(f"undecodable request body ({type(exc).__name__})")
+
+        async def guarded(request: Any, context: Context) -> Any:
+            if isinstance(request, _Refused):
+                self._log_refused(method, request.reason)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {request.reason}")
+            who = await self._authorize(context)
+            if who == ANONYMOUS:  # no certificate: count by the client's host instead
+                who = context.peer().rpartition(":")[0] or ANONYMOUS
+            if self._calls.get(who, 0) >= self._max_calls:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"limits.max_calls_per_peer: {self._max_calls} calls from {who} "
+                    "already running",
+                )
+            self._calls[who] = self._calls.get(who, 0) + 1
+            try:
+                return await behavior(request, context)
+            finally:
+                self._calls[who] -= 1
+                if not self._calls[who]:
+                    del self._calls[who]
+
+        wrapped: Any = guarded  # an async behavior: the stubs only know the sync signature
+        return grpc.unary_unary_rpc_method_handler(
+            wrapped,
+            request_deserializer=deserialize,
+            response_serializer=handler.response_serializer,
+        )
+
+    async def _authorize(self, context: Context) -> str:
+        """With an allow-list, the client certificate's common name must be on it."""
+        who = identity(context)
+        if self._allowed:
+            names = {
+                n.decode(errors="replace")
+                for n in context.auth_context().get("x509_common_name", [])
+            }
+            if not names & self._allowed:
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"peer certificate {sorted(names) or ['none']} is not in tls.allowed_peers",
+                )
+        return who
+
+    def _log_refused(self, method: str, reason: str) -> None:
+        now = time.monotonic()
+        if now - self._last_log < LOG_EVERY_S:
+            self._suppressed += 1
+            return
+        more = f" ({self._suppressed} more since the last line)" if self._suppressed else ""
+        log.warning("refused a %s request: %s%s", method, reason, more)
+        self._last_log, self._suppressed = now, 0

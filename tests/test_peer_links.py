@@ -1,0 +1,237 @@
+"""Peer links and their metrics: what a refused, silent or overlapping peer leaves behind.
+
+`PeerLinks` against real gRPC endpoints on loopback: a TCP listener that
+accepts and never answers (a hung peer), and real sidecar processes. The NIXL
+backend is a fake at its seam that records agents added (a refused peer must
+add none); the throughput clock runs on a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import grpc
+import pytest
+from prometheus_client import generate_latest
+from sidecars import engine_link, scrape, spans, start_engine, start_sidecar
+
+from kvxfer._exceptions import NegotiationError, PeerUnavailableError
+from kvxfer.core.profiles import layout_for_model
+from kvxfer.dataplane.adapter import TransferBackend
+from kvxfer.server.guard import PeerPortGuard
+from kvxfer.server.metrics import ActiveClock, Metrics
+from kvxfer.server.peers import Dialer, PeerLinks
+from kvxfer.server.settings import load_settings
+
+MODEL = "gemma-3-4b-it"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_active_seconds_advance_while_pulls_overlap() -> None:
+    """Overlapping pulls that never all finish at once: the counter advances anyway."""
+    clock = Clock()
+    active = ActiveClock(clock)
+    active.start()
+    clock.now += 5
+    active.start()  # a second pull begins before the first ends
+    assert active.seconds() == 5
+    active.stop()
+    clock.now += 3
+    assert active.seconds() == 8  # still one in flight: 8 s of wall time so far
+    active.stop()
+    clock.now += 100  # idle time does not count
+    assert active.seconds() == 8
+
+
+def test_active_seconds_are_exported_at_each_scrape() -> None:
+    metrics = Metrics()
+    metrics.active.start()
+    first = _sample(metrics, "kvxfer_transfer_active_seconds_total")
+    time.sleep(0.01)
+    assert _sample(metrics, "kvxfer_transfer_active_seconds_total") > first
+    metrics.active.stop()
+
+
+def _sample(metrics: Metrics, name: str) -> float:
+    for line in generate_latest(metrics.registry).decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+class RecordingBackend:
+    """The NIXL seam, recording agents added; a test here never transfers."""
+
+    def __init__(self) -> None:
+        self.added: list[bytes] = []
+
+    async def add_peer(self, metadata: bytes) -> str:
+        self.added.append(metadata)
+        return f"agent-{len(self.added)}"
+
+    async def remove_peer(self, peer: str) -> None:
+        pass
+
+
+@pytest.fixture
+def hung_peer() -> Iterator[str]:
+    """A peer that accepts TCP and never says a word."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
+def _links(metrics: Metrics, backend: RecordingBackend, *flags: str) -> PeerLinks:
+    settings = load_settings(["--transfer.rpc-timeout-s", "1", *flags], environ={})
+    return PeerLinks(
+        settings=settings,
+        backend=cast(TransferBackend, backend),
+        metrics=metrics,
+        dialer=Dialer(settings),
+        sidecar_id="test",
+        epoch=7,
+    )
+
+
+def _value(metrics: Metrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def _total(metrics: Metrics, name: str, **labels: str) -> float:
+    """The sum of `name` over every sample whose labels include `labels`."""
+    return sum(
+        sample.value
+        for family in metrics.registry.collect()
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+async def test_pulls_to_a_hung_peer_share_one_handshake(hung_peer: str) -> None:
+    """Three pulls to a peer that never answers: one handshake attempt, whose failure
+    all three get, instead of three attempts queued one timeout after another."""
+    metrics, backend = Metrics(), RecordingBackend()
+    links = _links(metrics, backend)
+    layout = layout_for_model(MODEL)
+    calls = [links.link(hung_peer, f"e-{i}", layout, 1, "e-p") for i in range(3)]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert all(isinstance(r, PeerUnavailableError) for r in results), results
+    assert _total(metrics, "kvxfer_handshakes_total", result="error") == 1
+    assert backend.added == []
+
+
+async def test_unknown_addresses_fold_into_one_label() -> None:
+    """Params naming many addresses that never answer add no series per address."""
+    metrics, backend = Metrics(), RecordingBackend()
+    links = _links(metrics, backend, "--transfer.rpc-timeout-s", "0.2")
+    layout = layout_for_model(MODEL)
+    closed = [_closed_port() for _ in range(20)]
+    for port in closed:
+        with pytest.raises(PeerUnavailableError):
+            await links.link(f"127.0.0.1:{port}", "e-1", layout, 1, "e-p")
+    text = generate_latest(metrics.registry).decode()
+    assert not any(f":{port}" in text for port in closed)
+    assert _value(metrics, "kvxfer_handshakes_total", peer="other", result="error") == 20
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_refused_peer_loads_no_agent_and_counts_no_ok(tmp_path: Path) -> None:
+    p = start_sidecar(tmp_path, "p")
+    pe = start_engine(tmp_path, p, MODEL, "prefill", num_blocks=16)
+    dx = start_sidecar(tmp_path, "dx")
+    dxe = start_engine(tmp_path, dx, MODEL, "decode", "--kv-dtype", "float8_e4m3fn", num_blocks=16)
+    try:
+        async with engine_link(p, pe) as (pc, _), engine_link(dx, dxe) as (dc, _):
+            blocks = {g.group_id: [0, 1] for g in pe.layout.groups}
+            params = await pc.publish("refused", 32, spans(blocks))
+            for _ in range(2):
+                with pytest.raises(NegotiationError):
+                    await dc.pull(params, spans(blocks), 0)
+        samples = scrape(dx)
+        results = {
+            dict(labels)["result"]: value
+            for (name, labels), value in samples.items()
+            if name == "kvxfer_handshakes_total"
+        }
+        assert results == {"refused": 2}
+        assert samples[("kvxfer_peers", ())] == 0
+        peer = p.ready["peer_address"]  # never handshook: no series of its own
+        assert not [key for key in samples if ("peer", peer) in key[1]]
+    finally:
+        for proc in (dxe, dx, pe, p):
+            proc.stop()
+
+
+class FakeContext:
+    """The slice of grpc.aio.ServicerContext the peer-port guard reads."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise AbortedError(code, details)
+
+
+class AbortedError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, details)
+        self.code = code
+
+
+async def test_calls_per_client_are_bounded() -> None:
+    """One client host may run limits.max_calls_per_peer calls at once; another host is
+    not affected, and a finished call frees its slot."""
+    release = asyncio.Event()
+
+    async def slow(request: object, context: object) -> str:
+        await release.wait()
+        return "done"
+
+    settings = load_settings(["--limits.max-calls-per-peer", "2"], environ={})
+    guard = PeerPortGuard(settings)
+    method = "/kvxfer.v1.PeerService/BeginRead"
+
+    async def continuation(details: object) -> grpc.RpcMethodHandler[Any, Any]:
+        return grpc.unary_unary_rpc_method_handler(cast(Any, slow), lambda b: b, lambda r: r)
+
+    details = cast(grpc.HandlerCallDetails, type("D", (), {"method": method})())
+    handler = await guard.intercept_service(continuation, details)
+    assert handler is not None and handler.unary_unary is not None
+    call = cast(Any, handler.unary_unary)
+    a = FakeContext("ipv4:10.0.0.1:5000")
+    running = [asyncio.create_task(call(b"", a)) for _ in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(AbortedError) as refused:
+        await call(b"", FakeContext("ipv4:10.0.0.1:5001"))
+    assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    other = asyncio.create_task(call(b"", FakeContext("ipv4:10.0.0.2:5000")))
+    release.set()
+    assert await asyncio.gather(*running, other) == ["done"] * 3
+    assert await call(b"", a) == "done"

@@ -1,0 +1,121 @@
+"""The peer port, attacked from outside: who may start it, call it, and end whose read.
+
+Real kvxfer-server processes, real gRPC clients speaking raw PeerService and
+AdminService, as an anonymous or rogue client would.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+from sidecars import engine_link, scrape, spans, start_engine, start_sidecar
+from test_sidecar_tls import _config, _make_pki
+
+from kvxfer.cli.fleet import BIN, Proc
+from kvxfer.core.requests import TransferParams
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+MODEL = "gemma-3-4b-it"
+
+
+def test_non_loopback_peer_port_needs_tls_or_the_insecure_flag(tmp_path: Path) -> None:
+    argv = [str(BIN / "kvxfer-server"), "--peer-address", "0.0.0.0:0", "--engine-address",
+            f"unix:{tmp_path}/e.sock", "--metrics-address", "127.0.0.1:0"]  # fmt: skip
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert "not loopback" in refused.stderr and "--insecure-peer-port" in refused.stderr
+    # Listens on every interface for a moment; nothing is sent to it but the scrape.
+    p = start_sidecar(tmp_path, "p", "--peer-address", "0.0.0.0:0", "--insecure-peer-port")
+    try:
+        assert scrape(p)[("kvxfer_insecure_listeners", (("service", "peer"),))] == 1
+        assert "INSECURE PEER PORT" in p.log_text()
+    finally:
+        p.stop()
+    p = start_sidecar(tmp_path, "q")  # loopback: no flag needed, gauge 0
+    try:
+        assert scrape(p)[("kvxfer_insecure_listeners", (("service", "peer"),))] == 0
+    finally:
+        p.stop()
+
+
+@pytest.fixture
+async def published(tmp_path: Path) -> AsyncIterator[tuple[Proc, TransferParams]]:
+    p = start_sidecar(tmp_path, "p")
+    pe = start_engine(tmp_path, p, MODEL, "prefill", num_blocks=16)
+    try:
+        async with engine_link(p, pe) as (pc, _):
+            blocks = {g.group_id: [0, 1] for g in pe.layout.groups}
+            yield p, await pc.publish("bound", 32, spans(blocks))
+    finally:
+        pe.stop()
+        p.stop()
+
+
+async def _code(call: object) -> grpc.StatusCode:
+    try:
+        await call  # type: ignore[misc]
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+async def test_reads_are_bound_to_the_reader_that_began_them(
+    published: tuple[Proc, TransferParams],
+) -> None:
+    p, params = published
+    async with grpc.aio.insecure_channel(p.ready["peer_address"]) as channel:
+        peer = pb_grpc.PeerServiceStub(channel)
+        ids = {"epoch": params.epoch, "tp_rank": params.tp_rank}
+        beat = pb.HeartbeatRequest(**ids, request_ids=["bound"], read_tokens=[""])
+        # Nobody reads it yet: an anonymous heartbeat must not pin the lease.
+        assert await _code(peer.Heartbeat(beat)) is grpc.StatusCode.PERMISSION_DENIED
+        begun = await peer.BeginRead(pb.BeginReadRequest(**ids, request_id="bound"))
+        assert len(begun.read_token) == 32
+        assert await _code(peer.Heartbeat(beat)) is grpc.StatusCode.PERMISSION_DENIED
+        end = pb.EndReadRequest(**ids, request_id="bound", reason=pb.RELEASE_REASON_CONSUMED)
+        assert await _code(peer.EndRead(end)) is grpc.StatusCode.PERMISSION_DENIED
+        end.read_token = "f" * 32
+        assert await _code(peer.EndRead(end)) is grpc.StatusCode.PERMISSION_DENIED
+        # Bad input from a peer, named: invalid ids, a reason only the publisher may give.
+        bad = pb.HeartbeatRequest(**ids, request_ids=["a b"], read_tokens=[""])
+        assert await _code(peer.Heartbeat(bad)) is grpc.StatusCode.INVALID_ARGUMENT
+        unreg = pb.EndReadRequest(**ids, request_id="bound", read_token=begun.read_token,
+                                  reason=pb.RELEASE_REASON_UNREGISTERED)  # fmt: skip
+        assert await _code(peer.EndRead(unreg)) is grpc.StatusCode.INVALID_ARGUMENT
+        # The reader itself, with its token, renews and ends.
+        beat.read_tokens[0] = begun.read_token
+        assert (await peer.Heartbeat(beat)).states == [pb.LEASE_STATE_HELD]
+        end.read_token = begun.read_token
+        await peer.EndRead(end)
+    assert "Traceback" not in p.log_text()
+
+
+async def test_with_mtls_every_peer_port_call_checks_the_allow_list(tmp_path: Path) -> None:
+    _make_pki(tmp_path)
+    p = start_sidecar(tmp_path, "p", "--config", _config(tmp_path, "kvxfer-p", ["kvxfer-d"]))
+    try:
+        address = p.ready["peer_address"]
+        for name, allowed in (("kvxfer-rogue", False), ("kvxfer-d", True)):
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=(tmp_path / "ca.pem").read_bytes(),
+                private_key=(tmp_path / f"{name}.key").read_bytes(),
+                certificate_chain=(tmp_path / f"{name}.pem").read_bytes(),
+            )
+            async with grpc.aio.secure_channel(address, creds) as channel:
+                admin = pb_grpc.AdminServiceStub(channel)
+                codes = {
+                    await _code(admin.GetStatus(pb.GetStatusRequest())),
+                    await _code(admin.ListPeers(pb.ListPeersRequest())),
+                }
+            expected = grpc.StatusCode.OK if allowed else grpc.StatusCode.PERMISSION_DENIED
+            assert codes == {expected}, name
+    finally:
+        p.stop()
