@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -72,8 +72,7 @@ class PeerPortGuard(grpc.aio.ServerInterceptor):
         self._allowed = frozenset(settings.tls.allowed_peers)
         self._max_calls = settings.limits.max_calls_per_peer
         self._calls: dict[str, int] = {}
-        self._last_log = -LOG_EVERY_S
-        self._suppressed = 0
+        self._refusals = _Refusals()
 
     async def intercept_service(
         self,
@@ -85,21 +84,10 @@ class PeerPortGuard(grpc.aio.ServerInterceptor):
         if handler is None or handler.unary_unary is None or method not in MAX_REQUEST_BYTES:
             return handler
         behavior: Any = handler.unary_unary
-        decode: Any = handler.request_deserializer
-        limit = MAX_REQUEST_BYTES[method]
-
-        def deserialize(raw: bytes) -> Any:
-            if len(raw) > limit:
-                return _Refused(f"{len(raw)} bytes exceed the {limit} a {method} request may use")
-            try:
-                return decode(raw)
-            except (DecodeError, ValueError, RuntimeError) as exc:
-                return _Refused(f"undecodable request body ({type(exc).__name__})")
+        deserialize = _checked_decoder(handler, method, MAX_REQUEST_BYTES[method])
 
         async def guarded(request: Any, context: Context) -> Any:
-            if isinstance(request, _Refused):
-                self._log_refused(method, request.reason)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {request.reason}")
+            await self._refusals.check(request, method, context)
             who = await self._authorize(context)
             if who == ANONYMOUS:  # no certificate: count by the client's host instead
                 who = context.peer().rpartition(":")[0] or ANONYMOUS
@@ -139,11 +127,87 @@ class PeerPortGuard(grpc.aio.ServerInterceptor):
                 )
         return who
 
-    def _log_refused(self, method: str, reason: str) -> None:
+
+class EngineSocketGuard(grpc.aio.ServerInterceptor):
+    """The engine socket's gate: a body that does not decode gets INVALID_ARGUMENT (and
+    at most one log line per `LOG_EVERY_S`), never UNKNOWN and a traceback. Only local
+    callers reach it (a 0600 unix socket), so there are no per-RPC caps beyond the
+    server's message limit and no identities here (callers.py identifies engines)."""
+
+    def __init__(self) -> None:
+        self._refusals = _Refusals()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> Handler | None:
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or not method.startswith("/kvxfer.v1."):
+            return handler
+        deserialize = _checked_decoder(handler, method, None)
+        refusals = self._refusals
+        if handler.unary_unary is not None:
+            unary: Any = handler.unary_unary
+
+            async def guarded(request: Any, context: Context) -> Any:
+                await refusals.check(request, method, context)
+                return await unary(request, context)
+
+            wrapped: Any = guarded
+            return grpc.unary_unary_rpc_method_handler(
+                wrapped, request_deserializer=deserialize,
+                response_serializer=handler.response_serializer,
+            )  # fmt: skip
+        if handler.unary_stream is not None:
+            stream: Any = handler.unary_stream
+
+            async def guarded_stream(request: Any, context: Context) -> AsyncIterator[Any]:
+                await refusals.check(request, method, context)
+                async for item in stream(request, context):
+                    yield item
+
+            wrapped_stream: Any = guarded_stream
+            return grpc.unary_stream_rpc_method_handler(
+                wrapped_stream, request_deserializer=deserialize,
+                response_serializer=handler.response_serializer,
+            )  # fmt: skip
+        return handler
+
+
+def _checked_decoder(handler: Handler, method: str, limit: int | None) -> Callable[[bytes], Any]:
+    """The handler's deserializer, handing on `_Refused` for an oversized or undecodable
+    body instead of raising (which gRPC would turn into UNKNOWN and a traceback)."""
+    decode: Any = handler.request_deserializer
+
+    def deserialize(raw: bytes) -> Any:
+        if limit is not None and len(raw) > limit:
+            return _Refused(f"{len(raw)} bytes exceed the {limit} a {method} request may use")
+        try:
+            return decode(raw)
+        except (DecodeError, ValueError, RuntimeError) as exc:
+            return _Refused(f"undecodable request body ({type(exc).__name__})")
+
+    return deserialize
+
+
+class _Refusals:
+    """Aborts a refused request with INVALID_ARGUMENT, logging at most a line per
+    `LOG_EVERY_S` (junk floods must not become log floods)."""
+
+    def __init__(self) -> None:
+        self._last_log = -LOG_EVERY_S
+        self._suppressed = 0
+
+    async def check(self, request: Any, method: str, context: Context) -> None:
+        if not isinstance(request, _Refused):
+            return
         now = time.monotonic()
         if now - self._last_log < LOG_EVERY_S:
             self._suppressed += 1
-            return
-        more = f" ({self._suppressed} more since the last line)" if self._suppressed else ""
-        log.warning("refused a %s request: %s%s", method, reason, more)
-        self._last_log, self._suppressed = now, 0
+        else:
+            more = f" ({self._suppressed} more since the last line)" if self._suppressed else ""
+            log.warning("refused a %s request: %s%s", method, request.reason, more)
+            self._last_log, self._suppressed = now, 0
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {request.reason}")

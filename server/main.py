@@ -34,7 +34,7 @@ from kvxfer._exceptions import InvalidInputError, KvxferError
 from kvxfer.dataplane.adapter import AgentOptions, NixlAgent, TransferBackend
 from kvxfer.dataplane.faults import FaultInjectingBackend, random_faults
 from kvxfer.dataplane.readers import Readers
-from kvxfer.server.guard import PEER_SERVER_MAX_RECEIVE_BYTES, PeerPortGuard
+from kvxfer.server.guard import PEER_SERVER_MAX_RECEIVE_BYTES, EngineSocketGuard, PeerPortGuard
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import server_options
 from kvxfer.server.servicers import AdminServicer, EngineServicer, PeerServicer
@@ -94,7 +94,9 @@ async def serve(settings: Settings) -> int:
         interceptors=[PeerPortGuard(settings)],
     )
     engine = _server(
-        settings, [("engine", EngineServicer(sidecar)), ("admin", AdminServicer(sidecar))]
+        settings,
+        [("engine", EngineServicer(sidecar)), ("admin", AdminServicer(sidecar))],
+        interceptors=[EngineSocketGuard()],
     )
     try:
         peer_port = _bind_peer(peer.server, settings, metrics)

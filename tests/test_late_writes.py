@@ -26,17 +26,13 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import pytest
-from sidecars import being_read, engine_link, spans, start_engine, start_sidecar
+from big_pulls import MODEL, PER_REQUEST, SIZES, TOKENS, B, reads_under_way, request_spans
+from sidecars import being_read, engine_link, start_engine, start_sidecar
 
 from kvxfer.core.requests import PullDone, PullStatus, Released, ReleaseReason
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
-MODEL = "gpt-oss-20b"
-B = 16
-TOKENS = 32 * 1024
-PER_REQUEST = TOKENS // B
-WINDOW_BLOCKS = 10  # covers the 128-token window of group 0 at any alignment
 DEADLINE_S = 2.0
 THAW_WAIT_S = 4.0
 
@@ -50,55 +46,27 @@ async def test_no_byte_lands_after_pulldone_from_a_frozen_peer(
 ) -> None:
     monkeypatch.setenv("UCX_TLS", "tcp,self")  # inherited by the sidecars: a network path
     timing = ("--transfer.stall-deadline-s", str(DEADLINE_S), "--lease.ttl-s", "60")
-    p = start_sidecar(tmp_path, "p", *timing)
-    d = start_sidecar(tmp_path, "d", *timing)
-    procs = [p, d]
-    try:
-        sizes = ("--sliding-blocks", str(2 * WINDOW_BLOCKS))
-        pe = start_engine(tmp_path, p, MODEL, "prefill", *sizes, num_blocks=2 * PER_REQUEST)
-        de = start_engine(tmp_path, d, MODEL, "decode", *sizes, num_blocks=2 * PER_REQUEST)
-        procs += [pe, de]
-        async with (
-            engine_link(p, pe) as (pc, _),
-            engine_link(d, de) as (dc, d_events),
-        ):
-            pulls = []
-            for i in range(2):
-                # Group 1 (full attention) moves every block; group 0 (window 128) the
-                # last few, so its span starts near the end.
-                ids = list(range(i * PER_REQUEST, (i + 1) * PER_REQUEST))
-                first = PER_REQUEST - WINDOW_BLOCKS
-                window = list(range(i * WINDOW_BLOCKS, (i + 1) * WINDOW_BLOCKS))
-                src = spans({1: ids}) + spans({0: window}, first=first)
-                dst = spans({1: ids[::-1]}) + spans({0: window[::-1]}, first=first)
-                params = await pc.publish(f"frozen-{i}", TOKENS, src)
-                pulls.append((params, dst))
-            for params, dst in pulls:
-                await dc.pull(params, dst, 0)
-            await being_read(p, "frozen-1")  # both reads have begun (a pull starts async)
-            os.kill(p.pid, signal.SIGSTOP)
-            frozen_at = time.monotonic()
-            try:
-                dones = [await d_events.next(timeout_s=60) for _ in pulls]
-                reported_after = time.monotonic() - frozen_at
-                at_report = _decode_image(de)
-            finally:
-                os.kill(p.pid, signal.SIGCONT)
-            await asyncio.sleep(THAW_WAIT_S)
-            after_thaw = _decode_image(de)
-        assert all(isinstance(done, PullDone) for done in dones)
-        failed = [done for done in dones if isinstance(done, PullDone) and done.failed_blocks]
-        assert failed, f"the freeze came after both pulls ended: {dones}"
-        for done in failed:
-            assert done.status in (PullStatus.FAILED, PullStatus.PARTIAL), done
-        assert reported_after < DEADLINE_S + 5, f"PullDone {reported_after:.1f}s after the freeze"
-        landed = {
-            name: int(np.count_nonzero(after_thaw[name] != at_report[name])) for name in at_report
-        }
-        assert not any(landed.values()), f"bytes landed after PullDone: {landed}"
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+    async with reads_under_way(tmp_path, "frozen", p_args=timing, d_args=timing) as pair:
+        os.kill(pair.p.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            dones = [await pair.d_events.next(timeout_s=60) for _ in range(2)]
+            reported_after = time.monotonic() - frozen_at
+            at_report = _decode_image(pair.de)
+        finally:
+            os.kill(pair.p.pid, signal.SIGCONT)
+        await asyncio.sleep(THAW_WAIT_S)
+        after_thaw = _decode_image(pair.de)
+    assert all(isinstance(done, PullDone) for done in dones)
+    failed = [done for done in dones if isinstance(done, PullDone) and done.failed_blocks]
+    assert failed, f"the freeze came after both pulls ended: {dones}"
+    for done in failed:
+        assert done.status in (PullStatus.FAILED, PullStatus.PARTIAL), done
+    assert reported_after < DEADLINE_S + 5, f"PullDone {reported_after:.1f}s after the freeze"
+    landed = {
+        name: int(np.count_nonzero(after_thaw[name] != at_report[name])) for name in at_report
+    }
+    assert not any(landed.values()), f"bytes landed after PullDone: {landed}"
 
 
 async def test_a_read_that_finished_while_its_publisher_was_frozen_is_reported_consumed(
@@ -109,14 +77,9 @@ async def test_a_read_that_finished_while_its_publisher_was_frozen_is_reported_c
     d = start_sidecar(tmp_path, "d", *ttl, "--transfer.rpc-timeout-s", "1")
     procs = [p, d]
     try:
-        sizes = ("--sliding-blocks", str(WINDOW_BLOCKS))
-        pe = start_engine(tmp_path, p, MODEL, "prefill", *sizes, num_blocks=PER_REQUEST)
-        de = start_engine(tmp_path, d, MODEL, "decode", *sizes, num_blocks=PER_REQUEST)
+        pe = start_engine(tmp_path, p, MODEL, "prefill", *SIZES, num_blocks=PER_REQUEST)
+        de = start_engine(tmp_path, d, MODEL, "decode", *SIZES, num_blocks=PER_REQUEST)
         procs += [pe, de]
-        ids = list(range(PER_REQUEST))
-
-        def window(blocks: int) -> list:
-            return spans({0: list(range(WINDOW_BLOCKS))}, first=blocks - WINDOW_BLOCKS)
 
         async with (
             engine_link(p, pe) as (pc, p_events),
@@ -124,12 +87,12 @@ async def test_a_read_that_finished_while_its_publisher_was_frozen_is_reported_c
         ):
             # A first pull connects the decode side's reading agent to the publisher (UCX
             # wire-up needs both sides running); the second one is read during the freeze.
-            warm = await pc.publish("warm-up", 64 * B, spans({1: ids[:64]}) + window(64))
-            await dc.pull(warm, spans({1: ids[:64]}) + window(64), 0)
+            warm = await pc.publish("warm-up", 64 * B, request_spans(0, blocks=64))
+            await dc.pull(warm, request_spans(0, blocks=64), 0)
             assert isinstance(await d_events.next(timeout_s=60), PullDone)
             assert isinstance(await p_events.next(timeout_s=60), Released)
-            params = await pc.publish("frozen-cma", TOKENS, spans({1: ids}) + window(PER_REQUEST))
-            await dc.pull(params, spans({1: ids[::-1]}) + window(PER_REQUEST), 0)
+            params = await pc.publish("frozen-cma", TOKENS, request_spans(0))
+            await dc.pull(params, request_spans(0, reverse=True), 0)
             await being_read(p, "frozen-cma")
             os.kill(p.pid, signal.SIGSTOP)
             try:

@@ -150,7 +150,7 @@ async def test_names_echoed_into_trailers_are_sanitized(channel: grpc.aio.Channe
 async def test_pulling_from_itself_is_invalid_argument(prefill: tuple[Proc, EngineSim]) -> None:
     p, pe = prefill
     async with engine_link(p, pe) as (client, _):
-        params: TransferParams = await client.publish("self", 32, spans({0: [0, 1]}))
+        params: TransferParams = await client.publish("self", 32, spans({0: [0, 1], 1: [0, 1]}))
         with pytest.raises(InvalidInputError, match=r"params\.peer_address.*itself"):
             await client.pull(params, spans({0: [2, 3]}), 0)
         await client.abort("self")
