@@ -333,10 +333,19 @@ class PeerLinks:
         return reply.states[0] if reply.states else pb.LEASE_STATE_UNKNOWN
 
     async def end_read(self, link: PeerLink, request: pb.EndReadRequest) -> None:
+        """End the read; its token is kept while the peer cannot be reached, so that the
+        caller's retry presents it again."""
         key = (link.address, link.tp_rank, request.request_id)
-        request.read_token = self._read_tokens.pop(key, "")
+        request.read_token = self._read_tokens.get(key, "")
         stub = self._dialer.stub(link.address)
         timeout = self._settings.transfer.rpc_timeout_s
-        await self._dialer.call(
-            link.address, "end read", lambda: stub.EndRead(request, timeout=timeout)
-        )
+        try:
+            await self._dialer.call(
+                link.address, "end read", lambda: stub.EndRead(request, timeout=timeout)
+            )
+        except PeerUnavailableError:
+            raise
+        except KvxferError:
+            self._read_tokens.pop(key, None)
+            raise
+        self._read_tokens.pop(key, None)

@@ -230,17 +230,21 @@ async def test_a_killed_engine_is_retired_after_its_reads_and_can_register_again
             read = await client.publish("read", 32, spans({0: [2, 3]}))
             peer = pb_grpc.PeerServiceStub(channel)
             key = {"epoch": read.epoch, "tp_rank": 0}
-            await peer.BeginRead(pb.BeginReadRequest(**key, request_id="read"))
+            token = (await peer.BeginRead(pb.BeginReadRequest(**key, request_id="read"))).read_token
             engine.proc.popen.send_signal(signal.SIGKILL)
             engine.proc.popen.wait(30)
             await _until_metric(sidecar, "kvxfer_engine_exits_total", 1)
             # The reader learns of the abort from its heartbeat; the held lease is gone.
-            beat = await peer.Heartbeat(pb.HeartbeatRequest(**key, request_ids=["read", "held"]))
+            beat = await peer.Heartbeat(
+                pb.HeartbeatRequest(**key, request_ids=["read", "held"], read_tokens=[token, ""])
+            )
             assert list(beat.states) == [pb.LEASE_STATE_ABORTED, pb.LEASE_STATE_UNKNOWN]
             with pytest.raises(ChildDiedError, match="being retired"):
                 fleet.engine(sidecar, MODEL, "prefill", "--num-blocks", "16")
             await peer.EndRead(
-                pb.EndReadRequest(**key, request_id="read", reason=pb.RELEASE_REASON_ABORTED)
+                pb.EndReadRequest(
+                    **key, request_id="read", reason=pb.RELEASE_REASON_ABORTED, read_token=token
+                )
             )
             assert held.request_id == "held"
         again = fleet.engine(sidecar, MODEL, "prefill", "--num-blocks", "16")
@@ -326,8 +330,10 @@ async def _kill_while_published(
     sidecar: Proc, engine: EngineView, peer: pb_grpc.PeerServiceStub, cycle: int, reading: bool
 ) -> None:
     key = {"epoch": await _publish_two(sidecar, engine, cycle), "tp_rank": 0}
+    token = ""
     if reading:
-        await peer.BeginRead(pb.BeginReadRequest(**key, request_id=f"c{cycle}-0"))
+        begun = await peer.BeginRead(pb.BeginReadRequest(**key, request_id=f"c{cycle}-0"))
+        token = begun.read_token
     engine.proc.popen.send_signal(signal.SIGKILL)
     engine.proc.popen.wait(30)
     await _until_metric(sidecar, "kvxfer_engine_exits_total", cycle + 1)
@@ -335,9 +341,13 @@ async def _kill_while_published(
         return
     maps = Path(f"/proc/{sidecar.pid}/maps").read_text()
     assert all(name in maps for name in engine.shm_names()), "unmapped under a read"
-    beat = await peer.Heartbeat(pb.HeartbeatRequest(**key, request_ids=[f"c{cycle}-0"]))
+    beat = await peer.Heartbeat(
+        pb.HeartbeatRequest(**key, request_ids=[f"c{cycle}-0"], read_tokens=[token])
+    )
     assert list(beat.states) == [pb.LEASE_STATE_ABORTED]
-    end = pb.EndReadRequest(**key, request_id=f"c{cycle}-0", reason=pb.RELEASE_REASON_ABORTED)
+    end = pb.EndReadRequest(
+        **key, request_id=f"c{cycle}-0", reason=pb.RELEASE_REASON_ABORTED, read_token=token
+    )
     await peer.EndRead(end)
 
 

@@ -41,7 +41,6 @@ from sidecars import DecodeImage, EngineSim, engine_link, spans
 
 from kvxfer.cli.fleet import Proc, spawn
 from kvxfer.client.engine import SyncEngineClient
-from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import PullDone, PullStatus, Released
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.wire.layout import layout_to_proto, span_to_proto
@@ -256,8 +255,11 @@ async def test_the_fuzzed_sidecar_still_completes_a_real_pull(fuzz: FuzzFleet) -
     fuzz.d.check_alive()
     for engine in (fuzz.pe, fuzz.de):  # fuzzed Unregister calls may have unregistered them
         engine.stop()
-    pe = netns.start_engine(fuzz.tmp, fuzz.host, fuzz.p, "prefill", *ENGINE_ARGS)
-    de = netns.start_engine(fuzz.tmp, fuzz.host, fuzz.d, "decode", *ENGINE_ARGS)
+    # Rank 1 of 2: the fuzzer began reads of rank 0's published blocks and never ended
+    # them, so rank 0 stays retiring (its memory still being read) until their lease TTL.
+    rank = ("--tp-size", "2", "--tp-rank", "1")
+    pe = netns.start_engine(fuzz.tmp, fuzz.host, fuzz.p, "prefill", *ENGINE_ARGS, *rank)
+    de = netns.start_engine(fuzz.tmp, fuzz.host, fuzz.d, "decode", *ENGINE_ARGS, *rank)
     try:
         tokens = 1000
         count = -(-tokens // B)
@@ -276,7 +278,7 @@ async def test_the_fuzzed_sidecar_still_completes_a_real_pull(fuzz: FuzzFleet) -
         image = DecodeImage(de)
         moved = image.expect_pull(pe, src, dst, tokens, 0, {})
         image.check_all()
-        layout = layout_for_model(MODEL)
+        layout = pe.layout  # rank 1 of 2: half the heads of the full model
         exact = sum(len(oracle_blocks(g, tokens, 0, B)) * g.bytes_per_block for g in layout.groups)
         assert done.bytes_moved == moved == exact
     finally:
