@@ -53,8 +53,8 @@ B = 16
 BIG = 32768  # tokens: 2048 full-attention blocks, 808 MB per pull
 SMALL = 8192
 STALL_S = 3.0
-FULL_BLOCKS = 2 * BIG // B + SMALL // B  # decode: two 32k pulls + one 8k pull
-SLIDING_BLOCKS = 64
+FULL_BLOCKS = 3 * BIG // B + SMALL // B  # decode: three 32k pulls + one 8k pull
+SLIDING_BLOCKS = 80
 # Delivering PullDone through the sidecar's event stream on a loaded 2-core machine.
 LATENCY_SLACK_S = 1.0
 THAW_WAIT_S = 5.0  # issue 10: late writes landed 2-4 s after SIGCONT
@@ -84,6 +84,21 @@ class Fleet:
     pe: EngineSim
     d: Proc
     de: EngineSim
+    tmp: Path
+    procs: list[Proc | EngineSim]
+
+    def revive_prefill(self) -> bool:
+        """Start the prefill sidecar and engine again if the sidecar died, as a pod's
+        restart policy would; True if it had to. Over UCX TCP a serving sidecar whose
+        reader severed its endpoints mid-read aborts in UCX once it next progresses
+        (docs/reliability.md, known limits): data-safe, not yet available."""
+        if self.p.popen.poll() is None:
+            return False
+        self.pe.stop()
+        self.p = sidecar(self.tmp, self.a, "p")
+        self.pe = engine(self.tmp, self.a, self.p, "prefill", BIG // B)
+        self.procs += [self.p, self.pe]
+        return True
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +116,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             de = engine(tmp, b, d, "decode", FULL_BLOCKS)
             procs.append(de)
             assert p.ready["peer_address"].startswith(f"{a.address}:")
-            yield Fleet(a, b, p, pe, d, de)
+            yield Fleet(a, b, p, pe, d, de, tmp, procs)
         finally:
             for proc in reversed(procs):
                 with contextlib.suppress(OSError):
@@ -125,10 +140,10 @@ def request_spans(fleet: Fleet, tokens: int, offsets: Mapping[int, int]) -> list
 
 SRC = {0: 0, 1: 0}  # every request reads the same prefill blocks
 # Decode block offsets per group (0: sliding window, 1: full attention). The freeze
-# slots stay pristine until the freeze/thaw test; link-down reuses the first slot;
-# the full and recovery pulls get blocks no failed pull ever targeted.
+# slots stay pristine until the freeze/thaw test (the last one); link-down has its
+# own; the full and recovery pulls get blocks no failed pull ever targeted.
 FREEZE_SLOTS = ({0: 0, 1: 0}, {0: 16, 1: BIG // B})
-LINK_DOWN_SLOT = FREEZE_SLOTS[0]
+LINK_DOWN_SLOT = {0: 64, 1: 2 * BIG // B + SMALL // B}
 FULL_SLOT = {0: 32, 1: 2 * BIG // B}
 RECOVERY_SLOT = {0: 48, 1: 2 * BIG // B}
 
@@ -229,59 +244,6 @@ async def test_a_full_pull_between_hosts_moves_every_byte(fleet: Fleet) -> None:
     assert fleet.a.tx_bytes() - sent >= exact
 
 
-async def test_no_byte_lands_in_a_failed_block_after_a_frozen_peer_thaws(fleet: Fleet) -> None:
-    """Issue 10, section 1: once a block is reported failed, no byte may land in it.
-
-    Two 32k-token pulls; the prefill sidecar is frozen (SIGSTOP) as soon as both
-    are accepted, so their reads hang until the stall deadline fails them. What each
-    failed block holds is recorded when PullDone arrives (bytes that came before
-    the freeze may be there), then the peer thaws (SIGCONT): 5 s later every byte of
-    every failed block must be as recorded. Fails until the data plane makes late
-    writes impossible: today the timed-out reads complete after SIGCONT.
-    """
-    src = request_spans(fleet, BIG, SRC)
-    dsts = [request_spans(fleet, BIG, slot) for slot in FREEZE_SLOTS]
-    groups = fleet.pe.layout.groups
-    needed = {g.group_id: sorted(oracle_blocks(g, BIG, 0, B)) for g in groups}
-    for dst in dsts:  # the test means something only if the blocks start untouched
-        assert all(pristine(fleet, t, i) for t, _, i in tensor_blocks(fleet, dst, needed))
-    ids = ["freeze-0", "freeze-1"]
-    async with (
-        engine_link(fleet.p, fleet.pe) as (p, _),
-        engine_link(fleet.d, fleet.de) as (d, d_events),
-    ):
-        params = [await p.publish(request_id, BIG, src) for request_id in ids]
-        try:
-            for one, dst in zip(params, dsts, strict=True):
-                await d.pull(one, dst, 0)
-            await being_read(fleet.p, ids[-1])  # the first began before it
-            os.kill(fleet.p.pid, signal.SIGSTOP)
-            dones = [await pull_done(d_events, i, timeout_s=STALL_S + 30) for i in ids]
-            pairs = list(zip(dones, dsts, strict=True))
-            at_report = [digests(fleet, dst, done.failed_blocks) for done, dst in pairs]
-            landed = [
-                sum(not pristine(fleet, t, i) for t, _, i in tensor_blocks(fleet, dst, fails))
-                for dst, fails in ((dst, done.failed_blocks) for done, dst in pairs)
-            ]
-        finally:
-            os.kill(fleet.p.pid, signal.SIGCONT)
-        await asyncio.sleep(THAW_WAIT_S)  # issue 10: the late writes landed within 2-4 s
-    late_writes = []
-    for (done, dst), before, early in zip(pairs, at_report, landed, strict=True):
-        assert done.status is not PullStatus.OK, "the freeze came after the pull ended"
-        assert done.failed_blocks, done
-        assert moved_mismatches(fleet, BIG, src, dst, done.failed_blocks) == []
-        after = digests(fleet, dst, done.failed_blocks)
-        late = sorted(key for key, digest in after.items() if before[key] != digest)
-        if late:
-            late_writes.append(
-                f"{done.request_id}: {len(late)} of {len(after)} tensor blocks reported failed "
-                f"({done.status.value}: {done.reason}) changed after PullDone (first: "
-                f"{late[0]}); {early} held other bytes than the fill pattern at PullDone"
-            )
-    assert not late_writes, "late writes after the failure report:\n" + "\n".join(late_writes)
-
-
 async def test_a_link_down_mid_pull_ends_within_the_stall_deadline(fleet: Fleet) -> None:
     src, dst = request_spans(fleet, BIG, SRC), request_spans(fleet, BIG, LINK_DOWN_SLOT)
     try:
@@ -310,4 +272,66 @@ async def test_a_link_down_mid_pull_ends_within_the_stall_deadline(fleet: Fleet)
 
 async def test_a_pull_succeeds_once_the_link_is_back(fleet: Fleet) -> None:
     fleet.a.set_link(up=True)
+    fleet.revive_prefill()
     await pull_and_check(fleet, "recovered", SMALL, RECOVERY_SLOT)
+
+
+async def test_no_byte_lands_in_a_failed_block_after_a_frozen_peer_thaws(fleet: Fleet) -> None:
+    """Last in the file: over UCX TCP (software-emulated RMA) the thawed prefill sidecar
+    may abort inside UCX once it finds the reader's endpoints gone (docs/reliability.md,
+    known limits), so nothing runs on this fleet after it.
+
+    Issue 10, section 1: once a block is reported failed, no byte may land in it.
+
+    Two 32k-token pulls; the prefill sidecar is frozen (SIGSTOP) as soon as both
+    are accepted, so their reads hang until the stall deadline fails them. What each
+    failed block holds is recorded when PullDone arrives (bytes that came before
+    the freeze may be there), then the peer thaws (SIGCONT): 5 s later every byte of
+    every failed block must be as recorded. Fails until the data plane makes late
+    writes impossible: today the timed-out reads complete after SIGCONT.
+    """
+    fleet.revive_prefill()
+    src = request_spans(fleet, BIG, SRC)
+    dsts = [request_spans(fleet, BIG, slot) for slot in FREEZE_SLOTS]
+    groups = fleet.pe.layout.groups
+    needed = {g.group_id: sorted(oracle_blocks(g, BIG, 0, B)) for g in groups}
+    for dst in dsts:  # the test means something only if the blocks start untouched
+        assert all(pristine(fleet, t, i) for t, _, i in tensor_blocks(fleet, dst, needed))
+    ids = ["freeze-0", "freeze-1"]
+    async with (
+        engine_link(fleet.p, fleet.pe) as (p, _),
+        engine_link(fleet.d, fleet.de) as (d, d_events),
+    ):
+        params = [await p.publish(request_id, BIG, src) for request_id in ids]
+        try:
+            for one, dst in zip(params, dsts, strict=True):
+                await d.pull(one, dst, 0)
+            await being_read(fleet.p, ids[-1])  # the first began before it
+            os.kill(fleet.p.pid, signal.SIGSTOP)
+            dones = [await pull_done(d_events, i, timeout_s=STALL_S + 30) for i in ids]
+            pairs = list(zip(dones, dsts, strict=True))
+            at_report = [digests(fleet, dst, done.failed_blocks) for done, dst in pairs]
+            landed = [
+                sum(not pristine(fleet, t, i) for t, _, i in tensor_blocks(fleet, dst, fails))
+                for dst, fails in ((dst, done.failed_blocks) for done, dst in pairs)
+            ]
+        except BaseException:
+            os.kill(fleet.p.pid, signal.SIGCONT)
+            raise
+    # Thawed with no engine connected to it: the prefill sidecar may abort in UCX now.
+    os.kill(fleet.p.pid, signal.SIGCONT)
+    await asyncio.sleep(THAW_WAIT_S)  # issue 10: the late writes landed within 2-4 s
+    late_writes = []
+    for (done, dst), before, early in zip(pairs, at_report, landed, strict=True):
+        assert done.status is not PullStatus.OK, "the freeze came after the pull ended"
+        assert done.failed_blocks, done
+        assert moved_mismatches(fleet, BIG, src, dst, done.failed_blocks) == []
+        after = digests(fleet, dst, done.failed_blocks)
+        late = sorted(key for key, digest in after.items() if before[key] != digest)
+        if late:
+            late_writes.append(
+                f"{done.request_id}: {len(late)} of {len(after)} tensor blocks reported failed "
+                f"({done.status.value}: {done.reason}) changed after PullDone (first: "
+                f"{late[0]}); {early} held other bytes than the fill pattern at PullDone"
+            )
+    assert not late_writes, "late writes after the failure report:\n" + "\n".join(late_writes)

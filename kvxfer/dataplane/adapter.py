@@ -227,7 +227,12 @@ class NixlAgent:
         )
         agent = nixl_agent(self._name, config)
         for backend in self._options.backends:
-            params = dict(self._options.backend_params)
+            # The plugin's defaults first: createBackend with a parameter missing does not
+            # take the plugin's default for it. For UCX that default is peer error
+            # handling; without it a peer that tears its endpoints down (a severed reader)
+            # makes this side's UCX abort on a failed lane when it next progresses.
+            params = {str(k): str(v) for k, v in agent.get_plugin_params(backend).items()}
+            params.update(self._options.backend_params)
             if self._options.num_threads:
                 params.setdefault("num_threads", str(self._options.num_threads))
             agent.create_backend(backend, params)
