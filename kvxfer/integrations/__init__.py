@@ -1,0 +1,1 @@
+"""Engine integrations: connectors that let real engines move KV through kvxfer."""
