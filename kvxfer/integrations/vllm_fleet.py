@@ -1,0 +1,378 @@
+"""Starting, driving and stopping real vLLM processes (demo, bench and tests).
+
+vLLM runs in its own venv (`make vllm-venv`: it pins its own torch and
+setuptools), so this module never imports it: each engine is a
+`kvxfer.integrations.vllm_worker` process run by that venv's python, driven
+over a pipe with one JSON object per line. The same code runs
+
+- a single-instance reference (`reference_run`): prompts -> greedy token ids;
+- a prefill/decode pair (`PdPair`), each engine pinned to its own core and
+  given a `kv_transfer_config` (vLLM's NixlConnector, `nixl_connector_config`,
+  or kvxfer's, `kvxfer_connector_config`), routed as a P/D router does:
+  prefill with max_tokens=1 and `{"do_remote_decode": true}`, then decode with
+  the `kv_transfer_params` prefill returned.
+
+Every wait has a deadline; `close()` (also on failure, through the context
+managers) stops each engine's whole process group: vLLM forks an engine core
+and a worker below the process we start. kvxfer's sidecars are not started
+here: `kvxfer.cli.fleet` starts those, and a caller passes their addresses in
+`kvxfer_connector_config`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from kvxfer._exceptions import KvxferError
+
+WORKER_MODULE = "kvxfer.integrations.vllm_worker"
+VLLM_VENV = ".venv-vllm"
+READY_TIMEOUT_S = 300.0
+CALL_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 20.0
+# vLLM's NixlConnector metrics, as the worker reports them (histogram _sum/_count).
+NIXL_BYTES = "vllm:nixl_bytes_transferred"
+NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds"
+TTFT = "vllm:time_to_first_token_seconds"
+
+
+class VllmWorkerError(KvxferError):
+    """A vLLM worker process failed to start, died, timed out or answered an error."""
+
+
+def find_vllm_python(explicit: Path | None = None) -> Path:
+    """The python of the vLLM venv: `explicit`, else `.venv-vllm` beside the running venv
+    (a checkout's `.venv`), else the running python if it has vLLM itself."""
+    candidates = [explicit] if explicit is not None else []
+    candidates.append(Path(sys.prefix).parent / VLLM_VENV / "bin" / "python")
+    for candidate in candidates:
+        if candidate is not None and candidate.exists():
+            return candidate
+    with contextlib.suppress(ImportError):
+        import vllm  # noqa: F401, PLC0415
+
+        return Path(sys.executable)
+    tried = ", ".join(str(c) for c in candidates)
+    raise VllmWorkerError(f"no vLLM venv found (tried {tried}); run `make vllm-venv` first")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def random_prompts(count: int, lo: int, hi: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `lo`..`hi` token ids drawn from [3, vocab_size) (0-2 are special)."""
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(count)
+    ]
+
+
+def nixl_connector_config() -> dict[str, Any]:
+    """vLLM's own NixlConnector on CPU memory (both roles: vLLM's P/D examples use kv_both)."""
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
+def kvxfer_connector_config(role: str, sidecar: str) -> dict[str, Any]:
+    """kvxfer's connector, talking to the sidecar at `sidecar` (e.g. "unix:/tmp/p.sock")."""
+    if role not in ("kv_producer", "kv_consumer"):
+        raise ValueError(f"role {role!r} unknown; expected kv_producer or kv_consumer")
+    return {
+        "kv_connector": "KvxferConnector",
+        "kv_connector_module_path": "kvxfer.integrations.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"sidecar": sidecar},
+    }
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One vLLM engine: model directory and the options the worker passes to `LLM`."""
+
+    model: Path
+    max_model_len: int = 2048
+    block_size: int | None = None
+    kv_transfer_config: Mapping[str, Any] | None = None
+    # Core for VLLM_CPU_OMP_THREADS_BIND; None leaves vLLM's default (all cores).
+    cpu: int | None = None
+    kvcache_gib: int = 1
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def config_json(self) -> str:
+        return json.dumps(
+            {
+                "model": str(self.model),
+                "max_model_len": self.max_model_len,
+                "block_size": self.block_size,
+                "kv_transfer_config": (
+                    None if self.kv_transfer_config is None else dict(self.kv_transfer_config)
+                ),
+            }
+        )
+
+    def environ(self) -> dict[str, str]:
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_gib)}
+        if self.cpu is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
+        env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+        return {**env, **self.env}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One prompt's result from one engine."""
+
+    token_ids: list[int]
+    prompt_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One `generate` call: its outputs, wall time, metric deltas and memory high-water mark."""
+
+    outputs: list[Generation]
+    elapsed_s: float
+    metrics_delta: dict[str, float]
+    peak_rss_bytes: int
+
+
+class VllmWorker:
+    """One vLLM engine process; use as a context manager or call `close()`."""
+
+    def __init__(self, name: str, spec: EngineSpec, python: Path, workdir: Path) -> None:
+        self.name = name
+        self.log = workdir / f"{name}.log"
+        workdir.mkdir(parents=True, exist_ok=True)
+        with self.log.open("w") as err:
+            # cwd is the workdir: `python -m` puts cwd on sys.path, and a checkout's
+            # kvxfer/ source folder there would shadow the installed package.
+            self._popen = subprocess.Popen(
+                [str(python), "-m", WORKER_MODULE, spec.config_json()],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                cwd=workdir, env=spec.environ(), start_new_session=True,
+            )  # fmt: skip
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name=f"{name}-stdout", daemon=True).start()
+        self._metrics: dict[str, float] = {}
+        self.ready: dict[str, Any] = {}
+        self.peak_rss_bytes = 0
+
+    def _read(self) -> None:
+        assert self._popen.stdout is not None
+        for line in self._popen.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # EOF: the worker exited
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
+        self.ready = self._next_reply(timeout_s, "start")
+        return self.ready
+
+    def _next_reply(self, timeout_s: float, what: str) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise self._failure(f"did not answer {what} within {timeout_s:.0f} s") from None
+        if line is None:
+            raise self._failure(
+                f"exited with code {self._popen.wait(STOP_TIMEOUT_S)} during {what}"
+            )
+        reply: dict[str, Any] = json.loads(line)
+        if not reply.get("ok"):
+            raise self._failure(f"{what} failed: {reply.get('error')}")
+        return reply
+
+    def _failure(self, message: str) -> VllmWorkerError:
+        tail = self.log.read_text(errors="replace")[-3000:]
+        return VllmWorkerError(f"vLLM worker {self.name} {message}; log {self.log}:\n{tail}")
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int,
+        kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
+        timeout_s: float = CALL_TIMEOUT_S,
+    ) -> Reply:
+        request = {
+            "op": "generate",
+            "prompts": [list(p) for p in prompts],
+            "max_tokens": max_tokens,
+            "kv_transfer_params": None if kv_transfer_params is None else list(kv_transfer_params),
+        }
+        assert self._popen.stdin is not None
+        try:
+            self._popen.stdin.write(json.dumps(request) + "\n")
+            self._popen.stdin.flush()
+        except BrokenPipeError as exc:
+            raise self._failure("closed its stdin") from exc
+        raw = self._next_reply(timeout_s, "generate")
+        metrics: dict[str, float] = raw["metrics"]
+        delta = {k: v - self._metrics.get(k, 0.0) for k, v in metrics.items()}
+        self._metrics = metrics
+        self.peak_rss_bytes = raw["peak_rss_bytes"]
+        outputs = [
+            Generation(o["token_ids"], o["prompt_tokens"], o["kv_transfer_params"])
+            for o in raw["outputs"]
+        ]
+        return Reply(outputs, raw["elapsed_s"], delta, raw["peak_rss_bytes"])
+
+    def close(self) -> int:
+        """Ask the worker to quit, then SIGTERM and SIGKILL its process group if it will not."""
+        with contextlib.suppress(BrokenPipeError, OSError, ValueError):
+            assert self._popen.stdin is not None
+            self._popen.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self._popen.stdin.close()
+        try:
+            code = self._popen.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        # vLLM's engine core and worker live in this process group (start_new_session).
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._popen.pid, sig)
+            if code is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = self._popen.wait(STOP_TIMEOUT_S)
+        if self._popen.stdout is not None:
+            self._popen.stdout.close()
+        return self._popen.wait() if code is None else code
+
+    def __enter__(self) -> VllmWorker:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def start_workers(
+    named_specs: Mapping[str, EngineSpec], python: Path, workdir: Path
+) -> dict[str, VllmWorker]:
+    """Start several engines at once (they load in parallel) and wait until all are ready;
+    on any failure stop every one of them."""
+    workers: dict[str, VllmWorker] = {}
+    try:
+        for name, spec in named_specs.items():
+            workers[name] = VllmWorker(name, spec, python, workdir)
+        for worker in workers.values():
+            worker.wait_ready()
+    except BaseException:
+        for worker in workers.values():
+            worker.close()
+        raise
+    return workers
+
+
+def reference_run(
+    spec: EngineSpec,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    python: Path,
+    workdir: Path,
+) -> Reply:
+    """One engine, no connector: the greedy tokens a P/D run must reproduce."""
+    with VllmWorker("reference", spec, python, workdir) as worker:
+        worker.wait_ready()
+        return worker.generate(prompts, max_tokens)
+
+
+@dataclass(frozen=True)
+class PdResult:
+    """One request routed prefill -> decode."""
+
+    prompt_tokens: int
+    token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None
+    prefill_s: float
+    decode_s: float
+    # Decode side metric deltas for this request (NixlConnector: bytes, transfer time; TTFT).
+    decode_metrics: dict[str, float]
+
+    @property
+    def bytes_transferred(self) -> float:
+        return self.decode_metrics.get(f"{NIXL_BYTES}_sum", 0.0)
+
+    @property
+    def transfer_time_s(self) -> float:
+        return self.decode_metrics.get(f"{NIXL_XFER_TIME}_sum", 0.0)
+
+    @property
+    def decode_ttft_s(self) -> float:
+        return self.decode_metrics.get(f"{TTFT}_sum", 0.0)
+
+
+class PdPair:
+    """A prefill and a decode vLLM, each pinned to one core, driven as a P/D router."""
+
+    def __init__(
+        self,
+        model: Path,
+        prefill_kv_config: Mapping[str, Any],
+        decode_kv_config: Mapping[str, Any],
+        python: Path,
+        workdir: Path,
+        max_model_len: int = 2048,
+        block_size: int | None = None,
+    ) -> None:
+        def spec(kv: Mapping[str, Any], cpu: int) -> EngineSpec:
+            return EngineSpec(model, max_model_len, block_size, kv, cpu=cpu)
+
+        started = time.perf_counter()
+        workers = start_workers(
+            {"prefill": spec(prefill_kv_config, 0), "decode": spec(decode_kv_config, 1)},
+            python,
+            workdir,
+        )
+        self.start_s = time.perf_counter() - started
+        self.prefill, self.decode = workers["prefill"], workers["decode"]
+
+    def route(self, prompt: Sequence[int], max_tokens: int) -> PdResult:
+        """Prefill (one token, KV kept for a remote decode), then decode from its KV."""
+        first = self.prefill.generate([prompt], 1, [{"do_remote_decode": True}])
+        params = first.outputs[0].kv_transfer_params
+        if params is None:
+            raise VllmWorkerError(
+                "prefill returned no kv_transfer_params: its connector did not publish the request"
+            )
+        second = self.decode.generate([prompt], max_tokens, [params])
+        out = second.outputs[0]
+        return PdResult(
+            out.prompt_tokens, out.token_ids, params, first.elapsed_s, second.elapsed_s,
+            second.metrics_delta,
+        )  # fmt: skip
+
+    def peak_rss_bytes(self) -> int:
+        """Prefill + decode high-water RSS as of their last replies."""
+        return self.prefill.peak_rss_bytes + self.decode.peak_rss_bytes
+
+    def close(self) -> None:
+        for worker in (self.decode, self.prefill):
+            worker.close()
+
+    def __enter__(self) -> PdPair:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
