@@ -44,7 +44,7 @@ WORKER_MODULE = "kvxfer.integrations.vllm_worker"
 VLLM_VENV = ".venv-vllm"
 READY_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 300.0
-STOP_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0
 # vLLM's NixlConnector metrics, as the worker reports them (histogram _sum/_count).
 NIXL_BYTES = "vllm:nixl_bytes_transferred"
 NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds"
@@ -296,6 +296,30 @@ def reference_run(
         return worker.generate(prompts, max_tokens)
 
 
+def reference_runs(
+    specs: Mapping[str, EngineSpec],
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    python: Path,
+    workdir: Path,
+    parallel: int = 2,
+) -> dict[str, Reply]:
+    """`reference_run` for several engines (e.g. one per model), `parallel` loading at
+    once: loading is mostly single-threaded Python, so two overlap well on two cores."""
+    names = list(specs)
+    replies: dict[str, Reply] = {}
+    for start in range(0, len(names), parallel):
+        batch = {name: specs[name] for name in names[start : start + parallel]}
+        workers = start_workers(batch, python, workdir)
+        try:
+            for name, worker in workers.items():
+                replies[name] = worker.generate(prompts, max_tokens)
+        finally:
+            for worker in workers.values():
+                worker.close()
+    return replies
+
+
 @dataclass(frozen=True)
 class PdResult:
     """One request routed prefill -> decode."""
@@ -376,3 +400,39 @@ class PdPair:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def first_divergence(got: Sequence[int], want: Sequence[int]) -> int | None:
+    """Index of the first token that differs (or where one sequence ends), None if equal."""
+    for index, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return index
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def measure_pd(
+    pair: PdPair,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    reference: Reply,
+) -> list[dict[str, Any]]:
+    """Route every prompt through `pair` and compare with `reference`: one row per request
+    with what the P/D side-by-side reports (bytes moved, transfer time and decode TTFT as
+    vLLM's NixlConnector metrics give them; zero where a connector reports none)."""
+    rows = []
+    for prompt, expected in zip(prompts, reference.outputs, strict=True):
+        result = pair.route(prompt, max_tokens)
+        divergence = first_divergence(result.token_ids, expected.token_ids)
+        rows.append(
+            {
+                "prompt_tokens": result.prompt_tokens,
+                "match": divergence is None,
+                "first_divergence": divergence,
+                "bytes_moved": int(result.bytes_transferred),
+                "transfer_time_s": result.transfer_time_s,
+                "decode_ttft_s": result.decode_ttft_s,
+                "prefill_s": result.prefill_s,
+                "decode_s": result.decode_s,
+            }
+        )
+    return rows
