@@ -49,9 +49,8 @@ def _family(family: str, args: argparse.Namespace, root: Path) -> dict[str, obje
     reference_s = time.perf_counter() - started
     config = vllm_fleet.nixl_connector_config()
     workdir = root / f"pd-{family}"
-    with vllm_fleet.PdPair(
-        model, config, config, python, workdir, args.max_model_len, block_size
-    ) as pair:
+    specs = vllm_fleet.pd_specs(model, config, config, args.max_model_len, block_size)
+    with vllm_fleet.PdPair(*specs, python, workdir) as pair:
         rows = vllm_fleet.measure_pd(pair, prompts, args.max_tokens, reference)
         peak = pair.peak_rss_bytes()
         start_s = pair.start_s

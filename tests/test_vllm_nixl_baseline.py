@@ -57,10 +57,10 @@ def nixl_pair(
 ) -> Iterator[tuple[str, vllm_fleet.PdPair]]:
     family: str = request.param
     config = vllm_fleet.nixl_connector_config()
-    with vllm_fleet.PdPair(
-        models[family], config, config, vllm_python(), tmp_path_factory.mktemp(f"pd-{family}"),
-        MAX_MODEL_LEN, BLOCK_SIZE.get(family),
-    ) as pair:  # fmt: skip
+    specs = vllm_fleet.pd_specs(
+        models[family], config, config, MAX_MODEL_LEN, BLOCK_SIZE.get(family)
+    )
+    with vllm_fleet.PdPair(*specs, vllm_python(), tmp_path_factory.mktemp(f"pd-{family}")) as pair:
         yield family, pair
 
 

@@ -91,15 +91,18 @@ def nixl_connector_config() -> dict[str, Any]:
     return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
 
-def kvxfer_connector_config(role: str, sidecar: str) -> dict[str, Any]:
-    """kvxfer's connector, talking to the sidecar at `sidecar` (e.g. "unix:/tmp/p.sock")."""
+def kvxfer_connector_config(role: str, sidecar: str, **extra_config: Any) -> dict[str, Any]:
+    """kvxfer's connector, talking to the sidecar at `sidecar` (e.g. "unix:/tmp/p.sock");
+    `extra_config` adds connector options (e.g. stats_path). Load failures are recomputed:
+    vLLM's default policy ("fail") would fail the request instead."""
     if role not in ("kv_producer", "kv_consumer"):
         raise ValueError(f"role {role!r} unknown; expected kv_producer or kv_consumer")
     return {
         "kv_connector": "KvxferConnector",
         "kv_connector_module_path": "kvxfer.integrations.vllm",
         "kv_role": role,
-        "kv_connector_extra_config": {"sidecar": sidecar},
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"sidecar": sidecar, **extra_config},
     }
 
 
@@ -114,6 +117,8 @@ class EngineSpec:
     # Core for VLLM_CPU_OMP_THREADS_BIND; None leaves vLLM's default (all cores).
     cpu: int | None = None
     kvcache_gib: int = 1
+    # None keeps vLLM's default (on); off where a reference must not reuse earlier prompts.
+    enable_prefix_caching: bool | None = None
     env: Mapping[str, str] = field(default_factory=dict)
 
     def config_json(self) -> str:
@@ -122,6 +127,7 @@ class EngineSpec:
                 "model": str(self.model),
                 "max_model_len": self.max_model_len,
                 "block_size": self.block_size,
+                "enable_prefix_caching": self.enable_prefix_caching,
                 "kv_transfer_config": (
                     None if self.kv_transfer_config is None else dict(self.kv_transfer_config)
                 ),
@@ -345,28 +351,28 @@ class PdResult:
         return self.decode_metrics.get(f"{TTFT}_sum", 0.0)
 
 
+def pd_specs(
+    model: Path,
+    prefill_kv_config: Mapping[str, Any],
+    decode_kv_config: Mapping[str, Any],
+    max_model_len: int = 2048,
+    block_size: int | None = None,
+) -> tuple[EngineSpec, EngineSpec]:
+    """Prefill on core 0, decode on core 1, otherwise alike (`dataclasses.replace` to vary)."""
+    return (
+        EngineSpec(model, max_model_len, block_size, prefill_kv_config, cpu=0),
+        EngineSpec(model, max_model_len, block_size, decode_kv_config, cpu=1),
+    )
+
+
 class PdPair:
-    """A prefill and a decode vLLM, each pinned to one core, driven as a P/D router."""
+    """A prefill and a decode vLLM (see `pd_specs`), driven as a P/D router."""
 
     def __init__(
-        self,
-        model: Path,
-        prefill_kv_config: Mapping[str, Any],
-        decode_kv_config: Mapping[str, Any],
-        python: Path,
-        workdir: Path,
-        max_model_len: int = 2048,
-        block_size: int | None = None,
+        self, prefill: EngineSpec, decode: EngineSpec, python: Path, workdir: Path
     ) -> None:
-        def spec(kv: Mapping[str, Any], cpu: int) -> EngineSpec:
-            return EngineSpec(model, max_model_len, block_size, kv, cpu=cpu)
-
         started = time.perf_counter()
-        workers = start_workers(
-            {"prefill": spec(prefill_kv_config, 0), "decode": spec(decode_kv_config, 1)},
-            python,
-            workdir,
-        )
+        workers = start_workers({"prefill": prefill, "decode": decode}, python, workdir)
         self.start_s = time.perf_counter() - started
         self.prefill, self.decode = workers["prefill"], workers["decode"]
 

@@ -48,8 +48,9 @@ def _engine(config: dict[str, Any]) -> Any:
         # Stats on: the NixlConnector transfer metrics and TTFT come from them.
         "disable_log_stats": False,
     }
-    if config.get("block_size") is not None:
-        options["block_size"] = config["block_size"]
+    for key in ("block_size", "enable_prefix_caching"):
+        if config.get(key) is not None:
+            options[key] = config[key]
     if config.get("kv_transfer_config") is not None:
         from vllm.config import KVTransferConfig  # noqa: PLC0415
 
