@@ -43,6 +43,10 @@ def _family(family: str, args: argparse.Namespace, root: Path) -> dict[str, obje
     block_size = args.block_size if family in ("gemma3", "gpt-oss") else None
     model = _model(family, root)
     prompts = vllm_fleet.random_prompts(args.requests, args.lo, args.hi, VOCAB_SIZE, args.seed)
+    # Prefix hits on decode: a new prompt sharing the first 3/4 of an earlier one, which the
+    # decode engine has in its prefix cache by the time this one is routed.
+    tails = vllm_fleet.random_prompts(args.prefix_hits, 64, 64, VOCAB_SIZE, args.seed + 1)
+    prompts += [p[: 3 * len(p) // 4] + t for p, t in zip(prompts, tails, strict=False)]
     spec = vllm_fleet.EngineSpec(model, args.max_model_len, block_size, cpu=1)
     started = time.perf_counter()
     reference = vllm_fleet.reference_run(spec, prompts, args.max_tokens, python, root / "ref")
@@ -52,12 +56,15 @@ def _family(family: str, args: argparse.Namespace, root: Path) -> dict[str, obje
     specs = vllm_fleet.pd_specs(model, config, config, args.max_model_len, block_size)
     with vllm_fleet.PdPair(*specs, python, workdir) as pair:
         rows = vllm_fleet.measure_pd(pair, prompts, args.max_tokens, reference)
+        for index, row in enumerate(rows):
+            row["kind"] = "fresh" if index < args.requests else "prefix-hit"
         peak = pair.peak_rss_bytes()
         start_s = pair.start_s
     return {
         "family": family,
         "block_size": block_size or "default",
         "requests": len(rows),
+        "prefix_hit_requests": args.prefix_hits,
         "matched": sum(bool(r["match"]) for r in rows),
         "bytes_moved": sum(r["bytes_moved"] for r in rows),
         "median_transfer_ms": round(1e3 * statistics.median(r["transfer_time_s"] for r in rows), 3),
@@ -78,6 +85,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--lo", type=int, default=100)
     parser.add_argument("--hi", type=int, default=900)
+    parser.add_argument("--prefix-hits", type=int, default=2, help="requests with a prefix hit")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=32, help="gemma3/gpt-oss block size")
