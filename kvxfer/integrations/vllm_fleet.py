@@ -38,7 +38,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from kvxfer._exceptions import KvxferError
+from kvxfer._exceptions import InvalidInputError, KvxferError
 
 WORKER_MODULE = "kvxfer.integrations.vllm_worker"
 VLLM_VENV = ".venv-vllm"
@@ -96,7 +96,7 @@ def kvxfer_connector_config(role: str, sidecar: str, **extra_config: Any) -> dic
     `extra_config` adds connector options (e.g. stats_path). Load failures are recomputed:
     vLLM's default policy ("fail") would fail the request instead."""
     if role not in ("kv_producer", "kv_consumer"):
-        raise ValueError(f"role {role!r} unknown; expected kv_producer or kv_consumer")
+        raise InvalidInputError("kv_role", f"{role!r} unknown; expected kv_producer or kv_consumer")
     return {
         "kv_connector": "KvxferConnector",
         "kv_connector_module_path": "kvxfer.integrations.vllm",
