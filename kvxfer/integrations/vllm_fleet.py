@@ -150,6 +150,9 @@ class Generation:
     token_ids: list[int]
     prompt_tokens: int
     kv_transfer_params: dict[str, Any] | None
+    # "length" when all max_tokens came (the worker ignores EOS); anything else means
+    # vLLM ended the request early, e.g. a KV load it could not complete ("error"/"abort").
+    finish_reason: str | None
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,9 @@ class VllmWorker:
         self._metrics = metrics
         self.peak_rss_bytes = raw["peak_rss_bytes"]
         outputs = [
-            Generation(o["token_ids"], o["prompt_tokens"], o["kv_transfer_params"])
+            Generation(
+                o["token_ids"], o["prompt_tokens"], o["kv_transfer_params"], o["finish_reason"]
+            )
             for o in raw["outputs"]
         ]
         return Reply(outputs, raw["elapsed_s"], delta, raw["peak_rss_bytes"])
@@ -384,8 +389,26 @@ class PdPair:
     ) -> None:
         started = time.perf_counter()
         workers = start_workers({"prefill": prefill, "decode": decode}, python, workdir)
-        self.start_s = time.perf_counter() - started
         self.prefill, self.decode = workers["prefill"], workers["decode"]
+        try:
+            self._warm_up()
+        except BaseException:
+            self.close()
+            raise
+        self.start_s = time.perf_counter() - started
+
+    def _warm_up(self, attempts: int = 3) -> None:
+        """One short request first: the decode's first request also does the connector's
+        handshake with the prefill (vLLM's NixlConnector gives its side channel 5 s, which a
+        loaded 2-core machine can miss; the next request tries again)."""
+        prompt = random_prompts(1, 64, 64, 1000, seed=0)[0]
+        for attempt in range(1, attempts + 1):
+            try:
+                self.route(prompt, 1)
+                return
+            except VllmWorkerError:
+                if attempt == attempts:
+                    raise
 
     def route(self, prompt: Sequence[int], max_tokens: int) -> PdResult:
         """Prefill (one token, KV kept for a remote decode), then decode from its KV."""
@@ -397,6 +420,11 @@ class PdPair:
             )
         second = self.decode.generate([prompt], max_tokens, [params])
         out = second.outputs[0]
+        if out.finish_reason != "length":
+            raise self.decode._failure(
+                f"ended a request early (finish_reason {out.finish_reason!r}, "
+                f"{len(out.token_ids)} of {max_tokens} tokens)"
+            )
         return PdResult(
             out.prompt_tokens, out.token_ids, params, first.elapsed_s, second.elapsed_s,
             second.metrics_delta,

@@ -123,6 +123,7 @@ def _generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
                 "token_ids": list(out.outputs[0].token_ids),
                 "kv_transfer_params": out.kv_transfer_params,
                 "prompt_tokens": len(out.prompt_token_ids or ()),
+                "finish_reason": out.outputs[0].finish_reason,
             }
             for out in outputs
         ],
