@@ -1,7 +1,7 @@
 # kvxfer developer commands. Each target creates or updates .venv as needed.
 #   make demo    the main job (README)
 #   make test    every check: ruff, mypy --strict, import-linter, pytest (README, CI)
-#   make vllm-venv  .venv-vllm: real vLLM on CPU with kvxfer installed (tests/vllm)
+#   make vllm-venv  .venv-vllm: real vLLM on CPU with kvxfer (tests/test_vllm_*.py)
 #
 # The package is installed into .venv non-editably, as a user gets it: server/
 # and client/ only exist as kvxfer.server / kvxfer.client after installation,
