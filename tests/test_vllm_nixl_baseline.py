@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from vllm_harness import (
     BLOCK_SIZE,
+    CONTROL,
     MAX_MODEL_LEN,
     MAX_TOKENS,
     PROMPTS,
@@ -46,7 +47,8 @@ def references(
 ) -> dict[str, vllm_fleet.Reply]:
     specs = {f: engine_spec(models, f, cpu=i % 2) for i, f in enumerate(FAMILIES)}
     workdir = tmp_path_factory.mktemp("reference")
-    return vllm_fleet.reference_runs(specs, PROMPTS, MAX_TOKENS, vllm_python(), workdir)
+    prompts = [*PROMPTS, CONTROL[0]]
+    return vllm_fleet.reference_runs(specs, prompts, MAX_TOKENS, vllm_python(), workdir)
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3", "qwen3-next"])
@@ -69,7 +71,7 @@ def test_tiny_models_of_every_family_load_and_generate(
 ) -> None:
     for family in FAMILIES:
         outputs = references[family].outputs
-        assert [o.prompt_tokens for o in outputs] == [len(p) for p in PROMPTS], family
+        assert [o.prompt_tokens for o in outputs] == [len(p) for p in (*PROMPTS, CONTROL[0])]
         for out in outputs:
             assert len(out.token_ids) == MAX_TOKENS, family
             assert all(0 <= t < VOCAB_SIZE for t in out.token_ids), family
@@ -82,7 +84,7 @@ def test_nixl_pd_decode_matches_one_engine(
     nixl_pair: tuple[str, vllm_fleet.PdPair], references: dict[str, vllm_fleet.Reply]
 ) -> None:
     family, pair = nixl_pair
-    for prompt, expected in zip(PROMPTS, references[family].outputs, strict=True):
+    for prompt, expected in zip(PROMPTS, references[family].outputs[: len(PROMPTS)], strict=True):
         result = pair.route(prompt, MAX_TOKENS)
         assert len(result.token_ids) == MAX_TOKENS, family
         # The KV really moved: vLLM's NixlConnector counted a transfer into decode.
@@ -92,14 +94,14 @@ def test_nixl_pd_decode_matches_one_engine(
 
 
 def test_decode_given_another_requests_kv_diverges(
-    nixl_pair: tuple[str, vllm_fleet.PdPair],
+    nixl_pair: tuple[str, vllm_fleet.PdPair], references: dict[str, vllm_fleet.Reply]
 ) -> None:
     """Negative control: the harness would notice a decode that ignores the transferred KV.
-    A prompt decoded from another prompt's blocks (same length) must not match."""
-    _, pair = nixl_pair
-    first, second = vllm_fleet.random_prompts(2, 300, 300, VOCAB_SIZE, seed=5)
-    honest = pair.route(first, MAX_TOKENS)
-    swapped_params = pair.prefill.generate([second], 1, [{"do_remote_decode": True}])
-    params = swapped_params.outputs[0].kv_transfer_params
-    swapped = pair.decode.generate([first], MAX_TOKENS, [params]).outputs[0]
-    assert swapped.token_ids != honest.token_ids
+    A prompt decoded from another prompt's KV (same length) must not match one engine."""
+    family, pair = nixl_pair
+    victim, donor = CONTROL
+    donated = pair.prefill.generate([donor], 1, [{"do_remote_decode": True}])
+    params = donated.outputs[0].kv_transfer_params
+    swapped = pair.decode.generate([victim], MAX_TOKENS, [params]).outputs[0]
+    assert swapped.finish_reason == "length", family
+    assert swapped.token_ids != references[family].outputs[len(PROMPTS)].token_ids, family

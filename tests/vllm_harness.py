@@ -22,6 +22,10 @@ MAX_MODEL_LEN = 1024
 # ends inside a block; the others keep vLLM-CPU's default (128; Qwen3-Next's own).
 BLOCK_SIZE: dict[str, int | None] = {"llama": None, "gemma3": 32, "gpt-oss": None}
 PROMPTS = vllm_fleet.random_prompts(3, 100, 600, VOCAB_SIZE, seed=11)
+# Negative control: CONTROL[0] decoded from CONTROL[1]'s KV (same length, so the same
+# block count). The reference covers CONTROL[0]; no P/D run ever routes it honestly,
+# so the decode engine holds no correct copy of it in its prefix cache.
+CONTROL = vllm_fleet.random_prompts(2, 300, 300, VOCAB_SIZE, seed=5)
 
 
 def vllm_python() -> Path:
