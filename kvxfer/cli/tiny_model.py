@@ -1,0 +1,43 @@
+"""`kvxfer-cli tiny-model`: write a tiny random-weight HF model for vLLM tests and demos.
+
+Writing a model needs transformers, which kvxfer's own venv does not carry
+(vLLM's venv does): where it is missing, the command runs itself again with the
+vLLM venv's python (`make vllm-venv`), so it works from either venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+from pathlib import Path
+
+from kvxfer.integrations.tiny_models import TinyModelSpec, write_tiny_model
+
+EXIT_OK = 0
+
+
+def run_tiny_model(args: argparse.Namespace) -> int:
+    spec = TinyModelSpec(args.family, args.layers, args.sliding_window, args.seed)
+    out = Path(args.out).resolve()
+    if importlib.util.find_spec("transformers") is None:
+        return _in_vllm_venv(spec, out)
+    write_tiny_model(spec, out)
+    window = "" if spec.window is None else f", sliding window {spec.window}"
+    print(f"tiny {spec.family}: {spec.num_layers} layers{window}, seed {spec.seed} -> {out}")
+    return EXIT_OK
+
+
+def _in_vllm_venv(spec: TinyModelSpec, out: Path) -> int:
+    """Run this command again under the vLLM venv's python, which has transformers."""
+    from kvxfer.integrations.vllm_fleet import find_vllm_python  # noqa: PLC0415
+
+    argv = [str(find_vllm_python()), "-m", "kvxfer.cli.main", "tiny-model"]
+    argv += ["--family", spec.family, "--out", str(out), "--seed", str(spec.seed)]
+    if spec.layers is not None:
+        argv += ["--layers", str(spec.layers)]
+    if spec.sliding_window is not None:
+        argv += ["--sliding-window", str(spec.sliding_window)]
+    # cwd "/": `-m` puts cwd on sys.path, where a checkout's kvxfer/ would shadow the
+    # package installed in that venv.
+    return subprocess.run(argv, cwd="/", check=False, timeout=600).returncode

@@ -1,0 +1,482 @@
+"""Starting, driving and stopping real vLLM processes (demo, bench and tests).
+
+vLLM runs in its own venv (`make vllm-venv`: it pins its own torch and
+setuptools), so this module never imports it: each engine is a
+`kvxfer.integrations.vllm_worker` process run by that venv's python, driven
+over a pipe with one JSON object per line. The same code runs
+
+- a single-instance reference (`reference_run`): prompts -> greedy token ids;
+- a prefill/decode pair (`PdPair`), each engine pinned to its own core and
+  given a `kv_transfer_config` (vLLM's NixlConnector, `nixl_connector_config`,
+  or kvxfer's, `kvxfer_connector_config`), routed as a P/D router does:
+  prefill with max_tokens=1 and `{"do_remote_decode": true}`, then decode with
+  the `kv_transfer_params` prefill returned.
+
+Every wait has a deadline; `close()` (also on failure, through the context
+managers) stops each engine's whole process group: vLLM forks an engine core
+and a worker below the process we start. kvxfer's sidecars are not started
+here: `kvxfer.cli.fleet` starts those, and a caller passes their addresses in
+`kvxfer_connector_config`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from kvxfer._exceptions import InvalidInputError, KvxferError
+
+WORKER_MODULE = "kvxfer.integrations.vllm_worker"
+VLLM_VENV = ".venv-vllm"
+READY_TIMEOUT_S = 300.0
+CALL_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 10.0
+# vLLM's NixlConnector metrics, as the worker reports them (histogram _sum/_count).
+NIXL_BYTES = "vllm:nixl_bytes_transferred"
+NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds"
+TTFT = "vllm:time_to_first_token_seconds"
+
+
+class VllmWorkerError(KvxferError):
+    """A vLLM worker process failed to start, died, timed out or answered an error."""
+
+
+def find_vllm_python(explicit: Path | None = None) -> Path:
+    """The python of the vLLM venv: `explicit`, else `.venv-vllm` beside the running venv
+    (a checkout's `.venv`), else the running python if it has vLLM itself."""
+    candidates = [explicit] if explicit is not None else []
+    candidates.append(Path(sys.prefix).parent / VLLM_VENV / "bin" / "python")
+    for candidate in candidates:
+        if candidate is not None and candidate.exists():
+            return candidate
+    with contextlib.suppress(ImportError):
+        import vllm  # noqa: F401, PLC0415
+
+        return Path(sys.executable)
+    tried = ", ".join(str(c) for c in candidates)
+    raise VllmWorkerError(f"no vLLM venv found (tried {tried}); run `make vllm-venv` first")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def random_prompts(count: int, lo: int, hi: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `lo`..`hi` token ids drawn from [3, vocab_size) (0-2 are special)."""
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(count)
+    ]
+
+
+def nixl_connector_config() -> dict[str, Any]:
+    """vLLM's own NixlConnector on CPU memory (both roles: vLLM's P/D examples use kv_both)."""
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
+def kvxfer_connector_config(role: str, sidecar: str, **extra_config: Any) -> dict[str, Any]:
+    """kvxfer's connector, talking to the sidecar at `sidecar` (e.g. "unix:/tmp/p.sock");
+    `extra_config` adds connector options (e.g. stats_path). Load failures are recomputed:
+    vLLM's default policy ("fail") would fail the request instead."""
+    if role not in ("kv_producer", "kv_consumer"):
+        raise InvalidInputError("kv_role", f"{role!r} unknown; expected kv_producer or kv_consumer")
+    return {
+        "kv_connector": "KvxferConnector",
+        "kv_connector_module_path": "kvxfer.integrations.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"sidecar": sidecar, **extra_config},
+    }
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One vLLM engine: model directory and the options the worker passes to `LLM`."""
+
+    model: Path
+    max_model_len: int = 2048
+    block_size: int | None = None
+    kv_transfer_config: Mapping[str, Any] | None = None
+    # Core for VLLM_CPU_OMP_THREADS_BIND; None leaves vLLM's default (all cores).
+    cpu: int | None = None
+    kvcache_gib: int = 1
+    # None keeps vLLM's default (on); off where a reference must not reuse earlier prompts.
+    enable_prefix_caching: bool | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def config_json(self) -> str:
+        return json.dumps(
+            {
+                "model": str(self.model),
+                "max_model_len": self.max_model_len,
+                "block_size": self.block_size,
+                "enable_prefix_caching": self.enable_prefix_caching,
+                "kv_transfer_config": (
+                    None if self.kv_transfer_config is None else dict(self.kv_transfer_config)
+                ),
+            }
+        )
+
+    def environ(self) -> dict[str, str]:
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_gib)}
+        if self.cpu is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
+        env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+        return {**env, **self.env}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One prompt's result from one engine."""
+
+    token_ids: list[int]
+    prompt_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+    # "length" when all max_tokens came (the worker ignores EOS); anything else means
+    # vLLM ended the request early, e.g. a KV load it could not complete ("error"/"abort").
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One `generate` call: its outputs, wall time, metric deltas and memory high-water mark."""
+
+    outputs: list[Generation]
+    elapsed_s: float
+    metrics_delta: dict[str, float]
+    peak_rss_bytes: int
+
+
+class VllmWorker:
+    """One vLLM engine process; use as a context manager or call `close()`."""
+
+    def __init__(self, name: str, spec: EngineSpec, python: Path, workdir: Path) -> None:
+        self.name = name
+        self.log = workdir / f"{name}.log"
+        workdir.mkdir(parents=True, exist_ok=True)
+        with self.log.open("w") as err:
+            # cwd is the workdir: `python -m` puts cwd on sys.path, and a checkout's
+            # kvxfer/ source folder there would shadow the installed package.
+            self._popen = subprocess.Popen(
+                [str(python), "-m", WORKER_MODULE, spec.config_json()],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                cwd=workdir, env=spec.environ(), start_new_session=True,
+            )  # fmt: skip
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name=f"{name}-stdout", daemon=True).start()
+        self._metrics: dict[str, float] = {}
+        self.ready: dict[str, Any] = {}
+        self.peak_rss_bytes = 0
+
+    def _read(self) -> None:
+        assert self._popen.stdout is not None
+        for line in self._popen.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # EOF: the worker exited
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
+        self.ready = self._next_reply(timeout_s, "start")
+        return self.ready
+
+    def _next_reply(self, timeout_s: float, what: str) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise self._failure(f"did not answer {what} within {timeout_s:.0f} s") from None
+        if line is None:
+            raise self._failure(
+                f"exited with code {self._popen.wait(STOP_TIMEOUT_S)} during {what}"
+            )
+        reply: dict[str, Any] = json.loads(line)
+        if not reply.get("ok"):
+            raise self._failure(f"{what} failed: {reply.get('error')}")
+        return reply
+
+    def _failure(self, message: str) -> VllmWorkerError:
+        tail = self.log.read_text(errors="replace")[-3000:]
+        return VllmWorkerError(f"vLLM worker {self.name} {message}; log {self.log}:\n{tail}")
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int,
+        kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
+        timeout_s: float = CALL_TIMEOUT_S,
+    ) -> Reply:
+        request = {
+            "op": "generate",
+            "prompts": [list(p) for p in prompts],
+            "max_tokens": max_tokens,
+            "kv_transfer_params": None if kv_transfer_params is None else list(kv_transfer_params),
+        }
+        assert self._popen.stdin is not None
+        try:
+            self._popen.stdin.write(json.dumps(request) + "\n")
+            self._popen.stdin.flush()
+        except BrokenPipeError as exc:
+            raise self._failure("closed its stdin") from exc
+        raw = self._next_reply(timeout_s, "generate")
+        metrics: dict[str, float] = raw["metrics"]
+        delta = {k: v - self._metrics.get(k, 0.0) for k, v in metrics.items()}
+        self._metrics = metrics
+        self.peak_rss_bytes = raw["peak_rss_bytes"]
+        outputs = [
+            Generation(
+                o["token_ids"], o["prompt_tokens"], o["kv_transfer_params"], o["finish_reason"]
+            )
+            for o in raw["outputs"]
+        ]
+        return Reply(outputs, raw["elapsed_s"], delta, raw["peak_rss_bytes"])
+
+    def request_quit(self) -> None:
+        """Ask the worker to quit without waiting (so that several shut down at once)."""
+        with contextlib.suppress(BrokenPipeError, OSError, ValueError):
+            assert self._popen.stdin is not None
+            self._popen.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self._popen.stdin.close()
+
+    def close(self) -> int:
+        """Ask the worker to quit, then SIGTERM and SIGKILL its process group if it will not."""
+        self.request_quit()
+        try:
+            code = self._popen.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        # vLLM's engine core and worker live in this process group (start_new_session).
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._popen.pid, sig)
+            if code is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = self._popen.wait(STOP_TIMEOUT_S)
+        if self._popen.stdout is not None:
+            self._popen.stdout.close()
+        return self._popen.wait() if code is None else code
+
+    def __enter__(self) -> VllmWorker:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def start_workers(
+    named_specs: Mapping[str, EngineSpec], python: Path, workdir: Path
+) -> dict[str, VllmWorker]:
+    """Start several engines at once (they load in parallel) and wait until all are ready;
+    on any failure stop every one of them."""
+    workers: dict[str, VllmWorker] = {}
+    try:
+        for name, spec in named_specs.items():
+            workers[name] = VllmWorker(name, spec, python, workdir)
+        for worker in workers.values():
+            worker.wait_ready()
+    except BaseException:
+        close_all(workers.values())
+        raise
+    return workers
+
+
+def close_all(workers: Iterable[VllmWorker]) -> None:
+    """Stop several workers at once: vLLM takes 5-10 s to shut down, each in parallel."""
+    workers = list(workers)
+    for worker in workers:
+        worker.request_quit()
+    for worker in workers:
+        worker.close()
+
+
+def reference_run(
+    spec: EngineSpec,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    python: Path,
+    workdir: Path,
+) -> Reply:
+    """One engine, no connector: the greedy tokens a P/D run must reproduce."""
+    with VllmWorker("reference", spec, python, workdir) as worker:
+        worker.wait_ready()
+        return worker.generate(prompts, max_tokens)
+
+
+def reference_runs(
+    specs: Mapping[str, EngineSpec],
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    python: Path,
+    workdir: Path,
+    parallel: int = 2,
+) -> dict[str, Reply]:
+    """`reference_run` for several engines (e.g. one per model), `parallel` loading at
+    once: loading is mostly single-threaded Python, so two overlap well on two cores."""
+    names = list(specs)
+    replies: dict[str, Reply] = {}
+    for start in range(0, len(names), parallel):
+        batch = {name: specs[name] for name in names[start : start + parallel]}
+        workers = start_workers(batch, python, workdir)
+        try:
+            for name, worker in workers.items():
+                replies[name] = worker.generate(prompts, max_tokens)
+        finally:
+            close_all(workers.values())
+    return replies
+
+
+@dataclass(frozen=True)
+class PdResult:
+    """One request routed prefill -> decode."""
+
+    prompt_tokens: int
+    token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None
+    prefill_s: float
+    decode_s: float
+    # Decode side metric deltas for this request (NixlConnector: bytes, transfer time; TTFT).
+    decode_metrics: dict[str, float]
+
+    @property
+    def bytes_transferred(self) -> float:
+        return self.decode_metrics.get(f"{NIXL_BYTES}_sum", 0.0)
+
+    @property
+    def transfer_time_s(self) -> float:
+        return self.decode_metrics.get(f"{NIXL_XFER_TIME}_sum", 0.0)
+
+    @property
+    def decode_ttft_s(self) -> float:
+        return self.decode_metrics.get(f"{TTFT}_sum", 0.0)
+
+
+def pd_specs(
+    model: Path,
+    prefill_kv_config: Mapping[str, Any],
+    decode_kv_config: Mapping[str, Any],
+    max_model_len: int = 2048,
+    block_size: int | None = None,
+) -> tuple[EngineSpec, EngineSpec]:
+    """Prefill on core 0, decode on core 1, otherwise alike (`dataclasses.replace` to vary)."""
+    return (
+        EngineSpec(model, max_model_len, block_size, prefill_kv_config, cpu=0),
+        EngineSpec(model, max_model_len, block_size, decode_kv_config, cpu=1),
+    )
+
+
+class PdPair:
+    """A prefill and a decode vLLM (see `pd_specs`), driven as a P/D router."""
+
+    def __init__(
+        self, prefill: EngineSpec, decode: EngineSpec, python: Path, workdir: Path
+    ) -> None:
+        started = time.perf_counter()
+        workers = start_workers({"prefill": prefill, "decode": decode}, python, workdir)
+        self.prefill, self.decode = workers["prefill"], workers["decode"]
+        try:
+            self._warm_up()
+        except BaseException:
+            self.close()
+            raise
+        self.start_s = time.perf_counter() - started
+
+    def _warm_up(self, attempts: int = 3) -> None:
+        """One short request first: the decode's first request also does the connector's
+        handshake with the prefill (vLLM's NixlConnector gives its side channel 5 s, which a
+        loaded 2-core machine can miss; the next request tries again)."""
+        prompt = random_prompts(1, 64, 64, 1000, seed=0)[0]
+        for attempt in range(1, attempts + 1):
+            try:
+                self.route(prompt, 1)
+                return
+            except VllmWorkerError:
+                if attempt == attempts:
+                    raise
+
+    def route(self, prompt: Sequence[int], max_tokens: int) -> PdResult:
+        """Prefill (one token, KV kept for a remote decode), then decode from its KV."""
+        first = self.prefill.generate([prompt], 1, [{"do_remote_decode": True}])
+        params = first.outputs[0].kv_transfer_params
+        if params is None:
+            raise VllmWorkerError(
+                "prefill returned no kv_transfer_params: its connector did not publish the request"
+            )
+        second = self.decode.generate([prompt], max_tokens, [params])
+        out = second.outputs[0]
+        if out.finish_reason != "length":
+            raise self.decode._failure(
+                f"ended a request early (finish_reason {out.finish_reason!r}, "
+                f"{len(out.token_ids)} of {max_tokens} tokens)"
+            )
+        return PdResult(
+            out.prompt_tokens, out.token_ids, params, first.elapsed_s, second.elapsed_s,
+            second.metrics_delta,
+        )  # fmt: skip
+
+    def peak_rss_bytes(self) -> int:
+        """Prefill + decode high-water RSS as of their last replies."""
+        return self.prefill.peak_rss_bytes + self.decode.peak_rss_bytes
+
+    def close(self) -> None:
+        close_all((self.decode, self.prefill))
+
+    def __enter__(self) -> PdPair:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def first_divergence(got: Sequence[int], want: Sequence[int]) -> int | None:
+    """Index of the first token that differs (or where one sequence ends), None if equal."""
+    for index, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return index
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def measure_pd(
+    pair: PdPair,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    reference: Reply,
+) -> list[dict[str, Any]]:
+    """Route every prompt through `pair` and compare with `reference`: one row per request
+    with what the P/D side-by-side reports (bytes moved, transfer time and decode TTFT as
+    vLLM's NixlConnector metrics give them; zero where a connector reports none)."""
+    rows = []
+    for prompt, expected in zip(prompts, reference.outputs, strict=True):
+        result = pair.route(prompt, max_tokens)
+        divergence = first_divergence(result.token_ids, expected.token_ids)
+        rows.append(
+            {
+                "prompt_tokens": result.prompt_tokens,
+                "match": divergence is None,
+                "first_divergence": divergence,
+                "bytes_moved": int(result.bytes_transferred),
+                "transfer_time_s": result.transfer_time_s,
+                "decode_ttft_s": result.decode_ttft_s,
+                "prefill_s": result.prefill_s,
+                "decode_s": result.decode_s,
+            }
+        )
+    return rows

