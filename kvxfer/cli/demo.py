@@ -91,6 +91,14 @@ def workload(args: argparse.Namespace, block_size: int) -> list[Request]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from kvxfer.cli.vllm_demo import run_vllm  # noqa: PLC0415 (only this engine needs it)
+
+        return run_vllm(args)
+    args.model = args.model or "gpt-oss-20b"
+    args.requests = args.requests or 24
+    if not args.tokens and not args.tokens_range:
+        args.tokens_range = (512, 16384)
     if args.fail_rate and not 0 < args.fail_rate < 1:
         raise InvalidInputError("--fail-rate", f"must be in [0, 1), got {args.fail_rate}")
     if not 0 <= args.prefix_hit_rate <= 1:

