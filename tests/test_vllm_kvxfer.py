@@ -54,6 +54,7 @@ def oracle_minimum(report: dict[str, Any]) -> int:
 
 def assert_identical(report: dict[str, Any]) -> None:
     assert report["matched"] == report["requests"] == 3, report
+    assert report["negative_control_applies"], "the control's pull failed: it proves nothing"
     assert report["negative_control_diverged"], "the decode ignored the moved KV"
     assert report["returncode"] == 0, report["stderr"]
 
@@ -70,8 +71,12 @@ def test_decode_is_token_identical_and_moves_the_oracle_minimum(family: str) -> 
 
 def test_failed_chunks_are_recomputed_and_the_output_does_not_change() -> None:
     report = demo("--model", "gpt-oss", "--fail-rate", "0.5", "--seed", "3")
-    assert_identical(report)
+    assert report["matched"] == report["requests"] == 3, report
     assert report["failed_blocks"] > 0 and report["recomputed_tokens"] > 0, report
+    # The control may have failed and been recomputed honestly; the no-failure cases
+    # prove the moved KV is used.
+    assert report["negative_control_diverged"] or not report["negative_control_applies"]
+    assert report["returncode"] == 0, report["stderr"]
 
 
 def test_a_state_model_matches_vllms_own_pd() -> None:

@@ -83,9 +83,10 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
         fake = pair.decode.generate([control], options.max_tokens,
                                     [donor.outputs[0].kv_transfer_params])  # fmt: skip
     n = len(prompts)
-    counted = _pulls(stats, warm_up)[:n]  # the control's pull comes last
-    if len(counted) != n:
-        raise vllm_fleet.VllmWorkerError(f"{len(counted)} pulls recorded for {n} requests")
+    pulls = _pulls(stats, warm_up)
+    if len(pulls) != n + 1:  # the control's pull comes last
+        raise vllm_fleet.VllmWorkerError(f"{len(pulls)} pulls recorded for {n} requests + 1")
+    counted, control_pull = pulls[:n], pulls[n]
     per_request = []
     for prompt, result, want, pull in zip(prompts, routed, reference[:n], counted, strict=True):
         first = vllm_fleet.first_divergence(result.token_ids, want)
@@ -102,6 +103,8 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
         "matched": sum(r["match"] for r in per_request),
         "reference": reference_kind,
         "negative_control_diverged": fake.outputs[0].token_ids != reference[-1],
+        # A control whose pull failed was recomputed from its own prompt: it proves nothing.
+        "negative_control_applies": control_pull["failed"] == 0,
         "bytes_moved": sum(x["bytes_moved"] for x in counted),
         "bytes_exact_minimum": sum(x["bytes_planned"] for x in counted),
         "bytes_full_attention": sum(x["full_attention_bytes"] for x in counted),
