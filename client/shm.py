@@ -119,9 +119,10 @@ class ShmKVCache:
             finalizer.detach()
 
 
-def _create(name: str, size: int) -> _Segment:
-    """Create, size and map a new segment through one file descriptor: nothing can swap
-    the file between creating and mapping it."""
+def new_segment_fd(name: str, size: int) -> int:
+    """Create /dev/shm/NAME, 0600, never through a link, of `size` bytes, and return its
+    descriptor (the caller closes it, and maps through it: nothing can swap the file in
+    between). On error nothing is left behind."""
     path = os.path.join(SHM_DIR, name)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
@@ -129,9 +130,20 @@ def _create(name: str, size: int) -> _Segment:
         raise RegistrationError(f"cannot create shared memory {name!r}: {exc.strerror}") from exc
     try:
         os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd
+
+
+def _create(name: str, size: int) -> _Segment:
+    """Create, size and map a new segment through one file descriptor."""
+    fd = new_segment_fd(name, size)
+    try:
         mapping = mmap.mmap(fd, size)
     except BaseException:
-        os.unlink(path)
+        os.unlink(os.path.join(SHM_DIR, name))
         raise
     finally:
         os.close(fd)

@@ -34,6 +34,7 @@ import weakref
 from dataclasses import dataclass
 
 from kvxfer._exceptions import RegistrationError
+from kvxfer.client.shm import new_segment_fd
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 
 SHM_DIR = "/dev/shm"
@@ -93,13 +94,8 @@ def _remap(address: int, nbytes: int, name: str) -> RemappedRange:
     base = address - address % PAGE
     end = -(-(address + nbytes) // PAGE) * PAGE
     size = end - base
-    path = os.path.join(SHM_DIR, name)
+    fd = new_segment_fd(name, size)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
-    except OSError as exc:
-        raise RegistrationError(f"cannot create shared memory {name!r}: {exc.strerror}") from exc
-    try:
-        os.ftruncate(fd, size)
         _copy_into(fd, base, size)
         flags = mmap.MAP_SHARED | 0x10  # MAP_FIXED: replace the private pages in place
         got = _libc.mmap(base, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)

@@ -73,7 +73,11 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
         max_model_len=1024,
         block_size=block,
     )
-    decode = replace(decode, enable_prefix_caching=False)  # the control must not hit a cache
+    # Prefix caching off on both: the control must not hit a cache on decode, and both
+    # sides must size their groups alike (with Mamba layers vLLM sizes them differently
+    # when caching is on; the sidecars refuse such a pair, naming the fields).
+    prefill = replace(prefill, enable_prefix_caching=False)
+    decode = replace(decode, enable_prefix_caching=False)
     reference, reference_kind = _reference(family, model, block, [*prompts, control], options,
                                            python, workdir)  # fmt: skip
     with vllm_fleet.PdPair(prefill, decode, python, workdir) as pair:
