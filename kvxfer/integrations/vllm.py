@@ -50,6 +50,7 @@ from kvxfer._exceptions import KvxferError
 from kvxfer.client.engine import SyncEngineClient
 from kvxfer.core.layout import EngineLayout, GroupKind
 from kvxfer.core.requests import EngineEvent, LeaseExpired, PullDone, PullStatus, Released
+from kvxfer.integrations.cpu_isa import allow_amx
 from kvxfer.integrations.shm_remap import SharedRemap
 from kvxfer.integrations.vllm_layout import group_kinds, layout_from_vllm, spans_from_block_ids
 from kvxfer.integrations.vllm_params import KEY, load_errors, params_from_dict, params_to_dict
@@ -110,6 +111,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler = _Scheduler(self, sidecar) if role is KVConnectorRole.SCHEDULER else None
         stats = extra.get("stats_path")
         worker = role is KVConnectorRole.WORKER
+        if worker:
+            allow_amx()  # a decode's first step would SIGILL on AMX CPUs (cpu_isa.py)
         self._worker = _Worker(self, sidecar, stats) if worker else None
 
     # ---- scheduler side -------------------------------------------------------------

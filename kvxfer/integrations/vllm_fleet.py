@@ -39,6 +39,7 @@ from types import TracebackType
 from typing import Any
 
 from kvxfer._exceptions import InvalidInputError, KvxferError
+from kvxfer.integrations.cpu_isa import ALLOW_AMX_ENV
 
 WORKER_MODULE = "kvxfer.integrations.vllm_worker"
 VLLM_VENV = ".venv-vllm"
@@ -138,6 +139,9 @@ class EngineSpec:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_gib)}
         if self.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
+        connector = (self.kv_transfer_config or {}).get("kv_connector")
+        if connector != "KvxferConnector":  # kvxfer's connector asks itself (cpu_isa.py)
+            env[ALLOW_AMX_ENV] = "1"
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
         return {**env, **self.env}

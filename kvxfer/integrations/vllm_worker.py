@@ -22,9 +22,18 @@ import sys
 import time
 from typing import IO, Any
 
+from kvxfer.integrations.cpu_isa import ALLOW_AMX_ENV, allow_amx
+
 # Metrics a reply carries (summed over label sets): vLLM's NixlConnector
 # transfer stats and the time-to-first-token histogram.
 _METRIC_PREFIXES = ("vllm:nixl_", "vllm:time_to_first_token_seconds", "vllm:kv_")
+
+
+# Before anything runs a kernel: see cpu_isa.allow_amx. Spawned vLLM processes
+# re-import this module, so each of them asks. Engines with kvxfer's connector are
+# left to it (vllm_fleet sets this only for the others), so the tier tests its call.
+if os.environ.get(ALLOW_AMX_ENV) == "1":
+    allow_amx()
 
 
 def _protocol_stream() -> IO[str]:
