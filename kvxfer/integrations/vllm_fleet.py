@@ -87,9 +87,13 @@ def random_prompts(count: int, lo: int, hi: int, vocab_size: int, seed: int) -> 
     ]
 
 
-def nixl_connector_config() -> dict[str, Any]:
-    """vLLM's own NixlConnector on CPU memory (both roles: vLLM's P/D examples use kv_both)."""
-    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+def nixl_connector_config(load_failure_policy: str | None = None) -> dict[str, Any]:
+    """vLLM's own NixlConnector on CPU memory (both roles: vLLM's P/D examples use kv_both);
+    `load_failure_policy` sets vLLM's kv_load_failure_policy (None keeps its default)."""
+    config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    if load_failure_policy is not None:
+        config["kv_load_failure_policy"] = load_failure_policy
+    return config
 
 
 def kvxfer_connector_config(role: str, sidecar: str, **extra_config: Any) -> dict[str, Any]:
@@ -256,6 +260,12 @@ class VllmWorker:
             assert self._popen.stdin is not None
             self._popen.stdin.write(json.dumps({"op": "quit"}) + "\n")
             self._popen.stdin.close()
+
+    def kill(self) -> int:
+        """SIGKILL the engine's whole process group at once (a crashed pod), and reap it."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._popen.pid, signal.SIGKILL)
+        return self._popen.wait()
 
     def close(self) -> int:
         """Ask the worker to quit, then SIGTERM and SIGKILL its process group if it will not."""
@@ -483,4 +493,43 @@ def measure_pd(
                 "decode_s": result.decode_s,
             }
         )
+    return rows
+
+
+def measure_dead_prefill(
+    pair: PdPair,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    reference: Reply,
+    timeout_s: float = 120.0,
+) -> list[dict[str, Any]]:
+    """The failure case of the side by side: prefill every prompt, SIGKILL the prefill
+    engine (its KV is gone before the decode reads it), then decode each prompt from the
+    params the prefill returned. One row per request: "match" when the decode recovered
+    (recomputed) with the reference's tokens, else what happened. After a request that
+    does not answer within `timeout_s` the decode engine is stuck: the rest are not sent.
+    Leaves the pair's prefill dead; run it last."""
+    params = [
+        pair.prefill.generate([p], 1, [{"do_remote_decode": True}]).outputs[0].kv_transfer_params
+        for p in prompts
+    ]
+    pair.prefill.kill()
+    rows: list[dict[str, Any]] = []
+    stuck = False
+    for prompt, param, expected in zip(prompts, params, reference.outputs, strict=True):
+        row: dict[str, Any] = {"prompt_tokens": len(prompt)}
+        started = time.perf_counter()
+        if stuck:
+            row["outcome"] = "not sent (decode engine stuck)"
+        else:
+            try:
+                out = pair.decode.generate([prompt], max_tokens, [param], timeout_s).outputs[0]
+            except VllmWorkerError as exc:
+                stuck = "did not answer" in str(exc)
+                row["outcome"] = "error: " + str(exc).splitlines()[0][:200]
+            else:
+                divergence = first_divergence(out.token_ids, expected.token_ids)
+                row["outcome"] = "match" if divergence is None else f"diverged at {divergence}"
+        row["decode_s"] = round(time.perf_counter() - started, 3)
+        rows.append(row)
     return rows
