@@ -1,9 +1,13 @@
 """Model profiles: a HuggingFace `config.json` becomes an EngineLayout.
 
-Layers are classified from the config (see shared/models/README.md):
-`layer_types` where given; Gemma's `sliding_window_pattern`; Jamba's
-attention period/offset; Falcon-H1's parallel attention + Mamba-2 layers;
-Mistral's model-wide `sliding_window`; plain full attention otherwise.
+`hf_config.recognise` first picks the family that reads the config, or
+refuses it naming the feature and field kvxfer does not model (see
+docs/models.md). The family's reader then classifies each layer (see
+shared/models/README.md): `layer_types` where given; Gemma-2's implicit
+alternation; Gemma-3's `sliding_window_pattern`; Qwen3-Next's
+`full_attention_interval`; Jamba's attention period/offset; Falcon-H1's
+parallel attention + Mamba-2 layers; Mistral's model-wide `sliding_window`;
+plain full attention otherwise.
 One KV group is made per distinct (kind, window), numbered in order of the
 first layer that uses it. Mamba / linear-attention state is sized from the
 config and stored in the KV dtype (one state block per request).
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer._exceptions import ProfileError, UnsupportedModelError
+from kvxfer.core.hf_config import FULL, LINEAR, SLIDING, Family, recognise
 from kvxfer.core.layout import (
     EngineLayout,
     GroupId,
@@ -111,28 +116,54 @@ def layout_from_config(
     text = config.get("text_config", config)
     if not isinstance(text, Mapping):
         raise ProfileError("text_config", "must be a JSON object")
+    _, family = recognise(config, text)
     elem = dtype_bytes(kv_dtype)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ProfileError("block_size", f"must be a positive integer, got {block_size!r}")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ProfileError("tp_size", f"must be a positive integer, got {tp_size!r}")
-    sizing = _Sizing(text, elem, block_size, tp_size)
-    per_layer = [_layer_tensors(text, sizing, i) for i in range(sizing.num_layers)]
+    groups = _groups(family, _Sizing(text, elem, block_size, tp_size))
     return EngineLayout(
         model=name,
-        fingerprint=fingerprint(text),
+        fingerprint=fingerprint(_groups(family, _Sizing(text, 1, 1, 1)), text),
         kv_dtype=kv_dtype,
         block_size=block_size,
         tp_size=tp_size,
         tp_rank=tp_rank,
-        groups=_group_layers(per_layer),
+        groups=groups,
     )
 
 
-def fingerprint(text_config: Config) -> str:
-    """Stable hash of the KV-relevant architecture facts (not of the name)."""
-    canonical = json.dumps(text_config, sort_keys=True, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
+def _groups(family: Family, sizing: _Sizing) -> tuple[KVGroup, ...]:
+    return _group_layers([_layer_tensors(family, sizing, i) for i in range(sizing.num_layers)])
+
+
+# Facts besides the cache shape that change what K holds: the rotary embedding.
+_KV_VALUE_KEYS = (
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "rope_local_base_freq",
+    "partial_rotary_factor",
+)
+
+
+def fingerprint(canonical: tuple[KVGroup, ...], text: Config) -> str:
+    """Hash of the KV-relevant facts only: each group's kind, window, layers and tensor
+    sizes (at one token per block, one byte per element, no tensor parallelism) and the
+    rotary settings that shape K. Names, versions, vocabularies, context lengths and
+    dtypes do not change it (dtype is negotiated on its own); anything cached does.
+    It cannot tell apart two models whose caches have the same shape (two fine-tunes,
+    or two sizes sharing attention geometry): pairing engines that run the same weights
+    stays the operator's job."""
+    facts: list[Any] = [
+        [g.kind.value, g.sliding_window, list(g.layers)]
+        + [[t.name, t.bytes_per_block] for t in g.tensors]
+        for g in canonical
+    ]
+    facts.append({k: text[k] for k in _KV_VALUE_KEYS if text.get(k) is not None})
+    canonical_json = json.dumps(facts, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical_json.encode()).hexdigest()[:16]
 
 
 class _Sizing:
@@ -194,29 +225,50 @@ def _window(sizing: _Sizing) -> int:
     return sizing.positive("sliding_window")
 
 
-def _layer_tensors(text: Config, sizing: _Sizing, index: int) -> list[_LayerTensors]:
+def _layer_tensors(family: Family, sizing: _Sizing, index: int) -> list[_LayerTensors]:
     """The group kinds layer `index` takes part in, with its tensors for each."""
-    if "kv_lora_rank" in text:
-        raise UnsupportedModelError(
-            "kv_lora_rank",
-            "multi-head latent attention (MLA, e.g. DeepSeek-V2/V3) is not supported yet",
-        )
+    text = sizing.text
     layer_types = text.get("layer_types")
+    if family.reader == "falcon_h1":
+        return _falcon_h1(text, sizing, index)
     if layer_types is not None:
         return [_from_layer_type(layer_types, sizing, index)]
-    if "mamba_d_ssm" in text:
-        return _falcon_h1(text, sizing, index)
-    if "attn_layer_period" in text:
+    if family.reader == "jamba":
         return [_jamba(text, sizing, index)]
-    pattern = text.get("sliding_window_pattern")
-    if pattern is not None and text.get("sliding_window") is not None:
-        full = (index + 1) % sizing.positive("sliding_window_pattern") == 0
+    if family.reader == "qwen3_next":
+        interval = sizing.positive("full_attention_interval")
+        kind = FULL if (index + 1) % interval == 0 else LINEAR
+        return [_from_layer_type([kind] * sizing.num_layers, sizing, index)]
+    if family.reader == "gemma2":
+        return [_gemma2(text, sizing, index)]
+    if family.reader == "gemma3" and text.get("sliding_window") is not None:
+        full = (index + 1) % _pattern(sizing) == 0
         if full:
             return [_attention(GroupKind.FULL_ATTENTION, None, sizing)]
         return [_attention(GroupKind.SLIDING_WINDOW, _window(sizing), sizing)]
-    if text.get("sliding_window") is not None and text.get("use_sliding_window", True):
+    if family.sliding == "all" and text.get("sliding_window") is not None:
         return [_attention(GroupKind.SLIDING_WINDOW, _window(sizing), sizing)]
     return [_attention(GroupKind.FULL_ATTENTION, None, sizing)]
+
+
+def _pattern(sizing: _Sizing) -> int:
+    """Gemma-3's sliding_window_pattern (newer configs spell it _sliding_window_pattern)."""
+    key = "sliding_window_pattern" if "sliding_window_pattern" in sizing.text else None
+    return sizing.positive(key or "_sliding_window_pattern")
+
+
+def _gemma2(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
+    """Gemma-2 without layer_types: even layers slide, odd layers attend to everything
+    (the rule lives in the model code, not in the config)."""
+    window = _window(sizing)
+    duplicate = text.get("sliding_window_size")
+    if duplicate is not None and duplicate != window:
+        raise ProfileError(
+            "sliding_window_size", f"{duplicate!r} disagrees with sliding_window {window}"
+        )
+    if index % 2 == 0:
+        return _attention(GroupKind.SLIDING_WINDOW, window, sizing)
+    return _attention(GroupKind.FULL_ATTENTION, None, sizing)
 
 
 def _from_layer_type(layer_types: Any, sizing: _Sizing, index: int) -> _LayerTensors:
@@ -225,11 +277,11 @@ def _from_layer_type(layer_types: Any, sizing: _Sizing, index: int) -> _LayerTen
             "layer_types", f"must be a list of num_hidden_layers ({sizing.num_layers}) strings"
         )
     kind = layer_types[index]
-    if kind == "full_attention":
+    if kind == FULL:
         return _attention(GroupKind.FULL_ATTENTION, None, sizing)
-    if kind == "sliding_attention":
+    if kind == SLIDING:
         return _attention(GroupKind.SLIDING_WINDOW, _window(sizing), sizing)
-    if kind == "linear_attention":
+    if kind == LINEAR:  # recognise() lets it through only for Qwen3-Next
         return _gated_deltanet(sizing)
     raise UnsupportedModelError(f"layer_types[{index}]", f"layer type {kind!r} is not supported")
 
@@ -264,12 +316,22 @@ def _falcon_h1(text: Config, sizing: _Sizing, index: int) -> list[_LayerTensors]
     if attn_layers is None or index in attn_layers:
         kinds.append(_attention(GroupKind.FULL_ATTENTION, None, sizing))
     d_state = sizing.positive("mamba_d_state")
-    groups = sizing.positive("mamba_n_groups")
-    conv_dim = sizing.split("mamba_d_ssm", sizing.positive("mamba_d_ssm") + 2 * groups * d_state)
-    conv = (sizing.positive("mamba_d_conv") - 1) * conv_dim
+    groups = _groups_per_rank(sizing.positive("mamba_n_groups"), sizing)
+    d_ssm = sizing.split("mamba_d_ssm", sizing.positive("mamba_d_ssm"))
+    conv = (sizing.positive("mamba_d_conv") - 1) * (d_ssm + 2 * groups * d_state)
     heads = sizing.split("mamba_n_heads", sizing.positive("mamba_n_heads"))
     kinds.append(_state(conv, heads * sizing.positive("mamba_d_head") * d_state, sizing))
     return kinds
+
+
+def _groups_per_rank(groups: int, sizing: _Sizing) -> int:
+    """Mamba-2 B/C groups on one TP rank: split when they divide, else replicated so every
+    rank holds one (vLLM adds the missing groups rather than splitting one)."""
+    if groups % sizing.tp == 0:
+        return groups // sizing.tp
+    if sizing.tp % groups == 0:
+        return 1
+    raise ProfileError("mamba_n_groups", f"{groups} groups cannot be placed on tp_size {sizing.tp}")
 
 
 def _group_layers(per_layer: list[list[_LayerTensors]]) -> tuple[KVGroup, ...]:
