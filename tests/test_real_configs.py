@@ -11,6 +11,9 @@ of one layer is 16 x 2 x kv_heads x head_dim = 32 x kv_heads x head_dim bytes.
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -167,3 +170,14 @@ def test_gemma2_long_prompt_moves_the_window_only_on_even_layers() -> None:
     plans = {p.group.kind: p for p in plan_blocks(layout, 32768, 0)}
     assert len(plans[GroupKind.FULL_ATTENTION].blocks) == 2048
     assert list(plans[GroupKind.SLIDING_WINDOW].blocks) == list(range(1792, 2048))
+
+
+def test_cli_refuses_a_real_config_in_one_line() -> None:
+    cli = shutil.which("kvxfer-cli") or str(Path(sys.executable).parent / "kvxfer-cli")
+    args = [cli, "plan", "--model", _path("minimax-text-01"), "--tokens", "1000"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        "kvxfer-cli: error: attn_type_list: model_type 'minimax_text_01': lightning (linear) "
+        "attention is not supported (field attn_type_list)"
+    ]
