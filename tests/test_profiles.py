@@ -6,9 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from oracle import oracle_blocks
+from strategies import requests
 
-from kvxfer._exceptions import LayoutError, ProfileError, UnsupportedModelError
+from kvxfer._exceptions import InvalidInputError, LayoutError, ProfileError, UnsupportedModelError
 from kvxfer.core.layout import GroupKind
+from kvxfer.core.planner import plan_blocks
 from kvxfer.core.profiles import builtin_profiles, layout_for_model, layout_from_config
 
 EXPECTED_BUILTINS = {
@@ -180,7 +185,7 @@ def _attention_config(model_type: str | None, **extra: object) -> dict[str, obje
         ("gemma4_text", {"global_head_dim": 512}, "global_head_dim", "head geometry"),
         ("gemma4_text", {"attention_k_eq_v": True}, "attention_k_eq_v", "values"),
         ("qwen3_5_text", {"mamba_ssm_dtype": "float32"}, "mamba_ssm_dtype", "state dtype"),
-        ("jamba", {"mamba_ssm_cache_dtype": "float32"}, "mamba_ssm_cache_dtype", "state dtype"),
+        ("llama", {"mamba_ssm_cache_dtype": "float32"}, "mamba_ssm_cache_dtype", "state dtype"),
         ("llama", {"attention_chunk_size": 8192}, "attention_chunk_size", "chunked"),
         ("llama", {"sliding_window": 4096}, "sliding_window", "sliding_window"),
         ("phi3", {"sliding_window": 2047}, "sliding_window", "sliding_window"),
@@ -268,3 +273,67 @@ def test_fingerprint_ignores_metadata_and_follows_the_cache(tmp_path: Path) -> N
     assert layout_from_config(same, name="b").fingerprint == fingerprint
     for change in ({"num_key_value_heads": 4}, {"rope_theta": 1e6}, {"num_hidden_layers": 31}):
         assert layout_from_config({**base, **change}, name="c").fingerprint != fingerprint, change
+
+
+STATE_PROFILES = ("qwen3-next-80b-a3b", "jamba-mini-1.5", "falcon-h1-7b")
+DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+@given(
+    st.sampled_from(STATE_PROFILES),
+    st.sampled_from(DTYPES),
+    st.one_of(st.none(), st.sampled_from(DTYPES)),
+    st.data(),
+)
+def test_state_is_sized_in_the_state_dtype_not_the_kv_dtype(
+    model: str, kv_dtype: str, state_dtype: str | None, data: st.DataObject
+) -> None:
+    """Attention scales with kv_dtype, state with the model dtype (bf16 in every built-in)
+    or the override; plans still move exactly the oracle's blocks of each group."""
+    base = layout_for_model(model)  # bf16 everywhere
+    layout = layout_for_model(model, kv_dtype=kv_dtype, state_dtype=state_dtype)
+    state_elem = ELEM[state_dtype or "bfloat16"]
+    for got, ref in zip(layout.groups, base.groups, strict=True):
+        elem = state_elem if got.kind is GroupKind.MAMBA else ELEM[kv_dtype]
+        assert [t.bytes_per_block for t in got.tensors] == [
+            t.bytes_per_block // 2 * elem for t in ref.tensors
+        ]
+    num_tokens, computed = data.draw(requests(layout.block_size))
+    for plan in plan_blocks(layout, num_tokens, computed):
+        blocks = oracle_blocks(plan.group, num_tokens, computed, layout.block_size)
+        assert plan.nbytes == len(blocks) * plan.group.bytes_per_block
+
+
+def test_declared_state_dtypes_follow_vllm_rule() -> None:
+    """conv in mamba_cache_dtype else the model dtype; ssm in mamba_ssm_cache_dtype
+    (or Qwen3.5's mamba_ssm_dtype) else as conv."""
+    path = Path(__file__).parents[1] / "kvxfer/profiles/jamba-mini-1.5.json"
+    config = json.loads(path.read_text())
+    ssm32 = layout_from_config({**config, "mamba_ssm_cache_dtype": "float32"}, name="j")
+    conv, ssm = ssm32.groups[0].tensors[:2]
+    assert (conv.bytes_per_block, ssm.bytes_per_block) == (3 * 8192 * 2, 8192 * 16 * 4)
+    both = layout_from_config({**config, "mamba_cache_dtype": "float16"}, name="j")
+    assert both.groups[0].tensors[1].bytes_per_block == 8192 * 16 * 2
+    auto = layout_from_config({**config, "mamba_ssm_cache_dtype": "auto"}, name="j")
+    assert auto.groups == layout_for_model("jamba-mini-1.5").groups
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"torch_dtype": None}, "torch_dtype"),
+        ({"torch_dtype": "float32"}, "torch_dtype"),
+        ({"mamba_ssm_cache_dtype": 4}, "mamba_ssm_cache_dtype"),
+        ({"mamba_ssm_cache_dtype": "int4"}, "mamba_ssm_cache_dtype"),
+    ],
+)
+def test_state_dtype_that_cannot_be_known_is_refused(change: dict[str, object], field: str) -> None:
+    path = Path(__file__).parents[1] / "kvxfer/profiles/jamba-mini-1.5.json"
+    config = {**json.loads(path.read_text()), **change}
+    with pytest.raises(InvalidInputError) as info:
+        layout_from_config(config, name="j")
+    assert info.value.field == field
+    if "torch_dtype" in change:  # an attention-only config needs no model dtype
+        llama = json.loads((path.parent / "llama-3.1-8b.json").read_text())
+        assert layout_from_config({**llama, **change}, name="l").groups

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from oracle import oracle_blocks
 from strategies import requests
 
-from kvxfer._exceptions import UnsupportedModelError
+from kvxfer._exceptions import ProfileError, UnsupportedModelError
 from kvxfer.core.layout import GroupKind
 from kvxfer.core.planner import plan_blocks
 from kvxfer.core.profiles import layout_for_model
@@ -105,6 +105,10 @@ REFUSED: dict[str, tuple[str, str, str]] = {
 }
 
 
+# The stored page of this file was cut before its dtype: its state dtype is given here.
+STATE_DTYPE = {"falcon-h1-tiny-random": "bfloat16"}
+
+
 def _path(name: str) -> str:
     return str(CONFIGS / f"{name}.json")
 
@@ -120,7 +124,9 @@ def test_every_stored_config_is_tested_and_sourced() -> None:
 
 @pytest.mark.parametrize("name", sorted(SUPPORTED))
 def test_supported_config_has_exact_groups_and_bytes(name: str) -> None:
-    layout = layout_for_model(_path(name), block_size=16, kv_dtype="bfloat16")
+    layout = layout_for_model(
+        _path(name), block_size=16, kv_dtype="bfloat16", state_dtype=STATE_DTYPE.get(name)
+    )
     got = [
         Expected(
             g.kind.value,
@@ -143,7 +149,7 @@ def test_supported_config_has_exact_groups_and_bytes(name: str) -> None:
 def test_supported_config_plans_match_the_token_oracle(
     name: str, block_size: int, data: st.DataObject
 ) -> None:
-    layout = layout_for_model(_path(name), block_size=block_size)
+    layout = layout_for_model(_path(name), block_size=block_size, state_dtype=STATE_DTYPE.get(name))
     num_tokens, computed = data.draw(requests(block_size))
     for plan in plan_blocks(layout, num_tokens, computed):
         expected = oracle_blocks(plan.group, num_tokens, computed, block_size)
@@ -181,3 +187,10 @@ def test_cli_refuses_a_real_config_in_one_line() -> None:
         "kvxfer-cli: error: attn_type_list: model_type 'minimax_text_01': lightning (linear) "
         "attention is not supported (field attn_type_list)"
     ]
+
+
+def test_state_without_a_declared_dtype_is_refused_by_field() -> None:
+    with pytest.raises(ProfileError) as info:
+        layout_for_model(_path("falcon-h1-tiny-random"))
+    assert info.value.field == "torch_dtype"
+    assert "state_dtype" in info.value.detail

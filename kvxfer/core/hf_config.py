@@ -47,6 +47,9 @@ class Family:
 
 _ATTENTION = "attention"
 
+# Declared state dtypes: read by the families with state layers (profiles._StateDtypes).
+STATE_DTYPE_KEYS = ("mamba_ssm_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype")
+
 SUPPORTED: tuple[Family, ...] = (
     Family("Llama", _ATTENTION, model_types=("llama",)),
     Family("Mistral, Mixtral", _ATTENTION, sliding="all", model_types=("mistral", "mixtral")),
@@ -73,7 +76,7 @@ SUPPORTED: tuple[Family, ...] = (
     Family(
         "Qwen3-Next (Gated DeltaNet linear attention + full attention)",
         "qwen3_next",
-        reads=frozenset({"full_attention_interval", "linear_"}),
+        reads=frozenset({"full_attention_interval", "linear_", *STATE_DTYPE_KEYS}),
         layer_kinds=frozenset({FULL, LINEAR}),
         model_types=("qwen3_next",),
     ),
@@ -165,10 +168,6 @@ SEMANTIC_KEYS: Mapping[str, str] = {
     "conv_": "a convolution state",
 }
 
-# Read only through the state dtype item (not modelled yet): refused even by
-# families that read the rest of their prefix.
-STATE_DTYPE_KEYS = ("mamba_ssm_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype")
-
 GENERIC = Family("any other model_type: plain full attention or explicit layer_types", "generic")
 
 _BY_TYPE: Mapping[str, Family] = {t: f for f in SUPPORTED for t in f.model_types}
@@ -242,8 +241,6 @@ def _is_set(value: Any) -> bool:
 
 
 def _reads(family: Family, key: str) -> bool:
-    if key in STATE_DTYPE_KEYS:
-        return False
     return key in family.reads or any(p.endswith("_") and key.startswith(p) for p in family.reads)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -91,6 +91,7 @@ def layout_for_model(
     block_size: int = 16,
     tp_size: int = 1,
     tp_rank: int = 0,
+    state_dtype: str | None = None,
 ) -> EngineLayout:
     """Layout of a built-in profile name or a config.json path."""
     name, config = load_config(model)
@@ -101,6 +102,7 @@ def layout_for_model(
         block_size=block_size,
         tp_size=tp_size,
         tp_rank=tp_rank,
+        state_dtype=state_dtype,
     )
 
 
@@ -112,7 +114,10 @@ def layout_from_config(
     block_size: int = 16,
     tp_size: int = 1,
     tp_rank: int = 0,
+    state_dtype: str | None = None,
 ) -> EngineLayout:
+    """Layout of one engine rank. Mamba / linear-attention state is sized in its own
+    dtypes (`_StateDtypes`), never in `kv_dtype`; `state_dtype` overrides both."""
     text = config.get("text_config", config)
     if not isinstance(text, Mapping):
         raise ProfileError("text_config", "must be a JSON object")
@@ -122,10 +127,11 @@ def layout_from_config(
         raise ProfileError("block_size", f"must be a positive integer, got {block_size!r}")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ProfileError("tp_size", f"must be a positive integer, got {tp_size!r}")
-    groups = _groups(family, _Sizing(text, elem, block_size, tp_size))
+    state = _StateDtypes(config, text, state_dtype)
+    groups = _groups(family, _Sizing(text, elem, block_size, tp_size, state.element_bytes))
     return EngineLayout(
         model=name,
-        fingerprint=fingerprint(_groups(family, _Sizing(text, 1, 1, 1)), text),
+        fingerprint=fingerprint(_groups(family, _Sizing(text, 1, 1, 1, lambda: (1, 1))), text),
         kv_dtype=kv_dtype,
         block_size=block_size,
         tp_size=tp_size,
@@ -169,9 +175,17 @@ def fingerprint(canonical: tuple[KVGroup, ...], text: Config) -> str:
 class _Sizing:
     """Reads sizes out of a text config, validating each field it touches."""
 
-    def __init__(self, text: Config, elem: int, block_size: int, tp_size: int) -> None:
+    def __init__(
+        self,
+        text: Config,
+        elem: int,
+        block_size: int,
+        tp_size: int,
+        state_bytes: Callable[[], tuple[int, int]],
+    ) -> None:
         self.text = text
         self.elem = elem
+        self.state_bytes = state_bytes  # (conv, ssm) element bytes, read on first use
         self.block_size = block_size
         self.tp = tp_size
         self.num_layers = self.positive("num_hidden_layers")
@@ -214,11 +228,66 @@ def _attention(kind: GroupKind, window: int | None, sizing: _Sizing) -> _LayerTe
 
 
 def _state(conv_elems: int, ssm_elems: int, sizing: _Sizing) -> _LayerTensors:
+    conv_bytes, ssm_bytes = sizing.state_bytes()
     return _LayerTensors(
         GroupKind.MAMBA,
         None,
-        (("conv", conv_elems * sizing.elem), ("ssm", ssm_elems * sizing.elem)),
+        (("conv", conv_elems * conv_bytes), ("ssm", ssm_elems * ssm_bytes)),
     )
+
+
+class _StateDtypes:
+    """The dtypes of conv and ssm state, by vLLM's rule: conv in `mamba_cache_dtype`, else
+    the model dtype; ssm in `mamba_ssm_cache_dtype` (Qwen3.5 spells it `mamba_ssm_dtype`),
+    else as conv. The model dtype is the config's `torch_dtype` / `dtype`. An override
+    (`state_dtype`) sets both, for engines run with other cache dtypes."""
+
+    _SSM_KEYS = ("mamba_ssm_cache_dtype", "mamba_ssm_dtype")
+
+    def __init__(self, config: Config, text: Config, override: str | None) -> None:
+        self.config = config
+        self.text = text
+        self.override = override
+
+    def element_bytes(self) -> tuple[int, int]:
+        if self.override is not None:
+            size = dtype_bytes(self.override, "state_dtype")
+            return size, size
+        declared = self._declared(("mamba_cache_dtype",))
+        conv = dtype_bytes(*declared) if declared else self._model_dtype_bytes()
+        declared = self._declared(self._SSM_KEYS)
+        return conv, dtype_bytes(*declared) if declared else conv
+
+    def _declared(self, keys: tuple[str, ...]) -> tuple[str, str] | None:
+        """(value, key) of the first state dtype the config declares ("auto" is none)."""
+        for key in keys:
+            value = self.text.get(key)
+            if value is not None and value != "auto":
+                if not isinstance(value, str):
+                    raise ProfileError(key, f"must be a dtype name, got {value!r}")
+                return value, key
+        return None
+
+    def _model_dtype_bytes(self) -> int:
+        for source in (self.text, self.config):
+            for key in ("torch_dtype", "dtype"):
+                value = source.get(key)
+                if value is None:
+                    continue
+                if value == "float32":
+                    raise ProfileError(
+                        key,
+                        "float32 checkpoints are served in a 16-bit dtype the engine picks; "
+                        "give the state dtype explicitly (state_dtype)",
+                    )
+                if not isinstance(value, str):
+                    raise ProfileError(key, f"must be a dtype name, got {value!r}")
+                return dtype_bytes(value, key)
+        raise ProfileError(
+            "torch_dtype",
+            "state layers are kept in the model dtype and the config declares none "
+            "(torch_dtype or dtype); give the state dtype explicitly (state_dtype)",
+        )
 
 
 def _window(sizing: _Sizing) -> int:
