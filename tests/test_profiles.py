@@ -212,6 +212,14 @@ def _attention_config(model_type: str | None, **extra: object) -> dict[str, obje
         (None, {"conv_L_cache": 3}, "conv_L_cache", "convolution"),
         ("my_model", {"attention_head_dim": 160}, "attention_head_dim", "head dim"),
         ("mimo_v2_flash", {"v_head_dim": 128}, "v_head_dim", "value head dim"),
+        ("falcon", {"multi_query": True}, "multi_query", "multi-query"),
+        (
+            "falcon",
+            {"new_decoder_architecture": True, "num_kv_heads": 8},
+            "num_kv_heads",
+            "KV head",
+        ),
+        ("chatglm", {"multi_query_group_num": 2, "kv_channels": 128}, "kv_channels", "head dim"),
         ("deepseek_v3", {"kv_lora_rank": 512}, "kv_lora_rank", "MLA"),
     ],
 )
