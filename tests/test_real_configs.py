@@ -86,6 +86,24 @@ SUPPORTED: dict[str, list[Expected]] = {
     ],
     "falcon-h1-0.5b": [_full(36, 2, 64), _mamba2(36, 1536, 1, 128, 24, 64)],
     "falcon-h1-tiny-random": [_full(2, 4, 32), _mamba2(2, 256, 2, 32, 8, 32)],
+    "jamba-v0.1": [
+        # Mamba-1: intermediate 2 x 4096; conv 3 rows of it, ssm x d_state 16
+        Expected("mamba", None, _except(32, 8, 4), (3 * 8192 * 2, 8192 * 16 * 2)),
+        Expected("full_attention", None, _every(32, 8, 4), _kv(8, 4096 // 32)),
+    ],
+    "jamba2-mini": [
+        Expected("mamba", None, _except(32, 8, 4), (3 * 8192 * 2, 8192 * 16 * 2)),
+        Expected("full_attention", None, _every(32, 8, 4), _kv(8, 4096 // 32)),
+    ],
+    "qwen3-next-tiny-test": [
+        # Gated DeltaNet: conv_dim 2 x 128 x 8 + 128 x 16; ssm 16 heads x 128 x 128
+        Expected("mamba", None, _except(10, 4, 3), (3 * 4096 * 2, 16 * 128 * 128 * 2)),
+        Expected("full_attention", None, _every(10, 4, 3), _kv(2, 128)),
+    ],
+    "gpt-oss-tiny-random": [
+        Expected("sliding_window", 64, (0,), _kv(2, 16)),
+        Expected("full_attention", None, (1,), _kv(2, 16)),
+    ],
 }
 
 # name -> (model_type, field named, words of the feature)
@@ -105,8 +123,9 @@ REFUSED: dict[str, tuple[str, str, str]] = {
 }
 
 
-# The stored page of this file was cut before its dtype: its state dtype is given here.
-STATE_DTYPE = {"falcon-h1-tiny-random": "bfloat16"}
+# State dtypes the files cannot give: one page was cut before its dtype, one test model
+# is stored in float32 (which engines serve in a 16-bit dtype of their choosing).
+STATE_DTYPE = {"falcon-h1-tiny-random": "bfloat16", "qwen3-next-tiny-test": "bfloat16"}
 
 
 def _path(name: str) -> str:
@@ -189,8 +208,12 @@ def test_cli_refuses_a_real_config_in_one_line() -> None:
     ]
 
 
-def test_state_without_a_declared_dtype_is_refused_by_field() -> None:
+@pytest.mark.parametrize(
+    ("name", "field"), [("falcon-h1-tiny-random", "torch_dtype"), ("qwen3-next-tiny-test", "dtype")]
+)
+def test_state_without_a_known_dtype_is_refused_by_field(name: str, field: str) -> None:
+    assert name in STATE_DTYPE
     with pytest.raises(ProfileError) as info:
-        layout_for_model(_path("falcon-h1-tiny-random"))
-    assert info.value.field == "torch_dtype"
+        layout_for_model(_path(name))
+    assert info.value.field == field
     assert "state_dtype" in info.value.detail
