@@ -8,9 +8,10 @@ alternation; Gemma-3's `sliding_window_pattern`; Qwen3-Next's
 `full_attention_interval`; Jamba's attention period/offset; Falcon-H1's
 parallel attention + Mamba-2 layers; Mistral's model-wide `sliding_window`;
 plain full attention otherwise.
+
 One KV group is made per distinct (kind, window), numbered in order of the
 first layer that uses it. Mamba / linear-attention state is sized from the
-config and stored in the KV dtype (one state block per request).
+config in its own dtypes (`_StateDtypes`), one state block per request.
 
 Built-in profiles are the JSON files shipped in `kvxfer/profiles/`.
 """
