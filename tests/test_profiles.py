@@ -239,6 +239,7 @@ def test_published_features_are_refused_by_name(
         {"sliding_window": None, "attention_chunk_size": None, "use_sliding_window": False},
         {"num_kv_shared_layers": 0, "v_head_dim": 64},  # values that change nothing
         {"layer_types": ["full_attention"] * 4},
+        {"num_key_value_heads": None},  # one KV head per query head, as in HF
     ],
 )
 def test_neutral_values_of_semantic_keys_are_accepted(extra: dict[str, object]) -> None:

@@ -206,7 +206,9 @@ class _Sizing:
     def attention_bytes(self) -> int:
         """Bytes of K (or V) of one layer for one block of block_size tokens, per TP rank."""
         heads = self.positive("num_attention_heads")
-        kv_heads = self.text.get("num_key_value_heads", heads)
+        kv_heads = self.text.get("num_key_value_heads")
+        if kv_heads is None:  # HF: no KV head count means one per query head
+            kv_heads = heads
         if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
             raise ProfileError(
                 "num_key_value_heads", f"must be a positive integer, got {kv_heads!r}"
