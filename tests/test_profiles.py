@@ -6,9 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from oracle import oracle_blocks
+from strategies import requests
 
-from kvxfer._exceptions import LayoutError, ProfileError, UnsupportedModelError
+from kvxfer._exceptions import InvalidInputError, LayoutError, ProfileError, UnsupportedModelError
 from kvxfer.core.layout import GroupKind
+from kvxfer.core.planner import plan_blocks
 from kvxfer.core.profiles import builtin_profiles, layout_for_model, layout_from_config
 
 EXPECTED_BUILTINS = {
@@ -76,7 +81,9 @@ def test_state_sizes_follow_the_readme() -> None:
 
 
 def test_mla_is_refused_with_a_reason() -> None:
-    with pytest.raises(UnsupportedModelError, match=r"MLA.*not supported yet"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"MLA\) is not supported \(field kv_lora_rank\)"
+    ):
         layout_for_model("deepseek-v2-lite")
 
 
@@ -149,3 +156,193 @@ def test_fingerprint_depends_on_architecture_not_name() -> None:
     b = layout_for_model("gpt-oss-120b")
     assert a.fingerprint != b.fingerprint
     assert a.fingerprint == layout_for_model("gpt-oss-20b", block_size=32).fingerprint
+
+
+def _attention_config(model_type: str | None, **extra: object) -> dict[str, object]:
+    config: dict[str, object] = {
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "hidden_size": 512,
+        **extra,
+    }
+    if model_type is not None:
+        config["model_type"] = model_type
+    return config
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "field", "feature"),
+    [
+        # Families named in issue 12 whose published config.json is not stored in
+        # tests/data/configs: their published keys, on a small attention config.
+        ("nemotron_h", {"hybrid_override_pattern": "M*M-"}, "hybrid_override_pattern", "hybrid"),
+        ("", {"hybrid_layer_pattern": [0, 1, 1, 1]}, "hybrid_layer_pattern", "sliding/full"),
+        ("mimo_v2_flash", {"swa_num_key_value_heads": 8}, "swa_num_key_value_heads", "geometry"),
+        ("deepseek_v4", {"compress_ratios": [0, 4, 128, 4]}, "compress_ratios", "compressed"),
+        ("gemma3n_text", {"num_kv_shared_layers": 2}, "num_kv_shared_layers", "KV sharing"),
+        ("gemma4_text", {"global_head_dim": 512}, "global_head_dim", "head geometry"),
+        ("gemma4_text", {"attention_k_eq_v": True}, "attention_k_eq_v", "values"),
+        ("qwen3_5_text", {"mamba_ssm_dtype": "float32"}, "mamba_ssm_dtype", "state dtype"),
+        ("llama", {"mamba_ssm_cache_dtype": "float32"}, "mamba_ssm_cache_dtype", "state dtype"),
+        ("llama", {"attention_chunk_size": 8192}, "attention_chunk_size", "chunked"),
+        ("llama", {"sliding_window": 4096}, "sliding_window", "sliding_window"),
+        ("phi3", {"sliding_window": 2047}, "sliding_window", "sliding_window"),
+        (
+            "cohere2",
+            {"sliding_window_pattern": 4, "sliding_window": 4096},
+            "sliding_window_pattern",
+            "pattern",
+        ),
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 4096},
+            "use_sliding_window",
+            "max_window_layers",
+        ),
+        (
+            "some_hybrid",
+            {"layer_types": ["full_attention", "mamba"] * 2},
+            "layer_types[1]",
+            "'mamba'",
+        ),
+        ("minimax", {"layer_types": ["linear_attention"] * 4}, "layer_types", "lightning"),
+        ("my_ssm", {"ssm_state_size": 128}, "ssm_state_size", "state-space"),
+        (None, {"conv_L_cache": 3}, "conv_L_cache", "convolution"),
+        ("my_model", {"attention_head_dim": 160}, "attention_head_dim", "head dim"),
+        ("mimo_v2_flash", {"v_head_dim": 128}, "v_head_dim", "value head dim"),
+        ("falcon", {"multi_query": True}, "multi_query", "multi-query"),
+        (
+            "falcon",
+            {"new_decoder_architecture": True, "num_kv_heads": 8},
+            "num_kv_heads",
+            "KV head",
+        ),
+        ("chatglm", {"multi_query_group_num": 2, "kv_channels": 128}, "kv_channels", "head dim"),
+        ("deepseek_v3", {"kv_lora_rank": 512}, "kv_lora_rank", "MLA"),
+    ],
+)
+def test_published_features_are_refused_by_name(
+    model_type: str | None, extra: dict[str, object], field: str, feature: str
+) -> None:
+    with pytest.raises(UnsupportedModelError) as info:
+        layout_from_config(_attention_config(model_type, **extra), name="m")
+    assert info.value.field == field
+    assert feature in info.value.detail
+    assert info.value.detail.endswith(f"is not supported (field {field})")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"sliding_window": None, "attention_chunk_size": None, "use_sliding_window": False},
+        {"num_kv_shared_layers": 0, "v_head_dim": 64},  # values that change nothing
+        {"layer_types": ["full_attention"] * 4},
+        {"num_key_value_heads": None},  # one KV head per query head, as in HF
+    ],
+)
+def test_neutral_values_of_semantic_keys_are_accepted(extra: dict[str, object]) -> None:
+    layout = layout_from_config(_attention_config("some_new_model", **extra), name="m")
+    assert [(g.kind, len(g.layers)) for g in layout.groups] == [(GroupKind.FULL_ATTENTION, 4)]
+
+
+def test_linear_attention_is_gated_deltanet_only_for_qwen3_next() -> None:
+    config = json.loads(
+        (Path(__file__).parents[1] / "kvxfer/profiles/qwen3-next-80b-a3b.json").read_text()
+    )
+    config["model_type"] = "qwen3_5_moe"
+    with pytest.raises(UnsupportedModelError, match="field"):
+        layout_from_config(config, name="q")
+    del config["layer_types"], config["model_type"]
+    config["model_type"] = "qwen3_next"  # layer kinds from full_attention_interval alone
+    derived = layout_for_model("qwen3-next-80b-a3b")
+    assert layout_from_config(config, name="q").groups == derived.groups
+
+
+def test_falcon_h1_groups_are_replicated_across_tp_ranks() -> None:
+    """One B/C group and TP 2: each rank keeps the whole group (vLLM adds a group rather
+    than splitting one), so the conv state is d_ssm/2 + 2 x d_state channels, not half."""
+    tp2 = layout_for_model("falcon-h1-7b", tp_size=2).groups[1].tensors
+    assert tp2[0].bytes_per_block == 3 * (3072 // 2 + 2 * 256) * 2
+    assert tp2[1].bytes_per_block == 12 * 128 * 256 * 2
+
+
+def test_fingerprint_ignores_metadata_and_follows_the_cache(tmp_path: Path) -> None:
+    base = json.loads((Path(__file__).parents[1] / "kvxfer/profiles/llama-3.1-8b.json").read_text())
+    same = {
+        **base,
+        "transformers_version": "4.99.0",
+        "max_position_embeddings": 131072,
+        "_name_or_path": "someone/else",
+        "torch_dtype": "float16",
+        "vocab_size": 128256,
+    }
+    fingerprint = layout_from_config(base, name="a").fingerprint
+    assert layout_from_config(same, name="b").fingerprint == fingerprint
+    for change in ({"num_key_value_heads": 4}, {"rope_theta": 1e6}, {"num_hidden_layers": 31}):
+        assert layout_from_config({**base, **change}, name="c").fingerprint != fingerprint, change
+
+
+STATE_PROFILES = ("qwen3-next-80b-a3b", "jamba-mini-1.5", "falcon-h1-7b")
+DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+@given(
+    st.sampled_from(STATE_PROFILES),
+    st.sampled_from(DTYPES),
+    st.one_of(st.none(), st.sampled_from(DTYPES)),
+    st.data(),
+)
+def test_state_is_sized_in_the_state_dtype_not_the_kv_dtype(
+    model: str, kv_dtype: str, state_dtype: str | None, data: st.DataObject
+) -> None:
+    """Attention scales with kv_dtype, state with the model dtype (bf16 in every built-in)
+    or the override; plans still move exactly the oracle's blocks of each group."""
+    base = layout_for_model(model)  # bf16 everywhere
+    layout = layout_for_model(model, kv_dtype=kv_dtype, state_dtype=state_dtype)
+    state_elem = ELEM[state_dtype or "bfloat16"]
+    for got, ref in zip(layout.groups, base.groups, strict=True):
+        elem = state_elem if got.kind is GroupKind.MAMBA else ELEM[kv_dtype]
+        assert [t.bytes_per_block for t in got.tensors] == [
+            t.bytes_per_block // 2 * elem for t in ref.tensors
+        ]
+    num_tokens, computed = data.draw(requests(layout.block_size))
+    for plan in plan_blocks(layout, num_tokens, computed):
+        blocks = oracle_blocks(plan.group, num_tokens, computed, layout.block_size)
+        assert plan.nbytes == len(blocks) * plan.group.bytes_per_block
+
+
+def test_declared_state_dtypes_follow_vllm_rule() -> None:
+    """conv in mamba_cache_dtype else the model dtype; ssm in mamba_ssm_cache_dtype
+    (or Qwen3.5's mamba_ssm_dtype) else as conv."""
+    path = Path(__file__).parents[1] / "kvxfer/profiles/jamba-mini-1.5.json"
+    config = json.loads(path.read_text())
+    ssm32 = layout_from_config({**config, "mamba_ssm_cache_dtype": "float32"}, name="j")
+    conv, ssm = ssm32.groups[0].tensors[:2]
+    assert (conv.bytes_per_block, ssm.bytes_per_block) == (3 * 8192 * 2, 8192 * 16 * 4)
+    both = layout_from_config({**config, "mamba_cache_dtype": "float16"}, name="j")
+    assert both.groups[0].tensors[1].bytes_per_block == 8192 * 16 * 2
+    auto = layout_from_config({**config, "mamba_ssm_cache_dtype": "auto"}, name="j")
+    assert auto.groups == layout_for_model("jamba-mini-1.5").groups
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"torch_dtype": None}, "torch_dtype"),
+        ({"torch_dtype": "float32"}, "torch_dtype"),
+        ({"mamba_ssm_cache_dtype": 4}, "mamba_ssm_cache_dtype"),
+        ({"mamba_ssm_cache_dtype": "int4"}, "mamba_ssm_cache_dtype"),
+    ],
+)
+def test_state_dtype_that_cannot_be_known_is_refused(change: dict[str, object], field: str) -> None:
+    path = Path(__file__).parents[1] / "kvxfer/profiles/jamba-mini-1.5.json"
+    config = {**json.loads(path.read_text()), **change}
+    with pytest.raises(InvalidInputError) as info:
+        layout_from_config(config, name="j")
+    assert info.value.field == field
+    if "torch_dtype" in change:  # an attention-only config needs no model dtype
+        llama = json.loads((path.parent / "llama-3.1-8b.json").read_text())
+        assert layout_from_config({**llama, **change}, name="l").groups

@@ -1,12 +1,17 @@
 """Model profiles: a HuggingFace `config.json` becomes an EngineLayout.
 
-Layers are classified from the config (see shared/models/README.md):
-`layer_types` where given; Gemma's `sliding_window_pattern`; Jamba's
-attention period/offset; Falcon-H1's parallel attention + Mamba-2 layers;
-Mistral's model-wide `sliding_window`; plain full attention otherwise.
+`hf_config.recognise` first picks the family that reads the config, or
+refuses it naming the feature and field kvxfer does not model (see
+docs/models.md). The family's reader then classifies each layer (see
+shared/models/README.md): `layer_types` where given; Gemma-2's implicit
+alternation; Gemma-3's `sliding_window_pattern`; Qwen3-Next's
+`full_attention_interval`; Jamba's attention period/offset; Falcon-H1's
+parallel attention + Mamba-2 layers; Mistral's model-wide `sliding_window`;
+plain full attention otherwise.
+
 One KV group is made per distinct (kind, window), numbered in order of the
 first layer that uses it. Mamba / linear-attention state is sized from the
-config and stored in the KV dtype (one state block per request).
+config in its own dtypes (`_StateDtypes`), one state block per request.
 
 Built-in profiles are the JSON files shipped in `kvxfer/profiles/`.
 """
@@ -15,13 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from kvxfer._exceptions import ProfileError, UnsupportedModelError
+from kvxfer.core.hf_config import FULL, LINEAR, SLIDING, Family, recognise
 from kvxfer.core.layout import (
     EngineLayout,
     GroupId,
@@ -86,6 +92,7 @@ def layout_for_model(
     block_size: int = 16,
     tp_size: int = 1,
     tp_rank: int = 0,
+    state_dtype: str | None = None,
 ) -> EngineLayout:
     """Layout of a built-in profile name or a config.json path."""
     name, config = load_config(model)
@@ -96,6 +103,7 @@ def layout_for_model(
         block_size=block_size,
         tp_size=tp_size,
         tp_rank=tp_rank,
+        state_dtype=state_dtype,
     )
 
 
@@ -107,40 +115,78 @@ def layout_from_config(
     block_size: int = 16,
     tp_size: int = 1,
     tp_rank: int = 0,
+    state_dtype: str | None = None,
 ) -> EngineLayout:
+    """Layout of one engine rank. Mamba / linear-attention state is sized in its own
+    dtypes (`_StateDtypes`), never in `kv_dtype`; `state_dtype` overrides both."""
     text = config.get("text_config", config)
     if not isinstance(text, Mapping):
         raise ProfileError("text_config", "must be a JSON object")
+    _, family = recognise(config, text)
     elem = dtype_bytes(kv_dtype)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ProfileError("block_size", f"must be a positive integer, got {block_size!r}")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ProfileError("tp_size", f"must be a positive integer, got {tp_size!r}")
-    sizing = _Sizing(text, elem, block_size, tp_size)
-    per_layer = [_layer_tensors(text, sizing, i) for i in range(sizing.num_layers)]
+    state = _StateDtypes(config, text, state_dtype)
+    groups = _groups(family, _Sizing(text, elem, block_size, tp_size, state.element_bytes))
     return EngineLayout(
         model=name,
-        fingerprint=fingerprint(text),
+        fingerprint=fingerprint(_groups(family, _Sizing(text, 1, 1, 1, lambda: (1, 1))), text),
         kv_dtype=kv_dtype,
         block_size=block_size,
         tp_size=tp_size,
         tp_rank=tp_rank,
-        groups=_group_layers(per_layer),
+        groups=groups,
     )
 
 
-def fingerprint(text_config: Config) -> str:
-    """Stable hash of the KV-relevant architecture facts (not of the name)."""
-    canonical = json.dumps(text_config, sort_keys=True, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
+def _groups(family: Family, sizing: _Sizing) -> tuple[KVGroup, ...]:
+    return _group_layers([_layer_tensors(family, sizing, i) for i in range(sizing.num_layers)])
+
+
+# Facts besides the cache shape that change what K holds: the rotary embedding.
+_KV_VALUE_KEYS = (
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "rope_local_base_freq",
+    "partial_rotary_factor",
+)
+
+
+def fingerprint(canonical: tuple[KVGroup, ...], text: Config) -> str:
+    """Hash of the KV-relevant facts only: each group's kind, window, layers and tensor
+    sizes (at one token per block, one byte per element, no tensor parallelism) and the
+    rotary settings that shape K. Names, versions, vocabularies, context lengths and
+    dtypes do not change it (dtype is negotiated on its own); anything cached does.
+    It cannot tell apart two models whose caches have the same shape (two fine-tunes,
+    or two sizes sharing attention geometry): pairing engines that run the same weights
+    stays the operator's job."""
+    facts: list[Any] = [
+        [g.kind.value, g.sliding_window, list(g.layers)]
+        + [[t.name, t.bytes_per_block] for t in g.tensors]
+        for g in canonical
+    ]
+    facts.append({k: text[k] for k in _KV_VALUE_KEYS if text.get(k) is not None})
+    canonical_json = json.dumps(facts, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical_json.encode()).hexdigest()[:16]
 
 
 class _Sizing:
     """Reads sizes out of a text config, validating each field it touches."""
 
-    def __init__(self, text: Config, elem: int, block_size: int, tp_size: int) -> None:
+    def __init__(
+        self,
+        text: Config,
+        elem: int,
+        block_size: int,
+        tp_size: int,
+        state_bytes: Callable[[], tuple[int, int]],
+    ) -> None:
         self.text = text
         self.elem = elem
+        self.state_bytes = state_bytes  # (conv, ssm) element bytes, read on first use
         self.block_size = block_size
         self.tp = tp_size
         self.num_layers = self.positive("num_hidden_layers")
@@ -160,7 +206,9 @@ class _Sizing:
     def attention_bytes(self) -> int:
         """Bytes of K (or V) of one layer for one block of block_size tokens, per TP rank."""
         heads = self.positive("num_attention_heads")
-        kv_heads = self.text.get("num_key_value_heads", heads)
+        kv_heads = self.text.get("num_key_value_heads")
+        if kv_heads is None:  # HF: no KV head count means one per query head
+            kv_heads = heads
         if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
             raise ProfileError(
                 "num_key_value_heads", f"must be a positive integer, got {kv_heads!r}"
@@ -183,40 +231,116 @@ def _attention(kind: GroupKind, window: int | None, sizing: _Sizing) -> _LayerTe
 
 
 def _state(conv_elems: int, ssm_elems: int, sizing: _Sizing) -> _LayerTensors:
+    conv_bytes, ssm_bytes = sizing.state_bytes()
     return _LayerTensors(
         GroupKind.MAMBA,
         None,
-        (("conv", conv_elems * sizing.elem), ("ssm", ssm_elems * sizing.elem)),
+        (("conv", conv_elems * conv_bytes), ("ssm", ssm_elems * ssm_bytes)),
     )
+
+
+class _StateDtypes:
+    """The dtypes of conv and ssm state, by vLLM's rule: conv in `mamba_cache_dtype`, else
+    the model dtype; ssm in `mamba_ssm_cache_dtype` (Qwen3.5 spells it `mamba_ssm_dtype`),
+    else as conv. The model dtype is the config's `torch_dtype` / `dtype`. An override
+    (`state_dtype`) sets both, for engines run with other cache dtypes."""
+
+    _SSM_KEYS = ("mamba_ssm_cache_dtype", "mamba_ssm_dtype")
+
+    def __init__(self, config: Config, text: Config, override: str | None) -> None:
+        self.config = config
+        self.text = text
+        self.override = override
+
+    def element_bytes(self) -> tuple[int, int]:
+        if self.override is not None:
+            size = dtype_bytes(self.override, "state_dtype")
+            return size, size
+        declared = self._declared(("mamba_cache_dtype",))
+        conv = dtype_bytes(*declared) if declared else self._model_dtype_bytes()
+        declared = self._declared(self._SSM_KEYS)
+        return conv, dtype_bytes(*declared) if declared else conv
+
+    def _declared(self, keys: tuple[str, ...]) -> tuple[str, str] | None:
+        """(value, key) of the first state dtype the config declares ("auto" is none)."""
+        for key in keys:
+            value = self.text.get(key)
+            if value is not None and value != "auto":
+                if not isinstance(value, str):
+                    raise ProfileError(key, f"must be a dtype name, got {value!r}")
+                return value, key
+        return None
+
+    def _model_dtype_bytes(self) -> int:
+        for source in (self.text, self.config):
+            for key in ("torch_dtype", "dtype"):
+                value = source.get(key)
+                if value is None:
+                    continue
+                if value == "float32":
+                    raise ProfileError(
+                        key,
+                        "float32 checkpoints are served in a 16-bit dtype the engine picks; "
+                        "give the state dtype explicitly (state_dtype)",
+                    )
+                if not isinstance(value, str):
+                    raise ProfileError(key, f"must be a dtype name, got {value!r}")
+                return dtype_bytes(value, key)
+        raise ProfileError(
+            "torch_dtype",
+            "state layers are kept in the model dtype and the config declares none "
+            "(torch_dtype or dtype); give the state dtype explicitly (state_dtype)",
+        )
 
 
 def _window(sizing: _Sizing) -> int:
     return sizing.positive("sliding_window")
 
 
-def _layer_tensors(text: Config, sizing: _Sizing, index: int) -> list[_LayerTensors]:
+def _layer_tensors(family: Family, sizing: _Sizing, index: int) -> list[_LayerTensors]:
     """The group kinds layer `index` takes part in, with its tensors for each."""
-    if "kv_lora_rank" in text:
-        raise UnsupportedModelError(
-            "kv_lora_rank",
-            "multi-head latent attention (MLA, e.g. DeepSeek-V2/V3) is not supported yet",
-        )
+    text = sizing.text
     layer_types = text.get("layer_types")
+    if family.reader == "falcon_h1":
+        return _falcon_h1(text, sizing, index)
     if layer_types is not None:
         return [_from_layer_type(layer_types, sizing, index)]
-    if "mamba_d_ssm" in text:
-        return _falcon_h1(text, sizing, index)
-    if "attn_layer_period" in text:
+    if family.reader == "jamba":
         return [_jamba(text, sizing, index)]
-    pattern = text.get("sliding_window_pattern")
-    if pattern is not None and text.get("sliding_window") is not None:
-        full = (index + 1) % sizing.positive("sliding_window_pattern") == 0
+    if family.reader == "qwen3_next":
+        interval = sizing.positive("full_attention_interval")
+        kind = FULL if (index + 1) % interval == 0 else LINEAR
+        return [_from_layer_type([kind] * sizing.num_layers, sizing, index)]
+    if family.reader == "gemma2":
+        return [_gemma2(text, sizing, index)]
+    if family.reader == "gemma3" and text.get("sliding_window") is not None:
+        full = (index + 1) % _pattern(sizing) == 0
         if full:
             return [_attention(GroupKind.FULL_ATTENTION, None, sizing)]
         return [_attention(GroupKind.SLIDING_WINDOW, _window(sizing), sizing)]
-    if text.get("sliding_window") is not None and text.get("use_sliding_window", True):
+    if family.sliding == "all" and text.get("sliding_window") is not None:
         return [_attention(GroupKind.SLIDING_WINDOW, _window(sizing), sizing)]
     return [_attention(GroupKind.FULL_ATTENTION, None, sizing)]
+
+
+def _pattern(sizing: _Sizing) -> int:
+    """Gemma-3's sliding_window_pattern (newer configs spell it _sliding_window_pattern)."""
+    key = "sliding_window_pattern" if "sliding_window_pattern" in sizing.text else None
+    return sizing.positive(key or "_sliding_window_pattern")
+
+
+def _gemma2(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
+    """Gemma-2 without layer_types: even layers slide, odd layers attend to everything
+    (the rule lives in the model code, not in the config)."""
+    window = _window(sizing)
+    duplicate = text.get("sliding_window_size")
+    if duplicate is not None and duplicate != window:
+        raise ProfileError(
+            "sliding_window_size", f"{duplicate!r} disagrees with sliding_window {window}"
+        )
+    if index % 2 == 0:
+        return _attention(GroupKind.SLIDING_WINDOW, window, sizing)
+    return _attention(GroupKind.FULL_ATTENTION, None, sizing)
 
 
 def _from_layer_type(layer_types: Any, sizing: _Sizing, index: int) -> _LayerTensors:
@@ -225,11 +349,11 @@ def _from_layer_type(layer_types: Any, sizing: _Sizing, index: int) -> _LayerTen
             "layer_types", f"must be a list of num_hidden_layers ({sizing.num_layers}) strings"
         )
     kind = layer_types[index]
-    if kind == "full_attention":
+    if kind == FULL:
         return _attention(GroupKind.FULL_ATTENTION, None, sizing)
-    if kind == "sliding_attention":
+    if kind == SLIDING:
         return _attention(GroupKind.SLIDING_WINDOW, _window(sizing), sizing)
-    if kind == "linear_attention":
+    if kind == LINEAR:  # recognise() lets it through only for Qwen3-Next
         return _gated_deltanet(sizing)
     raise UnsupportedModelError(f"layer_types[{index}]", f"layer type {kind!r} is not supported")
 
@@ -264,12 +388,22 @@ def _falcon_h1(text: Config, sizing: _Sizing, index: int) -> list[_LayerTensors]
     if attn_layers is None or index in attn_layers:
         kinds.append(_attention(GroupKind.FULL_ATTENTION, None, sizing))
     d_state = sizing.positive("mamba_d_state")
-    groups = sizing.positive("mamba_n_groups")
-    conv_dim = sizing.split("mamba_d_ssm", sizing.positive("mamba_d_ssm") + 2 * groups * d_state)
-    conv = (sizing.positive("mamba_d_conv") - 1) * conv_dim
+    groups = _groups_per_rank(sizing.positive("mamba_n_groups"), sizing)
+    d_ssm = sizing.split("mamba_d_ssm", sizing.positive("mamba_d_ssm"))
+    conv = (sizing.positive("mamba_d_conv") - 1) * (d_ssm + 2 * groups * d_state)
     heads = sizing.split("mamba_n_heads", sizing.positive("mamba_n_heads"))
     kinds.append(_state(conv, heads * sizing.positive("mamba_d_head") * d_state, sizing))
     return kinds
+
+
+def _groups_per_rank(groups: int, sizing: _Sizing) -> int:
+    """Mamba-2 B/C groups on one TP rank: split when they divide, else replicated so every
+    rank holds one (vLLM adds the missing groups rather than splitting one)."""
+    if groups % sizing.tp == 0:
+        return groups // sizing.tp
+    if sizing.tp % groups == 0:
+        return 1
+    raise ProfileError("mamba_n_groups", f"{groups} groups cannot be placed on tp_size {sizing.tp}")
 
 
 def _group_layers(per_layer: list[list[_LayerTensors]]) -> tuple[KVGroup, ...]:

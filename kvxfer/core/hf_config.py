@@ -1,0 +1,296 @@
+"""Recognising a HuggingFace config: which family reads it, or why none may.
+
+The rule (issue 12): a config kvxfer does not fully understand is refused,
+naming what is not supported; a layout it does produce is exact. So the
+reader is chosen by `model_type` (or the architecture name), never guessed
+from whichever keys happen to be present, and every key known to change
+attention or state semantics must be read by the chosen family or the config
+is refused with `model_type X: <feature> is not supported (field Y)`.
+
+A config of an unknown `model_type` is still read as plain full attention
+(or as its explicit `layer_types`), but only while it carries none of those
+keys. The supported and refused families are listed in docs/models.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvxfer._exceptions import UnsupportedModelError
+
+Config = Mapping[str, Any]
+
+# Layer kinds of `layer_types` and the families whose reader models them.
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one group of model types is read.
+
+    `reads` are the semantics-changing keys (or key prefixes ending in "_")
+    that this family's reader models; `layer_kinds` the `layer_types` values
+    it understands; `sliding` how a model-wide `sliding_window` applies:
+    "all" (every layer slides), "opt-in" (only with `use_sliding_window`,
+    which is then refused), "layers" (only through per-layer kinds).
+    """
+
+    name: str
+    reader: str
+    reads: frozenset[str] = frozenset()
+    layer_kinds: frozenset[str] = frozenset({FULL, SLIDING})
+    sliding: str = "layers"
+    model_types: tuple[str, ...] = field(default=())
+
+
+_ATTENTION = "attention"
+
+# Declared state dtypes: read by the families with state layers (profiles._StateDtypes).
+STATE_DTYPE_KEYS = ("mamba_ssm_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype")
+
+SUPPORTED: tuple[Family, ...] = (
+    Family("Llama", _ATTENTION, model_types=("llama",)),
+    Family("Mistral, Mixtral", _ATTENTION, sliding="all", model_types=("mistral", "mixtral")),
+    Family(
+        "Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE",
+        _ATTENTION,
+        sliding="opt-in",
+        model_types=("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"),
+    ),
+    Family("Gemma (1)", _ATTENTION, model_types=("gemma",)),
+    Family(
+        "Gemma-2 (even layers slide unless layer_types says otherwise)",
+        "gemma2",
+        reads=frozenset({"sliding_window_size"}),
+        model_types=("gemma2",),
+    ),
+    Family(
+        "Gemma-3 (layer_types, or sliding_window_pattern)",
+        "gemma3",
+        reads=frozenset({"sliding_window_pattern", "_sliding_window_pattern"}),
+        model_types=("gemma3", "gemma3_text"),
+    ),
+    Family("GPT-OSS", _ATTENTION, model_types=("gpt_oss",)),
+    Family(
+        "Qwen3-Next (Gated DeltaNet linear attention + full attention)",
+        "qwen3_next",
+        reads=frozenset({"full_attention_interval", "linear_", *STATE_DTYPE_KEYS}),
+        layer_kinds=frozenset({FULL, LINEAR}),
+        model_types=("qwen3_next",),
+    ),
+    Family(
+        "Jamba (Mamba-1 + attention)",
+        "jamba",
+        reads=frozenset({"attn_layer_period", "attn_layer_offset", "mamba_"}),
+        model_types=("jamba",),
+    ),
+    Family(
+        "Falcon-H1 (Mamba-2 beside attention in every layer)",
+        "falcon_h1",
+        reads=frozenset({"attn_layer_indices", "mamba_", "ssm_"}),
+        model_types=("falcon_h1",),
+    ),
+)
+
+# Model types known to need a group kind kvxfer does not have yet: the
+# feature, and the fields that define it (the first one present is named).
+REFUSED: Mapping[str, tuple[str, tuple[str, ...]]] = {
+    "mamba": ("a pure Mamba-1 state-space model", ("state_size",)),
+    "falcon_mamba": ("a pure Mamba-1 state-space model", ("state_size",)),
+    "mamba2": ("a pure Mamba-2 state-space model", ("state_size", "n_groups")),
+    "nemotron_h": (
+        "the hybrid Mamba-2/attention layer pattern",
+        ("hybrid_override_pattern", "layers_block_type"),
+    ),
+    "zamba": ("the Mamba/shared-attention hybrid", ("layers_block_type", "attn_layer_period")),
+    "zamba2": ("the Mamba-2/shared-attention-block hybrid", ("layers_block_type",)),
+    "minimax_text_01": ("lightning (linear) attention", ("attn_type_list", "layer_types")),
+    "minimax_m1": ("lightning (linear) attention", ("attn_type_list", "layer_types")),
+    "minimax": ("lightning (linear) attention", ("layer_types", "attn_type_list")),
+    "granitemoehybrid": ("the Granite-4.0 Mamba-2 hybrid", ("layer_types",)),
+    "bamba": ("the Bamba Mamba-2 hybrid", ("attn_layer_indices",)),
+    "lfm2": ("the short-convolution hybrid", ("layer_types",)),
+    "lfm2_moe": ("the short-convolution hybrid", ("layer_types",)),
+    "llama4": ("chunked local attention", ("attention_chunk_size",)),
+    "llama4_text": ("chunked local attention", ("attention_chunk_size",)),
+    "gemma3n": ("KV sharing across layers", ("num_kv_shared_layers",)),
+    "gemma3n_text": ("KV sharing across layers", ("num_kv_shared_layers",)),
+    "deepseek_v2": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
+    "deepseek_v3": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
+    "deepseek_v32": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
+    "kimi_k2": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
+    "qwen3_5": ("linear attention with a declared state dtype", ("mamba_ssm_dtype", "layer_types")),
+    "qwen3_5_moe": (
+        "linear attention with a declared state dtype",
+        ("mamba_ssm_dtype", "layer_types"),
+    ),
+}
+
+# Keys known to change what a layer caches or reads. Keys ending in "_" are
+# prefixes. Checked in this order, so the most telling one is named first.
+SEMANTIC_KEYS: Mapping[str, str] = {
+    "kv_lora_rank": "multi-head latent attention (MLA)",
+    "hybrid_override_pattern": "a hybrid Mamba/attention layer pattern",
+    "layers_block_type": "a per-layer block type list",
+    "attn_type_list": "a per-layer linear/full attention list",
+    "hybrid_layer_pattern": "a hybrid sliding/full attention pattern",
+    "compress_ratios": "compressed-KV attention",
+    "attention_chunk_size": "chunked local attention",
+    "num_kv_shared_layers": "KV sharing across layers",
+    "global_head_dim": "per-layer head geometry",
+    "num_global_key_value_heads": "per-layer head geometry",
+    "attention_k_eq_v": "keys reused as values",
+    "v_head_dim": "a value head dim apart from the key head dim",
+    "attention_head_dim": "a separate attention head dim",
+    "kv_channels": "a KV head dim under another name",
+    "multi_query": "multi-query attention under another name",
+    "num_kv_heads": "a KV head count under another name",
+    "n_head_kv": "a KV head count under another name",
+    "multi_query_group_num": "a KV head count under another name",
+    "num_query_groups": "a KV head count under another name",
+    "new_decoder_architecture": "Falcon's grouped KV layout",
+    "cross_attention_layers": "cross-attention",
+    "attention_types": "local/global attention",
+    "attention_layers": "local/global attention",
+    "interleaved_sliding_window": "an interleaved sliding window",
+    "sliding_window_pattern": "a sliding window pattern",
+    "sliding_window_size": "a separate sliding window size",
+    "full_attention_interval": "a linear/full attention interval",
+    "attn_layer_period": "a hybrid attention layer period",
+    "attn_layer_offset": "a hybrid attention layer offset",
+    "attn_layer_indices": "hybrid attention layer indices",
+    "mamba_ssm_dtype": "a declared state dtype",
+    "mamba_cache_dtype": "a declared state dtype",
+    "mamba_ssm_cache_dtype": "a declared state dtype",
+    "state_size": "a state-space layer",
+    "ssm_cfg": "a state-space layer",
+    "conv_kernel": "a convolution state",
+    "time_step_rank": "a state-space layer",
+    "swa_": "per-kind sliding-window geometry",
+    "mamba_": "a Mamba layer",
+    "ssm_": "a state-space layer",
+    "linear_": "linear attention",
+    "conv_": "a convolution state",
+}
+
+GENERIC = Family("any other model_type: plain full attention or explicit layer_types", "generic")
+
+_BY_TYPE: Mapping[str, Family] = {t: f for f in SUPPORTED for t in f.model_types}
+
+# Architecture names for configs that carry no model_type.
+_ARCHITECTURES: Mapping[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "GptOssForCausalLM": "gpt_oss",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "JambaForCausalLM": "jamba",
+    "FalconH1ForCausalLM": "falcon_h1",
+    "MambaForCausalLM": "mamba",
+    "Mamba2ForCausalLM": "mamba2",
+    "FalconMambaForCausalLM": "falcon_mamba",
+    "NemotronHForCausalLM": "nemotron_h",
+    "Zamba2ForCausalLM": "zamba2",
+    "MiniMaxText01ForCausalLM": "minimax_text_01",
+    "Llama4ForCausalLM": "llama4_text",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+
+
+def model_type_of(config: Config, text: Config) -> str | None:
+    """The text model's type: text_config's own, else the outer one, else by architecture."""
+    for source in (text, config):
+        value = source.get("model_type")
+        if isinstance(value, str) and value:
+            return value
+    architectures = config.get("architectures")
+    if isinstance(architectures, list):
+        for name in architectures:
+            if isinstance(name, str) and name in _ARCHITECTURES:
+                return _ARCHITECTURES[name]
+    return None
+
+
+def refusal(model_type: str | None, feature: str, field_name: str) -> UnsupportedModelError:
+    """The one message shape every refusal has."""
+    who = f"model_type {model_type!r}" if model_type else "a config without model_type"
+    return UnsupportedModelError(
+        field_name, f"{who}: {feature} is not supported (field {field_name})"
+    )
+
+
+def recognise(config: Config, text: Config) -> tuple[str | None, Family]:
+    """The family that reads this config, or UnsupportedModelError naming why none may."""
+    model_type = model_type_of(config, text)
+    if model_type is not None and model_type in REFUSED:
+        feature, fields = REFUSED[model_type]
+        present = [f for f in fields if _is_set(text.get(f))]
+        raise refusal(model_type, feature, present[0] if present else "model_type")
+    family = _BY_TYPE.get(model_type or "", GENERIC)
+    _check_semantic_keys(model_type, family, text)
+    _check_sliding(model_type, family, text)
+    _check_layer_kinds(model_type, family, text)
+    return model_type, family
+
+
+def _is_set(value: Any) -> bool:
+    """A key whose value changes nothing (null, false, 0, empty) is as good as absent."""
+    if value is None or value is False or value == 0:
+        return False
+    return value not in ("", [], {})
+
+
+def _reads(family: Family, key: str) -> bool:
+    return key in family.reads or any(p.endswith("_") and key.startswith(p) for p in family.reads)
+
+
+def _check_semantic_keys(model_type: str | None, family: Family, text: Config) -> None:
+    present = [k for k in text if _is_set(text[k])]
+    for key, feature in SEMANTIC_KEYS.items():
+        if key.endswith("_"):
+            hits = sorted(k for k in present if k.startswith(key) and not _reads(family, k))
+        else:
+            hits = [key] if key in present and not _reads(family, key) else []
+        hits = [k for k in hits if not _neutral(k, text)]
+        if hits:
+            raise refusal(model_type, feature, hits[0])
+
+
+def _neutral(key: str, text: Config) -> bool:
+    """A key set to a value that changes nothing kvxfer reads."""
+    if key == "v_head_dim":
+        return text.get("head_dim") is not None and text.get("v_head_dim") == text.get("head_dim")
+    return False
+
+
+def _check_sliding(model_type: str | None, family: Family, text: Config) -> None:
+    if _is_set(text.get("use_sliding_window")) and family.sliding == "opt-in":
+        raise refusal(
+            model_type,
+            "a sliding window on the layers from max_window_layers on",
+            "use_sliding_window",
+        )
+    window = text.get("sliding_window")
+    if not _is_set(window) or family.sliding != "layers":
+        return
+    if family.reader in ("gemma2", "gemma3") or "layer_types" in text:
+        return
+    raise refusal(
+        model_type, "a model-wide sliding_window without per-layer layer_types", "sliding_window"
+    )
+
+
+def _check_layer_kinds(model_type: str | None, family: Family, text: Config) -> None:
+    layer_types = text.get("layer_types")
+    if not isinstance(layer_types, list):
+        return
+    for index, kind in enumerate(layer_types):
+        if kind not in family.layer_kinds:
+            raise refusal(model_type, f"layer type {kind!r}", f"layer_types[{index}]")
