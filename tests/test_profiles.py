@@ -268,7 +268,7 @@ def test_falcon_h1_groups_are_replicated_across_tp_ranks() -> None:
     assert tp2[1].bytes_per_block == 12 * 128 * 256 * 2
 
 
-def test_fingerprint_ignores_metadata_and_follows_the_cache(tmp_path: Path) -> None:
+def test_fingerprint_ignores_metadata_and_follows_the_architecture(tmp_path: Path) -> None:
     base = json.loads((Path(__file__).parents[1] / "kvxfer/profiles/llama-3.1-8b.json").read_text())
     same = {
         **base,
@@ -276,11 +276,20 @@ def test_fingerprint_ignores_metadata_and_follows_the_cache(tmp_path: Path) -> N
         "max_position_embeddings": 131072,
         "_name_or_path": "someone/else",
         "torch_dtype": "float16",
-        "vocab_size": 128256,
+        "use_cache": False,
     }
     fingerprint = layout_from_config(base, name="a").fingerprint
     assert layout_from_config(same, name="b").fingerprint == fingerprint
-    for change in ({"num_key_value_heads": 4}, {"rope_theta": 1e6}, {"num_hidden_layers": 31}):
+    changes = (
+        {"num_key_value_heads": 4},
+        {"rope_theta": 1e6},
+        {"num_hidden_layers": 31},
+        {"hidden_size": 2048},  # same cache shape, another model (Qwen3-4B vs 8B)
+        {"intermediate_size": 8192},
+        {"vocab_size": 32000},
+        {"a_key_nobody_knows": 1},  # fail closed
+    )
+    for change in changes:
         assert layout_from_config({**base, **change}, name="c").fingerprint != fingerprint, change
 
 

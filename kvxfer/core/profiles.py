@@ -132,7 +132,7 @@ def layout_from_config(
     groups = _groups(family, _Sizing(text, elem, block_size, tp_size, state.element_bytes))
     return EngineLayout(
         model=name,
-        fingerprint=fingerprint(_groups(family, _Sizing(text, 1, 1, 1, lambda: (1, 1))), text),
+        fingerprint=fingerprint(text),
         kv_dtype=kv_dtype,
         block_size=block_size,
         tp_size=tp_size,
@@ -145,30 +145,27 @@ def _groups(family: Family, sizing: _Sizing) -> tuple[KVGroup, ...]:
     return _group_layers([_layer_tensors(family, sizing, i) for i in range(sizing.num_layers)])
 
 
-# Facts besides the cache shape that change what K holds: the rotary embedding.
-_KV_VALUE_KEYS = (
-    "rope_theta",
-    "rope_scaling",
-    "rope_parameters",
-    "rope_local_base_freq",
-    "partial_rotary_factor",
-)
+# Keys that never change what a layer caches: metadata, training-only settings, the
+# context limit and the checkpoint dtype (the KV dtype is negotiated as its own field).
+_NOT_KV_KEYS = frozenset(
+    {
+        "transformers_version", "_name_or_path", "name_or_path", "architectures",
+        "auto_map", "torch_dtype", "dtype", "use_cache", "max_position_embeddings",
+        "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+        "attention_dropout", "hidden_dropout", "output_router_logits",
+        "router_aux_loss_coef", "return_dict", "output_hidden_states", "output_attentions",
+    }
+)  # fmt: skip
 
 
-def fingerprint(canonical: tuple[KVGroup, ...], text: Config) -> str:
-    """Hash of the KV-relevant facts only: each group's kind, window, layers and tensor
-    sizes (at one token per block, one byte per element, no tensor parallelism) and the
-    rotary settings that shape K. Names, versions, vocabularies, context lengths and
-    dtypes do not change it (dtype is negotiated on its own); anything cached does.
-    It cannot tell apart two models whose caches have the same shape (two fine-tunes,
-    or two sizes sharing attention geometry): pairing engines that run the same weights
-    stays the operator's job."""
-    facts: list[Any] = [
-        [g.kind.value, g.sliding_window, list(g.layers)]
-        + [[t.name, t.bytes_per_block] for t in g.tensors]
-        for g in canonical
-    ]
-    facts.append({k: text[k] for k in _KV_VALUE_KEYS if text.get(k) is not None})
+def fingerprint(text: Config) -> str:
+    """Hash of the architecture: the text config without the keys known not to change
+    what a layer caches (`_NOT_KV_KEYS`). Everything else counts, unknown keys included
+    (fail closed): hidden size, MLP width, vocabulary and rotary settings all change
+    the K and V a layer computes, so Qwen3-4B and Qwen3-8B, whose caches have the same
+    shape, stay apart. Two fine-tunes of one architecture cannot be told apart by
+    their configs: pairing engines that run the same weights stays the operator's job."""
+    facts = {k: v for k, v in text.items() if k not in _NOT_KV_KEYS}
     canonical_json = json.dumps(facts, sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(canonical_json.encode()).hexdigest()[:16]
 
