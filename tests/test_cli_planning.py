@@ -109,6 +109,19 @@ def test_bad_input_is_one_line_without_traceback(args: list[str], needle: str) -
     assert "Traceback" not in result.stderr
 
 
+def test_state_dtype_flag_sizes_the_state_a_config_leaves_open() -> None:
+    config = str(Path(__file__).parent / "data/configs/qwen3-next-tiny-test.json")
+    refused = run("layout", "--model", config, "--json")
+    assert refused.returncode != 0 and "state_dtype" in refused.stderr
+    sizes = {}
+    for dtype in ("bfloat16", "float32"):
+        report = json.loads(
+            run("layout", "--model", config, "--state-dtype", dtype, "--json").stdout
+        )
+        sizes[dtype] = [g["bytes_per_block"] for g in report["groups"] if g["kind"] == "mamba"]
+    assert sizes["float32"] == [2 * b for b in sizes["bfloat16"]] and sizes["bfloat16"]
+
+
 def test_malformed_config_file(tmp_path: Path) -> None:
     bad = tmp_path / "config.json"
     bad.write_text("{not json")

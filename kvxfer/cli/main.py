@@ -81,6 +81,10 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
         "--model", required=True, help="built-in profile name or path to a config.json"
     )
     parser.add_argument("--kv-dtype", default="bfloat16", help="KV cache dtype (bfloat16)")
+    parser.add_argument(
+        "--state-dtype",
+        help="Mamba / linear-attention state dtype (default: what the config declares)",
+    )
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 

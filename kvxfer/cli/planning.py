@@ -13,7 +13,11 @@ from kvxfer.core.profiles import layout_for_model
 
 def _layout(args: argparse.Namespace, tp_size: int = 1) -> EngineLayout:
     return layout_for_model(
-        args.model, kv_dtype=args.kv_dtype, block_size=args.block_size, tp_size=tp_size
+        args.model,
+        kv_dtype=args.kv_dtype,
+        block_size=args.block_size,
+        tp_size=tp_size,
+        state_dtype=args.state_dtype,
     )
 
 
