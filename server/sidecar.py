@@ -40,7 +40,7 @@ from kvxfer.core.requests import (
 )
 from kvxfer.dataplane.adapter import TransferBackend
 from kvxfer.dataplane.executor import ExecOptions
-from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
+from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer, unlink_segment
 from kvxfer.dataplane.readers import Readers
 from kvxfer.server.callers import Caller, ProcessWatch, identify_caller
 from kvxfer.server.engines import Engine, EventQueue, check_regions_fit, check_spans_cover
@@ -475,11 +475,13 @@ class Sidecar:
         reason = f"process {_describe(engine.caller)} exited"
         log.warning("engine %s: %s; retiring it", engine_id, reason)
         self.metrics.engine_exits.inc()
-        engine.retired = asyncio.create_task(self._retire(engine, reason, None))
+        engine.retired = asyncio.create_task(self._retire(engine, reason, None, orphaned=True))
 
     async def _retire(
-        self, engine: Engine, reason: str, reads_deadline_s: float | None
+        self, engine: Engine, reason: str, reads_deadline_s: float | None, orphaned: bool = False
     ) -> tuple[int, int]:
+        """Take the engine out: its pulls, leases and reads end, then its memory goes.
+        `orphaned`: its process died, so its shared-memory names are unlinked here too."""
         engine.retiring = reason
         if engine.watch is not None:
             engine.watch.close()
@@ -507,6 +509,9 @@ class Sidecar:
             await self._backend.deregister(engine.buffers)
             for buffer in engine.buffers:
                 buffer.close()
+        if orphaned:  # the name only: a mapping kept above stays valid
+            unlinked = sum(unlink_segment(buffer) for buffer in engine.buffers)
+            log.info("engine %s: unlinked %d shared-memory segment(s)", engine.engine_id, unlinked)
         self.registration_version += 1
         self._engine_gauges()
         self._lease_gauges()

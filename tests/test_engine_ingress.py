@@ -315,6 +315,8 @@ async def test_kill_restart_cycles_leave_no_lease_mapping_or_registration(
         for engine in dead:
             for name in engine.shm_names():
                 assert name not in maps, f"the sidecar still maps dead engine's {name}"
+                # Nobody else can unlink what a killed engine created: the sidecar does.
+                assert not (Path("/dev/shm") / name).exists(), f"dead engine's {name} leaked"
     finally:
         fleet.close()
 

@@ -31,6 +31,9 @@ class MappedBuffer:
 
     handle: BufferHandle
     address: int
+    # (st_dev, st_ino) of the shared-memory file mapped, so that only that file's name
+    # is ever unlinked on the engine's behalf (`unlink_segment`).
+    segment: tuple[int, int] | None = None
     _keepalive: list[Any] = field(default_factory=list, repr=False)
     _close: list[Any] = field(default_factory=list, repr=False)
 
@@ -85,9 +88,28 @@ def _open_shm(handle: BufferHandle, owner_uid: int) -> MappedBuffer:
         os.close(fd)
     anchor = ctypes.c_char.from_buffer(mapping, handle.offset_bytes)
     address = ctypes.addressof(anchor)
-    buffer = MappedBuffer(handle, address, _keepalive=[anchor])
+    buffer = MappedBuffer(handle, address, (info.st_dev, info.st_ino), _keepalive=[anchor])
     buffer._close.append(mapping.close)
     return buffer
+
+
+def unlink_segment(buffer: MappedBuffer) -> bool:
+    """Remove the /dev/shm name of a DRAM buffer whose engine died: a killed engine
+    cannot unlink what it created, and each leaked segment holds the engine's whole KV
+    allocation in memory for good (tmpfs; a crash-looping pod would fill the node).
+    Only if the name still points at the file this process mapped. Mappings are not
+    affected: memory a read still touches stays valid until unmapped. True if removed."""
+    if buffer.segment is None:  # VRAM: the driver frees it with its last handle
+        return False
+    path = SHM_DIR / buffer.handle.shm_name
+    try:
+        info = os.stat(path, follow_symlinks=False)
+        if (info.st_dev, info.st_ino) != buffer.segment:
+            return False
+        os.unlink(path)
+    except FileNotFoundError:  # already gone (several buffers may share one segment)
+        return False
+    return True
 
 
 def _check_segment(where: str, info: os.stat_result, owner_uid: int, end_bytes: int) -> None:
