@@ -31,6 +31,7 @@ class MappedBuffer:
 
     handle: BufferHandle
     address: int
+    owner_uid: int | None = None  # a DRAM segment's required owner (open_buffer's check)
     _keepalive: list[Any] = field(default_factory=list, repr=False)
     _close: list[Any] = field(default_factory=list, repr=False)
 
@@ -85,7 +86,7 @@ def _open_shm(handle: BufferHandle, owner_uid: int) -> MappedBuffer:
         os.close(fd)
     anchor = ctypes.c_char.from_buffer(mapping, handle.offset_bytes)
     address = ctypes.addressof(anchor)
-    buffer = MappedBuffer(handle, address, _keepalive=[anchor])
+    buffer = MappedBuffer(handle, address, owner_uid, _keepalive=[anchor])
     buffer._close.append(mapping.close)
     return buffer
 
