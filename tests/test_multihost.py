@@ -260,6 +260,9 @@ async def test_a_link_down_mid_pull_ends_within_the_stall_deadline(fleet: Fleet)
         ):
             params = await p.publish("link-down", BIG, src)
             await d.pull(params, dst, 0)
+            # Only once the read began: a BeginRead cut off by the link would end the pull
+            # at its RPC timeout, before any chunk was posted (a different case).
+            await being_read(fleet.p, "link-down")
             fleet.a.set_link(up=False)
             down_at = time.monotonic()
             done = await pull_done(d_events, "link-down", timeout_s=STALL_S + 30)
@@ -281,9 +284,25 @@ async def ended_at_publisher(fleet: Fleet, request_ids: Sequence[str]) -> None:
     """Wait until the prefill engine heard that these (failed) reads ended: the decode
     side's EndRead, retried while the peer was unreachable or frozen, got through."""
     async with engine_link(fleet.p, fleet.pe) as (_, p_events):
-        for request_id in request_ids:
-            released = await next_for(p_events, request_id)
-            assert isinstance(released, Released), released
+        await released(fleet, p_events, request_ids)
+
+
+async def released(fleet: Fleet, p_events: Events, request_ids: Sequence[str]) -> None:
+    for request_id in request_ids:
+        try:
+            event = await next_for(p_events, request_id)
+        except TimeoutError:
+            raise AssertionError(
+                f"the prefill engine never heard that {request_id} ended\n"
+                f"prefill sidecar:\n{log_tail(fleet.p)}\ndecode sidecar:\n{log_tail(fleet.d)}"
+            ) from None
+        assert isinstance(event, Released), event
+
+
+def log_tail(proc: Proc, lines: int = 25) -> str:
+    """The end of a sidecar's log without UCX's per-request warnings."""
+    kept = [line for line in proc.log_text().splitlines() if "UCX  WARN" not in line]
+    return "\n".join(kept[-lines:])
 
 
 async def test_a_pull_succeeds_once_the_link_is_back(fleet: Fleet) -> None:
@@ -336,9 +355,7 @@ async def test_no_byte_lands_in_a_failed_block_after_a_frozen_peer_thaws(fleet: 
             thaw(fleet.p)
         await asyncio.sleep(THAW_WAIT_S)  # issue 10: the late writes landed within 2-4 s
         # The decode side's EndReads, retried while the peer was frozen, got through.
-        for request_id in ids:
-            released = await next_for(p_events, request_id)
-            assert isinstance(released, Released), released
+        await released(fleet, p_events, ids)
     late_writes = []
     for (done, dst), before, early in zip(pairs, at_report, landed, strict=True):
         assert done.status is not PullStatus.OK, "the freeze came after the pull ended"

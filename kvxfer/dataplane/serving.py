@@ -21,6 +21,7 @@ child that keeps dying at start is retried with a growing pause.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import signal
@@ -65,12 +66,14 @@ class ServingBackend(Protocol):
 
 
 class AgentProcess:
-    """One serving-agent child and the socket to it. Requests go one at a time."""
+    """One serving-agent child and the socket to it. Requests go one at a time, each a
+    round trip on this child's own thread: a caller that gives up (a cancelled RPC)
+    cannot leave a reply behind for the next request to read."""
 
     def __init__(self, proc: asyncio.subprocess.Process, conn: Connection) -> None:
         self.proc = proc
         self._conn = conn
-        self._lock = asyncio.Lock()
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, "serving-agent")
         self.name = ""
 
     @classmethod
@@ -94,8 +97,11 @@ class AgentProcess:
         return self.proc.pid
 
     async def call(self, op: str, *args: Any) -> Any:
-        async with self._lock:
-            reply = await asyncio.to_thread(self._roundtrip, (op, *args))
+        loop = asyncio.get_running_loop()
+        try:
+            reply = await loop.run_in_executor(self._thread, self._roundtrip, (op, *args))
+        except RuntimeError as exc:  # the executor was shut down: closed or killed
+            raise DataPlaneError(f"serving agent {self.pid} is closed") from exc
         if reply[0] == "ok":
             return reply[1]
         _, kind, message = reply
@@ -123,12 +129,16 @@ class AgentProcess:
             await asyncio.wait_for(self.proc.wait(), _CLOSE_TIMEOUT_S)
         except TimeoutError:
             await self.kill()
-        self._conn.close()
+        self._release()
 
     async def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
         await self.proc.wait()
+        self._release()
+
+    def _release(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
         self._conn.close()
 
 
@@ -228,10 +238,12 @@ class ServingAgent:
     async def close(self) -> None:
         """Stop the child (its agent destroyed, so no read it serves goes on) for good."""
         self._closed = True
+        if self._watch is not None:  # also ends a replacement under way
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
         async with self._lock:
             child, self._child = self._child, None
-            if self._watch is not None:
-                self._watch.cancel()
             if child is not None:
                 await child.close()
 
