@@ -88,7 +88,6 @@ class Fleet:
     pe: EngineSim
     d: Proc
     de: EngineSim
-    tmp: Path
 
     def check_prefill_unchanged(self, params_epoch: int) -> None:
         """The prefill sidecar that started the tier still serves: same process, same
@@ -117,7 +116,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             procs.append(de)
             assert p.ready["peer_address"].startswith(f"{a.address}:")
             assert len(process_tree(p.pid)) == 2, "the sidecar and its serving agent"
-            yield Fleet(a, b, p, pe, d, de, tmp)
+            yield Fleet(a, b, p, pe, d, de)
         finally:
             for proc in reversed(procs):
                 with contextlib.suppress(OSError):
