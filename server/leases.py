@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import enum
 import hmac
+import logging
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -36,6 +38,34 @@ from kvxfer._exceptions import (
     PermissionDeniedError,
 )
 from kvxfer.core.layout import BlockSpan
+
+log = logging.getLogger(__name__)
+
+
+class LiveClock:
+    """Monotonic seconds that do not count time this process was stopped (SIGSTOP, a
+    paused VM, a host that stalled). Leases run on it: a lease ends when its reader was
+    not heard from for its TTL while we could have heard it. On wall time, every lease
+    whose reader finished during a freeze (its EndRead timed out meanwhile) would be
+    reported expired on thaw, though its blocks were read; on this clock the reader's
+    retried EndRead arrives first and the engine hears `consumed`."""
+
+    def __init__(self) -> None:
+        self._stopped_s = 0.0
+        self._last = time.monotonic()
+
+    def __call__(self) -> float:
+        return time.monotonic() - self._stopped_s
+
+    def tick(self, expected_s: float) -> None:
+        """Called by a loop that sleeps `expected_s` between calls: a call much later than
+        that means the process did not run in between."""
+        now = time.monotonic()
+        late = now - self._last - expected_s
+        if late > max(1.0, expected_s):
+            self._stopped_s += late
+            log.warning("this process did not run for %.1f s: leases are extended by it", late)
+        self._last = now
 
 
 class LeaseState(enum.StrEnum):

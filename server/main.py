@@ -34,6 +34,7 @@ from kvxfer._exceptions import InvalidInputError, KvxferError
 from kvxfer.dataplane.adapter import AgentOptions, NixlAgent, TransferBackend
 from kvxfer.dataplane.faults import FaultInjectingBackend, random_faults
 from kvxfer.dataplane.readers import Readers
+from kvxfer.dataplane.serving import ServingAgent
 from kvxfer.server.guard import PEER_SERVER_MAX_RECEIVE_BYTES, EngineSocketGuard, PeerPortGuard
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import server_options
@@ -72,7 +73,9 @@ async def serve(settings: Settings) -> int:
         enable_prog_thread=nixl.enable_prog_thread,
         backend_params=tuple(nixl.backend_params.items()),
     )
-    backend = NixlAgent("kvxfer-sidecar", options)
+    # The serving agent runs in a child process (dataplane/serving.py); readers run here.
+    backend = ServingAgent("kvxfer-sidecar", options)
+    await backend.start()
     metrics = Metrics()
     faults = settings.faults
     rule = random_faults(faults.fail_rate, faults.stall_rate, faults.seed)

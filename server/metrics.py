@@ -159,6 +159,12 @@ class Metrics:
             "Registered engines whose process exited without unregistering",
             registry=r,
         )
+        self.serving_agent_restarts = Counter(
+            "kvxfer_serving_agent_restarts",
+            "Serving NIXL agent processes that died (UCX aborted them) and were replaced; "
+            "the sidecar itself kept running",
+            registry=r,
+        )
         self.fault_injection = Gauge(
             "kvxfer_fault_injection",
             "1 when this sidecar injects chunk faults (testing)",

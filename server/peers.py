@@ -30,7 +30,7 @@ from kvxfer._exceptions import (
 )
 from kvxfer.core.layout import EngineLayout
 from kvxfer.core.negotiation import PROTOCOL_VERSION, Agreement, negotiate
-from kvxfer.dataplane.adapter import TransferBackend
+from kvxfer.dataplane.serving import ServingBackend
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.settings import Settings
 from kvxfer.v1 import sidecar_pb2 as pb
@@ -151,7 +151,7 @@ class PeerLinks:
         self,
         *,
         settings: Settings,
-        backend: TransferBackend,
+        backend: ServingBackend,
         metrics: Metrics,
         dialer: Dialer,
         sidecar_id: str,

@@ -23,7 +23,7 @@ from kvxfer._exceptions import (
     NotFoundError,
     ShuttingDownError,
 )
-from kvxfer.core.buffers import BufferHandle
+from kvxfer.core.buffers import BoundBuffer, BufferHandle
 from kvxfer.core.layout import BlockSpan, EngineLayout
 from kvxfer.core.negotiation import PROTOCOL_VERSION, SUPPORTED_PROTOCOLS
 from kvxfer.core.planner import check_span_ids, full_attention_bytes, plan_transfer
@@ -38,13 +38,13 @@ from kvxfer.core.requests import (
     TransferParams,
     check_request_id,
 )
-from kvxfer.dataplane.adapter import TransferBackend
 from kvxfer.dataplane.executor import ExecOptions
 from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer, unlink_segment
 from kvxfer.dataplane.readers import Readers
+from kvxfer.dataplane.serving import ServingBackend
 from kvxfer.server.callers import Caller, ProcessWatch, identify_caller
 from kvxfer.server.engines import Engine, EventQueue, check_regions_fit, check_spans_cover
-from kvxfer.server.leases import Lease, LeaseState, LeaseTable
+from kvxfer.server.leases import Lease, LeaseState, LeaseTable, LiveClock
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import Dialer, PeerLinks
 from kvxfer.server.pulls import Pull, PullContext, run_pull
@@ -56,35 +56,9 @@ log = logging.getLogger(__name__)
 _READER_REASONS = frozenset({ReleaseReason.CONSUMED, ReleaseReason.ABORTED})
 
 
-class LiveClock:
-    """Monotonic seconds that do not count time this process was stopped (SIGSTOP, a
-    paused VM, a host that stalled). Leases run on it: a lease ends when its reader was
-    not heard from for its TTL while we could have heard it. On wall time, every lease
-    whose reader finished during a freeze (its EndRead timed out meanwhile) would be
-    reported expired on thaw, though its blocks were read; on this clock the reader's
-    retried EndRead arrives first and the engine hears `consumed`."""
-
-    def __init__(self) -> None:
-        self._stopped_s = 0.0
-        self._last = time.monotonic()
-
-    def __call__(self) -> float:
-        return time.monotonic() - self._stopped_s
-
-    def tick(self, expected_s: float) -> None:
-        """Called by a loop that sleeps `expected_s` between calls: a call much later than
-        that means the process did not run in between."""
-        now = time.monotonic()
-        late = now - self._last - expected_s
-        if late > max(1.0, expected_s):
-            self._stopped_s += late
-            log.warning("this process did not run for %.1f s: leases are extended by it", late)
-        self._last = now
-
-
 class Sidecar:
     def __init__(
-        self, settings: Settings, backend: TransferBackend, metrics: Metrics, readers: Readers
+        self, settings: Settings, backend: ServingBackend, metrics: Metrics, readers: Readers
     ) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -93,7 +67,10 @@ class Sidecar:
         self.address = settings.advertise_address or settings.peer_address
         self.started = time.monotonic()
         self.registration_version = 0
-        self._backend = backend  # serves reads of our engines' memory; never reads itself
+        # Serves peers' reads of our engines' memory (never reads itself), from a child
+        # process that is replaced if UCX aborts it (dataplane/serving.py).
+        self._backend = backend
+        backend.on_replaced(self._serving_agent_replaced)
         self._readers = readers  # read into our engines' memory: one agent per peer and engine
         self._engines: dict[str, Engine] = {}
         self._registering: set[int] = set()  # tp ranks whose registration is under way
@@ -178,6 +155,13 @@ class Sidecar:
                 "shutting down with %d read(s) still in progress: grace period over",
                 self._leases.reading(),
             )
+
+    def _serving_agent_replaced(self, reason: str) -> None:
+        """Peers must load the new serving agent's metadata before their next read: a new
+        registration version makes BeginRead tell them so."""
+        self.registration_version += 1
+        self.metrics.serving_agent_restarts.inc()
+        log.warning("serving agent replaced (%s): readers reload its metadata", reason)
 
     def _check_open(self) -> None:
         if self._draining:
@@ -598,16 +582,22 @@ class Sidecar:
                 f"{sorted(SUPPORTED_PROTOCOLS)}; upgrade the older sidecar",
             )
         engine = self._serving_engine(layout.tp_rank)
+        # Read before the metadata: if the serving agent is replaced meanwhile, the peer
+        # holds an older version than ours and reloads at its next BeginRead.
+        version = self.registration_version
+        metadata, buffers = b"", dict[str, BoundBuffer]()
+        if not dry_run:  # the serving agent's addresses, not ours
+            metadata, buffers = await self._backend.served([b.name for b in engine.buffers])
         return PeerHello(
             protocol_version=PROTOCOL_VERSION,
             epoch=self.epoch,
             engine_id=engine.engine_id,
             sidecar_id=self.sidecar_id,
             layout=engine.layout,
-            buffers={} if dry_run else dict(engine.bound),
-            agent_metadata=b"" if dry_run else await self._backend.metadata(),
+            buffers=buffers,
+            agent_metadata=metadata,
             lease_ttl_s=self.settings.lease.ttl_s,
-            registration_version=self.registration_version,
+            registration_version=version,
         )
 
     def _serving_engine(self, tp_rank: int) -> Engine:

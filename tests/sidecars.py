@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -154,3 +156,32 @@ async def being_read(sidecar: Proc, request_id: str, timeout_s: float = 30.0) ->
                 return
             await asyncio.sleep(0.01)
     raise AssertionError(f"no peer began reading {request_id!r} within {timeout_s} s")
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process descended from it (a sidecar and its serving agent)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rpartition(")")[2].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo.extend(children.get(current, ()))
+    return tree
+
+
+def freeze(sidecar: Proc) -> None:
+    """SIGSTOP the sidecar with its serving-agent process, as a paused pod or a stalled
+    host freezes both (a sidecar is two processes: docs/dataplane.md)."""
+    for pid in process_tree(sidecar.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+
+
+def thaw(sidecar: Proc) -> None:
+    for pid in process_tree(sidecar.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)

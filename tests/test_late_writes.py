@@ -18,8 +18,6 @@ were consumed, not that their lease expired.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 from big_pulls import MODEL, PER_REQUEST, SIZES, TOKENS, B, reads_under_way, request_spans
-from sidecars import being_read, engine_link, start_engine, start_sidecar
+from sidecars import being_read, engine_link, freeze, start_engine, start_sidecar, thaw
 
 from kvxfer.core.requests import PullDone, PullStatus, Released, ReleaseReason
 
@@ -47,14 +45,14 @@ async def test_no_byte_lands_after_pulldone_from_a_frozen_peer(
     monkeypatch.setenv("UCX_TLS", "tcp,self")  # inherited by the sidecars: a network path
     timing = ("--transfer.stall-deadline-s", str(DEADLINE_S), "--lease.ttl-s", "60")
     async with reads_under_way(tmp_path, "frozen", p_args=timing, d_args=timing) as pair:
-        os.kill(pair.p.pid, signal.SIGSTOP)
+        freeze(pair.p)
         frozen_at = time.monotonic()
         try:
             dones = [await pair.d_events.next(timeout_s=60) for _ in range(2)]
             reported_after = time.monotonic() - frozen_at
             at_report = _decode_image(pair.de)
         finally:
-            os.kill(pair.p.pid, signal.SIGCONT)
+            thaw(pair.p)
         await asyncio.sleep(THAW_WAIT_S)
         after_thaw = _decode_image(pair.de)
     assert all(isinstance(done, PullDone) for done in dones)
@@ -94,12 +92,12 @@ async def test_a_read_that_finished_while_its_publisher_was_frozen_is_reported_c
             params = await pc.publish("frozen-cma", TOKENS, request_spans(0))
             await dc.pull(params, request_spans(0, reverse=True), 0)
             await being_read(p, "frozen-cma")
-            os.kill(p.pid, signal.SIGSTOP)
+            freeze(p)
             try:
                 done = await d_events.next(timeout_s=60)
                 await asyncio.sleep(5)  # past the lease TTL, and EndRead times out meanwhile
             finally:
-                os.kill(p.pid, signal.SIGCONT)
+                thaw(p)
             released = await p_events.next(timeout_s=30)
         assert isinstance(done, PullDone) and done.status is PullStatus.OK, done
         assert isinstance(released, Released), f"the prefill engine was told {released}"

@@ -9,12 +9,18 @@ checks bytes in their shared memory.
 
 Tests share one fleet and run in file order; each uses its own decode blocks:
   full pull           8k tokens, every moved byte and the untouched rest checked
-  freeze/thaw         two 32k-token pulls, prefill sidecar SIGSTOPped: PullDone
-                      FAILED after the stall deadline; after SIGCONT no byte may
-                      land in a failed block (issue 10, section 1)
   link down           the veth goes down mid-pull: PullDone within the stall
                       deadline, failed blocks and valid_tokens per the oracle
-  recovery            the link comes back: a new pull succeeds, bytes checked
+  recovery            the link comes back: a new pull from the same prefill
+                      sidecar (same pid, same epoch) succeeds, bytes checked
+  freeze/thaw         two 32k-token pulls, prefill sidecar SIGSTOPped: PullDone
+                      FAILED after the stall deadline; after SIGCONT no byte may
+                      land in a failed block (issue 10, section 1); then the
+                      same prefill sidecar serves a new pull, bytes checked
+
+A severed reader used to crash the prefill sidecar inside UCX (software RMA
+over TCP); its serving agent now runs in a child process that the sidecar
+replaces (docs/reliability.md), so the sidecar never restarts here.
 """
 
 from __future__ import annotations
@@ -22,8 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import os
-import signal
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,9 +38,8 @@ import numpy as np
 import pytest
 from netns import Host
 from oracle import oracle_blocks, oracle_valid_tokens
-from sidecars import EngineSim, Events, being_read, engine_link
+from sidecars import EngineSim, Events, being_read, engine_link, freeze, process_tree, thaw
 
-from kvxfer._exceptions import KvxferError
 from kvxfer.cli.fleet import Proc
 from kvxfer.client.patterns import holds_pattern
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId
@@ -54,8 +57,8 @@ B = 16
 BIG = 32768  # tokens: 2048 full-attention blocks, 808 MB per pull
 SMALL = 8192
 STALL_S = 3.0
-FULL_BLOCKS = 3 * BIG // B + SMALL // B  # decode: three 32k pulls + one 8k pull
-SLIDING_BLOCKS = 80
+FULL_BLOCKS = 3 * BIG // B + 3 * SMALL // B  # decode: three 32k pulls + three 8k pulls
+SLIDING_BLOCKS = 96
 # Delivering PullDone through the sidecar's event stream on a loaded 2-core machine.
 LATENCY_SLACK_S = 1.0
 THAW_WAIT_S = 5.0  # issue 10: late writes landed 2-4 s after SIGCONT
@@ -85,21 +88,16 @@ class Fleet:
     pe: EngineSim
     d: Proc
     de: EngineSim
-    tmp: Path
-    procs: list[Proc | EngineSim]
 
-    def revive_prefill(self) -> bool:
-        """Start the prefill sidecar and engine again if the sidecar died, as a pod's
-        restart policy would; True if it had to. Over UCX TCP a serving sidecar whose
-        reader severed its endpoints mid-read aborts in UCX once it next progresses
-        (docs/reliability.md, known limits): data-safe, not yet available."""
-        if self.p.popen.poll() is None:
-            return False
-        self.pe.stop()
-        self.p = sidecar(self.tmp, self.a, "p")
-        self.pe = engine(self.tmp, self.a, self.p, "prefill", BIG // B)
-        self.procs += [self.p, self.pe]
-        return True
+    def check_prefill_unchanged(self, params_epoch: int) -> None:
+        """The prefill sidecar that started the tier still serves: same process, same
+        epoch (a restart would mint a new one and fail every published request)."""
+        assert self.p.popen.poll() is None, f"the prefill sidecar died: {self.p.popen.returncode}"
+        assert params_epoch == self.p.ready["epoch"], "the prefill sidecar restarted"
+
+    def serving_agent_replacements(self) -> int:
+        """How often the prefill sidecar replaced its serving agent (from its log)."""
+        return self.p.log.read_text().count("serving agent replaced")
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +115,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             de = engine(tmp, b, d, "decode", FULL_BLOCKS)
             procs.append(de)
             assert p.ready["peer_address"].startswith(f"{a.address}:")
-            yield Fleet(a, b, p, pe, d, de, tmp, procs)
+            assert len(process_tree(p.pid)) == 2, "the sidecar and its serving agent"
+            yield Fleet(a, b, p, pe, d, de)
         finally:
             for proc in reversed(procs):
                 with contextlib.suppress(OSError):
                     if isinstance(proc, Proc):  # a failed test may have left it frozen
-                        proc.popen.send_signal(signal.SIGCONT)
+                        thaw(proc)
                     proc.stop()
 
 
@@ -146,7 +145,8 @@ SRC = {0: 0, 1: 0}  # every request reads the same prefill blocks
 FREEZE_SLOTS = ({0: 0, 1: 0}, {0: 16, 1: BIG // B})
 LINK_DOWN_SLOT = {0: 64, 1: 2 * BIG // B + SMALL // B}
 FULL_SLOT = {0: 32, 1: 2 * BIG // B}
-RECOVERY_SLOT = {0: 48, 1: 2 * BIG // B}
+RECOVERY_SLOT = {0: 48, 1: 3 * BIG // B + SMALL // B}
+AFTER_THAW_SLOT = {0: 80, 1: 3 * BIG // B + 2 * SMALL // B}
 
 
 def moved_mismatches(
@@ -218,8 +218,12 @@ async def pull_done(events: Events, request_id: str, timeout_s: float = 60.0) ->
 async def pull_and_check(
     fleet: Fleet, request_id: str, tokens: int, dst_offsets: Mapping[int, int]
 ) -> PullDone:
-    """One pull expected to succeed; every moved byte and the rest of its blocks checked."""
+    """One pull expected to succeed; every moved byte checked (its blocks must hold the
+    fill pattern before, so a pull that wrote nothing cannot pass)."""
     src, dst = request_spans(fleet, tokens, SRC), request_spans(fleet, tokens, dst_offsets)
+    groups = fleet.pe.layout.groups
+    needed = {g.group_id: sorted(oracle_blocks(g, tokens, 0, B)) for g in groups}
+    assert all(pristine(fleet, t, i) for t, _, i in tensor_blocks(fleet, dst, needed))
     async with (
         engine_link(fleet.p, fleet.pe) as (p, p_events),
         engine_link(fleet.d, fleet.de) as (d, d_events),
@@ -232,6 +236,7 @@ async def pull_and_check(
     assert isinstance(released, Released) and released.bytes_read == done.bytes_moved
     assert done.valid_tokens == tokens and done.failed_blocks == {}
     assert moved_mismatches(fleet, tokens, src, dst, {}) == []
+    fleet.check_prefill_unchanged(params.epoch)
     return done
 
 
@@ -254,6 +259,9 @@ async def test_a_link_down_mid_pull_ends_within_the_stall_deadline(fleet: Fleet)
         ):
             params = await p.publish("link-down", BIG, src)
             await d.pull(params, dst, 0)
+            # Only once the read began: a BeginRead cut off by the link would end the pull
+            # at its RPC timeout, before any chunk was posted (a different case).
+            await being_read(fleet.p, "link-down")
             fleet.a.set_link(up=False)
             down_at = time.monotonic()
             done = await pull_done(d_events, "link-down", timeout_s=STALL_S + 30)
@@ -271,34 +279,50 @@ async def test_a_link_down_mid_pull_ends_within_the_stall_deadline(fleet: Fleet)
     assert ended_s <= STALL_S + LATENCY_SLACK_S, f"PullDone {ended_s:.2f} s after the link"
 
 
+async def ended_at_publisher(fleet: Fleet, request_ids: Sequence[str]) -> None:
+    """Wait until the prefill engine heard that these (failed) reads ended: the decode
+    side's EndRead, retried while the peer was unreachable or frozen, got through."""
+    async with engine_link(fleet.p, fleet.pe) as (_, p_events):
+        await released(fleet, p_events, request_ids)
+
+
+async def released(fleet: Fleet, p_events: Events, request_ids: Sequence[str]) -> None:
+    for request_id in request_ids:
+        try:
+            event = await next_for(p_events, request_id)
+        except TimeoutError:
+            raise AssertionError(
+                f"the prefill engine never heard that {request_id} ended\n"
+                f"prefill sidecar:\n{log_tail(fleet.p)}\ndecode sidecar:\n{log_tail(fleet.d)}"
+            ) from None
+        assert isinstance(event, Released), event
+
+
+def log_tail(proc: Proc, lines: int = 25) -> str:
+    """The end of a sidecar's log without UCX's per-request warnings."""
+    kept = [line for line in proc.log_text().splitlines() if "UCX  WARN" not in line]
+    return "\n".join(kept[-lines:])
+
+
 async def test_a_pull_succeeds_once_the_link_is_back(fleet: Fleet) -> None:
+    """The same prefill sidecar serves the next pull: no restart, no new epoch."""
     fleet.a.set_link(up=True)
-    fleet.revive_prefill()
-    try:
-        await pull_and_check(fleet, "recovered", SMALL, RECOVERY_SLOT)
-    except KvxferError:
-        # The prefill sidecar may abort only once the link is back and it progresses
-        # the severed connection (known limit); after its restart a pull must succeed.
-        if not fleet.revive_prefill():
-            raise
-        await pull_and_check(fleet, "recovered-after-restart", SMALL, RECOVERY_SLOT)
+    await ended_at_publisher(fleet, ["link-down"])
+    await pull_and_check(fleet, "recovered", SMALL, RECOVERY_SLOT)
+    print(f"serving agent replaced {fleet.serving_agent_replacements()} time(s) so far")
 
 
 async def test_no_byte_lands_in_a_failed_block_after_a_frozen_peer_thaws(fleet: Fleet) -> None:
-    """Last in the file: over UCX TCP (software-emulated RMA) the thawed prefill sidecar
-    may abort inside UCX once it finds the reader's endpoints gone (docs/reliability.md,
-    known limits), so nothing runs on this fleet after it.
-
-    Issue 10, section 1: once a block is reported failed, no byte may land in it.
+    """Issue 10, section 1: once a block is reported failed, no byte may land in it.
 
     Two 32k-token pulls; the prefill sidecar is frozen (SIGSTOP) as soon as both
     are accepted, so their reads hang until the stall deadline fails them. What each
     failed block holds is recorded when PullDone arrives (bytes that came before
     the freeze may be there), then the peer thaws (SIGCONT): 5 s later every byte of
     every failed block must be as recorded. Fails until the data plane makes late
-    writes impossible: today the timed-out reads complete after SIGCONT.
+    writes impossible: today the timed-out reads complete after SIGCONT. Then the same
+    prefill sidecar must serve a new pull (it used to abort in UCX after the thaw).
     """
-    fleet.revive_prefill()
     src = request_spans(fleet, BIG, SRC)
     dsts = [request_spans(fleet, BIG, slot) for slot in FREEZE_SLOTS]
     groups = fleet.pe.layout.groups
@@ -306,8 +330,11 @@ async def test_no_byte_lands_in_a_failed_block_after_a_frozen_peer_thaws(fleet: 
     for dst in dsts:  # the test means something only if the blocks start untouched
         assert all(pristine(fleet, t, i) for t, _, i in tensor_blocks(fleet, dst, needed))
     ids = ["freeze-0", "freeze-1"]
+    # The prefill engine's event stream stays open across the freeze: a stream closed
+    # while its sidecar is frozen is torn down only after the thaw, and the Released
+    # events of the thaw would go to it.
     async with (
-        engine_link(fleet.p, fleet.pe) as (p, _),
+        engine_link(fleet.p, fleet.pe) as (p, p_events),
         engine_link(fleet.d, fleet.de) as (d, d_events),
     ):
         params = [await p.publish(request_id, BIG, src) for request_id in ids]
@@ -315,7 +342,7 @@ async def test_no_byte_lands_in_a_failed_block_after_a_frozen_peer_thaws(fleet: 
             for one, dst in zip(params, dsts, strict=True):
                 await d.pull(one, dst, 0)
             await being_read(fleet.p, ids[-1])  # the first began before it
-            os.kill(fleet.p.pid, signal.SIGSTOP)
+            freeze(fleet.p)
             dones = [await pull_done(d_events, i, timeout_s=STALL_S + 30) for i in ids]
             pairs = list(zip(dones, dsts, strict=True))
             at_report = [digests(fleet, dst, done.failed_blocks) for done, dst in pairs]
@@ -323,12 +350,11 @@ async def test_no_byte_lands_in_a_failed_block_after_a_frozen_peer_thaws(fleet: 
                 sum(not pristine(fleet, t, i) for t, _, i in tensor_blocks(fleet, dst, fails))
                 for dst, fails in ((dst, done.failed_blocks) for done, dst in pairs)
             ]
-        except BaseException:
-            os.kill(fleet.p.pid, signal.SIGCONT)
-            raise
-    # Thawed with no engine connected to it: the prefill sidecar may abort in UCX now.
-    os.kill(fleet.p.pid, signal.SIGCONT)
-    await asyncio.sleep(THAW_WAIT_S)  # issue 10: the late writes landed within 2-4 s
+        finally:
+            thaw(fleet.p)
+        await asyncio.sleep(THAW_WAIT_S)  # issue 10: the late writes landed within 2-4 s
+        # The decode side's EndReads, retried while the peer was frozen, got through.
+        await released(fleet, p_events, ids)
     late_writes = []
     for (done, dst), before, early in zip(pairs, at_report, landed, strict=True):
         assert done.status is not PullStatus.OK, "the freeze came after the pull ended"
@@ -343,3 +369,5 @@ async def test_no_byte_lands_in_a_failed_block_after_a_frozen_peer_thaws(fleet: 
                 f"{late[0]}); {early} held other bytes than the fill pattern at PullDone"
             )
     assert not late_writes, "late writes after the failure report:\n" + "\n".join(late_writes)
+    await pull_and_check(fleet, "after-thaw", SMALL, AFTER_THAW_SLOT)
+    print(f"serving agent replaced {fleet.serving_agent_replacements()} time(s) so far")

@@ -11,13 +11,20 @@ was released: no agent that could still write there is left running.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 from pathlib import Path
 
 import pytest
 from big_pulls import MODEL, PER_REQUEST, SIZES, TOKENS, reads_under_way, request_spans
-from sidecars import DecodeImage, being_read, engine_link, start_engine, start_sidecar
+from sidecars import (
+    DecodeImage,
+    being_read,
+    engine_link,
+    freeze,
+    start_engine,
+    start_sidecar,
+    thaw,
+)
 
 from kvxfer.core.requests import PullDone, PullStatus, Released, ReleaseReason
 
@@ -66,14 +73,14 @@ async def test_decode_sigterm_with_pulls_hung_on_a_frozen_peer_exits_cleanly(
     d_args = ("--shutdown-grace-s", "0.5", "--transfer.stall-deadline-s", "1")
     p_args = ("--lease.ttl-s", "60")
     async with reads_under_way(tmp_path, "hung", p_args=p_args, d_args=d_args) as pair:
-        os.kill(pair.p.pid, signal.SIGSTOP)
+        freeze(pair.p)
         try:
             pair.d.popen.send_signal(signal.SIGTERM)
             # Past the grace period and the stall deadline: the decode sidecar is
             # releasing its engine's memory and stopping its servers. Wake the peer.
             await asyncio.sleep(1.6)
         finally:
-            os.kill(pair.p.pid, signal.SIGCONT)
+            thaw(pair.p)
         dones = [await pair.d_events.next(timeout_s=30) for _ in range(2)]
         code = await asyncio.to_thread(pair.d.popen.wait, 60)
     assert all(isinstance(x, PullDone) and x.status is not PullStatus.OK for x in dones)

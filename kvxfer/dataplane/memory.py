@@ -31,6 +31,7 @@ class MappedBuffer:
 
     handle: BufferHandle
     address: int
+    owner_uid: int | None = None  # a DRAM segment's required owner (open_buffer's check)
     # (st_dev, st_ino) of the shared-memory file mapped, so that only that file's name
     # is ever unlinked on the engine's behalf (`unlink_segment`).
     segment: tuple[int, int] | None = None
@@ -88,7 +89,8 @@ def _open_shm(handle: BufferHandle, owner_uid: int) -> MappedBuffer:
         os.close(fd)
     anchor = ctypes.c_char.from_buffer(mapping, handle.offset_bytes)
     address = ctypes.addressof(anchor)
-    buffer = MappedBuffer(handle, address, (info.st_dev, info.st_ino), _keepalive=[anchor])
+    segment = (info.st_dev, info.st_ino)
+    buffer = MappedBuffer(handle, address, owner_uid, segment, _keepalive=[anchor])
     buffer._close.append(mapping.close)
     return buffer
 
