@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import oracle_blocks
 from strategies import PROFILES, layouts, requests
 
-from kvxfer.core.layout import GroupKind, KVGroup
+from kvxfer._exceptions import PlanError
+from kvxfer.core.layout import EngineLayout, GroupId, GroupKind, KVGroup
 from kvxfer.core.planner import full_attention_bytes, needed_blocks, plan_blocks, pool_blocks
-from kvxfer.core.profiles import layout_for_model
+from kvxfer.core.profiles import layout_for_model, layout_from_config
 
 
 @given(st.data())
@@ -145,3 +147,75 @@ def test_pool_blocks_bound_every_request_tightly(data: st.DataObject) -> None:
         # nothing; the pool still keeps one block so an engine can be sized at all).
         if group.kind is not GroupKind.SLIDING_WINDOW or windows == {group.sliding_window} != {1}:
             assert max(need) == pools[group.kind]
+
+
+@st.composite
+def llama4_layouts(draw: st.DrawFn) -> EngineLayout:
+    """A Llama 4 text config with a drawn chunk size (aligned to the block size or not),
+    NoPE interval and block size: chunked_local groups beside full attention."""
+    block_size = draw(st.sampled_from((1, 16, 64, 256)))
+    chunk = draw(
+        st.one_of(
+            st.integers(1, 5000),
+            st.integers(1, 64).map(lambda k: k * block_size),
+            st.just(8192),
+        )
+    )
+    config = {
+        "model_type": "llama4_text",
+        "num_hidden_layers": draw(st.integers(1, 8)),
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "attention_chunk_size": chunk,
+        "no_rope_layer_interval": draw(st.integers(1, 5)),
+    }
+    return layout_from_config(config, name="llama4-drawn", block_size=block_size)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_chunked_plan_matches_token_oracle(data: st.DataObject) -> None:
+    layout = data.draw(llama4_layouts())
+    num_tokens, computed = data.draw(requests(layout.block_size, max_tokens=40_000))
+    for plan in plan_blocks(layout, num_tokens, computed):
+        expected = oracle_blocks(plan.group, num_tokens, computed, layout.block_size)
+        assert set(plan.blocks) == expected, plan.group.kind
+        assert plan.nbytes == len(expected) * plan.group.bytes_per_block
+
+
+@settings(deadline=None)
+@given(st.data())
+def test_chunked_pool_bound_holds_every_request(data: st.DataObject) -> None:
+    layout = data.draw(llama4_layouts())
+    max_tokens = data.draw(st.integers(1, 20_000))
+    pools = pool_blocks(layout, max_tokens)
+    for group in layout.groups:
+        if group.kind is not GroupKind.CHUNKED_LOCAL:
+            continue
+        assert group.chunk_size is not None
+        # The worst N of every chunk is its last token; check those and a drawn N.
+        worst = [n for n in range(group.chunk_size - 1, max_tokens + 1, group.chunk_size)]
+        for tokens in [*worst[-3:], data.draw(st.integers(1, max_tokens))]:
+            assert len(oracle_blocks(group, tokens, 0, layout.block_size)) <= pools[group.kind]
+
+
+def test_chunk_start_moves_nothing_and_chunk_end_moves_the_chunk() -> None:
+    """S = 100, B = 16: at N = 300 (a chunk start) nothing is read; at N = 299 the chunk
+    [200, 299) spans blocks 12..18, which no fixed block count aligned to N gives."""
+    layout = layout_for_model("llama-3.1-8b", block_size=16)
+    group = KVGroup(
+        GroupId(0), GroupKind.CHUNKED_LOCAL, None, (0,), layout.groups[0].tensors, chunk_size=100
+    )
+    assert oracle_blocks(group, 300, 0, 16) == set()
+    assert needed_blocks(GroupKind.CHUNKED_LOCAL, None, 300, 0, 16, chunk_size=100) == range(0)
+    assert oracle_blocks(group, 299, 0, 16) == set(range(12, 19))
+    assert needed_blocks(GroupKind.CHUNKED_LOCAL, None, 299, 0, 16, chunk_size=100) == range(12, 19)
+    # A chunked group never moves more than the same layers as full attention.
+    only = dataclasses.replace(layout, groups=(group,))
+    assert full_attention_bytes(only, 299, 0) == 19 * group.bytes_per_block
+
+
+def test_chunked_needs_its_chunk_size() -> None:
+    with pytest.raises(PlanError, match="chunk_size"):
+        needed_blocks(GroupKind.CHUNKED_LOCAL, None, 300, 0, 16)

@@ -355,3 +355,73 @@ def test_state_dtype_that_cannot_be_known_is_refused(change: dict[str, object], 
     if "torch_dtype" in change:  # an attention-only config needs no model dtype
         llama = json.loads((path.parent / "llama-3.1-8b.json").read_text())
         assert layout_from_config({**llama, **change}, name="l").groups
+
+
+def _llama4(**extra: object) -> dict[str, object]:
+    return _attention_config("llama4_text", num_hidden_layers=8, **extra)
+
+
+def _groups_of(config: dict[str, object]) -> list[tuple[str, int | None, tuple[int, ...]]]:
+    layout = layout_from_config(config, name="l4")
+    return [(g.kind.value, g.chunk_size, g.layers) for g in layout.groups]
+
+
+@pytest.mark.parametrize("rope", [None, []])
+def test_llama4_default_makes_every_fourth_layer_global(rope: object) -> None:
+    """No (or an empty) no_rope_layers: NoPE, full attention, on layers 3, 7, ...; the
+    others attend within chunks (transformers' default, which vLLM reads)."""
+    config = _llama4(attention_chunk_size=8192, no_rope_layers=rope)
+    assert _groups_of(config) == [
+        ("chunked_local", 8192, (0, 1, 2, 4, 5, 6)),
+        ("full_attention", None, (3, 7)),
+    ]
+    config["no_rope_layer_interval"] = 2
+    assert _groups_of(config) == [
+        ("chunked_local", 8192, (0, 2, 4, 6)),
+        ("full_attention", None, (1, 3, 5, 7)),
+    ]
+
+
+def test_llama4_reads_explicit_rope_layers_and_a_consistent_layer_types() -> None:
+    rope = [1, 0, 1, 1, 0, 0, 1, 1]
+    kinds = ["chunked_attention" if r else "full_attention" for r in rope]
+    expected = [
+        ("chunked_local", 4096, (0, 2, 3, 6, 7)),
+        ("full_attention", None, (1, 4, 5)),
+    ]
+    config = _llama4(attention_chunk_size=4096, no_rope_layers=rope)
+    assert _groups_of(config) == expected
+    assert _groups_of({**config, "layer_types": kinds}) == expected
+    # Without a chunk size vLLM runs every layer as full attention.
+    assert _groups_of(_llama4(attention_chunk_size=None)) == [
+        ("full_attention", None, tuple(range(8)))
+    ]
+    # The multimodal wrapper: the text config nests, the outer model_type is llama4.
+    outer = {"model_type": "llama4", "text_config": {**config, "model_type": "llama4_text"}}
+    assert _groups_of(outer) == expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"no_rope_layers": [1, 0]}, "no_rope_layers"),
+        ({"no_rope_layers": [1, 2, 1, 1, 1, 1, 1, 1]}, "no_rope_layers[1]"),
+        ({"no_rope_layer_interval": 0}, "no_rope_layer_interval"),
+        ({"attention_chunk_size": -5}, "attention_chunk_size"),
+        ({"layer_types": ["chunked_attention"] * 3}, "layer_types"),
+    ],
+)
+def test_llama4_malformed_fields_are_named(extra: dict[str, object], field: str) -> None:
+    with pytest.raises(ProfileError) as info:
+        layout_from_config(_llama4(**{"attention_chunk_size": 8192, **extra}), name="l4")
+    assert info.value.field == field
+
+
+def test_llama4_layer_types_that_disagree_with_vllm_are_refused() -> None:
+    """transformers masks by layer_types, vLLM by no_rope_layers: where they differ the
+    two engines cache different things, so kvxfer refuses rather than pick one."""
+    config = _llama4(attention_chunk_size=8192, layer_types=["full_attention"] * 8)
+    with pytest.raises(UnsupportedModelError) as info:
+        layout_from_config(config, name="l4")
+    assert info.value.field == "layer_types"
+    assert "layer 0: 'full_attention', which vLLM runs as chunked" in info.value.detail

@@ -24,6 +24,7 @@ Config = Mapping[str, Any]
 
 # Layer kinds of `layer_types` and the families whose reader models them.
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+CHUNKED = "chunked_attention"
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,13 @@ SUPPORTED: tuple[Family, ...] = (
         model_types=("qwen3_next",),
     ),
     Family(
+        "Llama 4 (chunked local attention on RoPE layers, NoPE layers global)",
+        "llama4",
+        reads=frozenset({"attention_chunk_size", "no_rope_layers", "no_rope_layer_interval"}),
+        layer_kinds=frozenset({FULL, CHUNKED}),
+        model_types=("llama4", "llama4_text"),
+    ),
+    Family(
         "Jamba (Mamba-1 + attention)",
         "jamba",
         reads=frozenset({"attn_layer_period", "attn_layer_offset", "mamba_"}),
@@ -113,8 +121,6 @@ REFUSED: Mapping[str, tuple[str, tuple[str, ...]]] = {
     "bamba": ("the Bamba Mamba-2 hybrid", ("attn_layer_indices",)),
     "lfm2": ("the short-convolution hybrid", ("layer_types",)),
     "lfm2_moe": ("the short-convolution hybrid", ("layer_types",)),
-    "llama4": ("chunked local attention", ("attention_chunk_size",)),
-    "llama4_text": ("chunked local attention", ("attention_chunk_size",)),
     "gemma3n": ("KV sharing across layers", ("num_kv_shared_layers",)),
     "gemma3n_text": ("KV sharing across layers", ("num_kv_shared_layers",)),
     "deepseek_v2": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
@@ -199,6 +205,7 @@ _ARCHITECTURES: Mapping[str, str] = {
     "Zamba2ForCausalLM": "zamba2",
     "MiniMaxText01ForCausalLM": "minimax_text_01",
     "Llama4ForCausalLM": "llama4_text",
+    "Llama4ForConditionalGeneration": "llama4",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer._exceptions import ProfileError, UnsupportedModelError
-from kvxfer.core.hf_config import FULL, LINEAR, SLIDING, Family, recognise
+from kvxfer.core.hf_config import CHUNKED, FULL, LINEAR, SLIDING, Family, recognise, refusal
 from kvxfer.core.layout import (
     EngineLayout,
     GroupId,
@@ -47,6 +47,7 @@ class _LayerTensors:
     kind: GroupKind
     window: int | None
     tensors: tuple[tuple[str, int], ...]
+    chunk: int | None = None
 
 
 def builtin_profiles() -> list[str]:
@@ -122,14 +123,15 @@ def layout_from_config(
     text = config.get("text_config", config)
     if not isinstance(text, Mapping):
         raise ProfileError("text_config", "must be a JSON object")
-    _, family = recognise(config, text)
+    model_type, family = recognise(config, text)
     elem = dtype_bytes(kv_dtype)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ProfileError("block_size", f"must be a positive integer, got {block_size!r}")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ProfileError("tp_size", f"must be a positive integer, got {tp_size!r}")
     state = _StateDtypes(config, text, state_dtype)
-    groups = _groups(family, _Sizing(text, elem, block_size, tp_size, state.element_bytes))
+    sizing = _Sizing(text, elem, block_size, tp_size, state.element_bytes, model_type)
+    groups = _groups(family, sizing)
     return EngineLayout(
         model=name,
         fingerprint=fingerprint(text),
@@ -180,8 +182,10 @@ class _Sizing:
         block_size: int,
         tp_size: int,
         state_bytes: Callable[[], tuple[int, int]],
+        model_type: str | None = None,
     ) -> None:
         self.text = text
+        self.model_type = model_type
         self.elem = elem
         self.state_bytes = state_bytes  # (conv, ssm) element bytes, read on first use
         self.block_size = block_size
@@ -222,9 +226,11 @@ class _Sizing:
         return self.block_size * per_rank * int(head_dim) * self.elem
 
 
-def _attention(kind: GroupKind, window: int | None, sizing: _Sizing) -> _LayerTensors:
+def _attention(
+    kind: GroupKind, window: int | None, sizing: _Sizing, chunk: int | None = None
+) -> _LayerTensors:
     size = sizing.attention_bytes()
-    return _LayerTensors(kind, window, (("k", size), ("v", size)))
+    return _LayerTensors(kind, window, (("k", size), ("v", size)), chunk)
 
 
 def _state(conv_elems: int, ssm_elems: int, sizing: _Sizing) -> _LayerTensors:
@@ -300,6 +306,8 @@ def _layer_tensors(family: Family, sizing: _Sizing, index: int) -> list[_LayerTe
     layer_types = text.get("layer_types")
     if family.reader == "falcon_h1":
         return _falcon_h1(text, sizing, index)
+    if family.reader == "llama4":
+        return [_llama4(text, sizing, index)]
     if layer_types is not None:
         return [_from_layer_type(layer_types, sizing, index)]
     if family.reader == "jamba":
@@ -318,6 +326,50 @@ def _layer_tensors(family: Family, sizing: _Sizing, index: int) -> list[_LayerTe
     if family.sliding == "all" and text.get("sliding_window") is not None:
         return [_attention(GroupKind.SLIDING_WINDOW, _window(sizing), sizing)]
     return [_attention(GroupKind.FULL_ATTENTION, None, sizing)]
+
+
+def _llama4(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
+    """Llama 4, by vLLM's rule: a layer with RoPE (`no_rope_layers[i]` 1) attends within
+    chunks of `attention_chunk_size` tokens, a NoPE layer (0) to everything. An empty or
+    absent `no_rope_layers` means NoPE on every `no_rope_layer_interval`-th layer (4). A
+    `layer_types` list (which transformers reads instead) must say the same."""
+    chunk = text.get("attention_chunk_size")
+    rope = text.get("no_rope_layers") or [
+        int((i + 1) % _interval(sizing) != 0) for i in range(sizing.num_layers)
+    ]
+    if not isinstance(rope, list) or len(rope) != sizing.num_layers:
+        raise ProfileError(
+            "no_rope_layers", f"must be a list of num_hidden_layers ({sizing.num_layers}) 0/1"
+        )
+    if rope[index] not in (0, 1) or isinstance(rope[index], bool):
+        raise ProfileError(f"no_rope_layers[{index}]", f"must be 0 or 1, got {rope[index]!r}")
+    chunked = chunk is not None and rope[index] == 1
+    layer_types = text.get("layer_types")
+    if layer_types is not None:
+        said = layer_types[index] if isinstance(layer_types, list) else None
+        if not isinstance(layer_types, list) or len(layer_types) != sizing.num_layers:
+            raise ProfileError(
+                "layer_types", f"must be a list of num_hidden_layers ({sizing.num_layers}) strings"
+            )
+        if said != (CHUNKED if chunked else FULL):
+            runs = "chunked" if chunked else "full"
+            raise refusal(
+                sizing.model_type,
+                f"layer_types disagreeing with no_rope_layers / attention_chunk_size "
+                f"(layer {index}: {said!r}, which vLLM runs as {runs} attention)",
+                "layer_types",
+            )
+    if not chunked:
+        return _attention(GroupKind.FULL_ATTENTION, None, sizing)
+    return _attention(
+        GroupKind.CHUNKED_LOCAL, None, sizing, sizing.positive("attention_chunk_size")
+    )
+
+
+def _interval(sizing: _Sizing) -> int:
+    if sizing.text.get("no_rope_layer_interval") is None:
+        return 4  # the Llama 4 default
+    return sizing.positive("no_rope_layer_interval")
 
 
 def _pattern(sizing: _Sizing) -> int:
@@ -404,13 +456,13 @@ def _groups_per_rank(groups: int, sizing: _Sizing) -> int:
 
 
 def _group_layers(per_layer: list[list[_LayerTensors]]) -> tuple[KVGroup, ...]:
-    """One group per distinct (kind, window), in order of first use."""
-    members: dict[tuple[GroupKind, int | None], list[tuple[int, _LayerTensors]]] = {}
+    """One group per distinct (kind, window, chunk), in order of first use."""
+    members: dict[tuple[GroupKind, int | None, int | None], list[tuple[int, _LayerTensors]]] = {}
     for index, contributions in enumerate(per_layer):
         for part in contributions:
-            members.setdefault((part.kind, part.window), []).append((index, part))
+            members.setdefault((part.kind, part.window, part.chunk), []).append((index, part))
     groups = []
-    for group_id, ((kind, window), layers) in enumerate(members.items()):
+    for group_id, ((kind, window, chunk), layers) in enumerate(members.items()):
         tensors = tuple(
             TensorSpec(name=f"layer.{index}.{suffix}", layer=index, bytes_per_block=size)
             for index, part in layers
@@ -423,6 +475,7 @@ def _group_layers(per_layer: list[list[_LayerTensors]]) -> tuple[KVGroup, ...]:
                 sliding_window=window,
                 layers=tuple(index for index, _ in layers),
                 tensors=tensors,
+                chunk_size=chunk,
             )
         )
     return tuple(groups)
