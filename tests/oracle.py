@@ -102,3 +102,25 @@ def oracle_valid_tokens(
         if ok:
             return s
     return computed
+
+
+def oracle_layer_blocks(
+    layers: Sequence[tuple[str, int | None]],
+    cache_of: Sequence[int],
+    num_tokens: int,
+    computed: int,
+    block_size: int,
+) -> set[tuple[int, int]]:
+    """(caching layer, logical block) pairs the step at N reads and the destination lacks.
+
+    Layer i is ("full", None) or ("sliding", W) and reads its KV from layer cache_of[i]'s
+    cache (itself, or an earlier layer whose KV it shares). Token by token: layer i reads
+    position p when p < N and, if sliding, N - p < W."""
+    if computed == num_tokens:
+        return set()
+    reads: set[tuple[int, int]] = set()
+    for layer, (kind, window) in enumerate(layers):
+        for p in range(computed, num_tokens):
+            if kind == "full" or (window is not None and num_tokens - p < window):
+                reads.add((cache_of[layer], p // block_size))
+    return reads

@@ -8,7 +8,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import oracle_blocks
+from oracle import oracle_blocks, oracle_layer_blocks
 from strategies import PROFILES, layouts, requests
 
 from kvxfer._exceptions import PlanError
@@ -219,3 +219,58 @@ def test_chunk_start_moves_nothing_and_chunk_end_moves_the_chunk() -> None:
 def test_chunked_needs_its_chunk_size() -> None:
     with pytest.raises(PlanError, match="chunk_size"):
         needed_blocks(GroupKind.CHUNKED_LOCAL, None, 300, 0, 16)
+
+
+@st.composite
+def gemma3n_configs(draw: st.DrawFn) -> dict[str, object]:
+    """Gemma-3n text configs (transformers' default layer_types: 4 sliding, 1 full) whose
+    last num_kv_shared_layers layers, a multiple of the pattern, share earlier KV."""
+    patterns = draw(st.integers(2, 7))
+    return {
+        "model_type": "gemma3n_text",
+        "num_hidden_layers": 5 * patterns,
+        "num_kv_shared_layers": 5 * draw(st.integers(0, patterns - 1)),
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_size": 128,
+        "sliding_window": draw(st.integers(1, 3000)),
+    }
+
+
+def _gemma3n_reads(config: dict[str, object]) -> tuple[list[tuple[str, int | None]], list[int]]:
+    """Each layer's kind and the layer whose cache it reads, by transformers' rule: a shared
+    layer reads the last layer of its own kind before the shared range."""
+    n, shared, window = (
+        int(config[k]) for k in ("num_hidden_layers", "num_kv_shared_layers", "sliding_window")
+    )  # type: ignore[call-overload]
+    kinds: list[tuple[str, int | None]] = [
+        ("full", None) if (i + 1) % 5 == 0 else ("sliding", window) for i in range(n)
+    ]
+    first = n - shared
+    cache_of = [
+        i if i < first else max(j for j in range(first) if kinds[j] == kinds[i]) for i in range(n)
+    ]
+    return kinds, cache_of
+
+
+@settings(max_examples=200, deadline=None)
+@given(gemma3n_configs(), st.sampled_from((1, 16, 64)), st.data())
+def test_kv_shared_layers_move_nothing_of_their_own(
+    config: dict[str, object], block_size: int, data: st.DataObject
+) -> None:
+    """Per layer and token: what every layer, shared or not, reads and the destination
+    lacks is exactly what the plan moves, region by region, and no more."""
+    layout = layout_from_config(config, name="gemma3n", block_size=block_size)
+    num_tokens, computed = data.draw(requests(block_size, max_tokens=6000))
+    moved = {
+        (tensor.layer, block)
+        for plan in plan_blocks(layout, num_tokens, computed)
+        for tensor in plan.group.tensors
+        for block in plan.blocks
+    }
+    kinds, cache_of = _gemma3n_reads(config)
+    assert moved == oracle_layer_blocks(kinds, cache_of, num_tokens, computed, block_size)
+    per_layer = 2 * block_size * 2 * 16 * 2  # K and V, 2 KV heads of 16, bf16
+    total = sum(p.nbytes for p in plan_blocks(layout, num_tokens, computed))
+    assert total == len(moved) * per_layer

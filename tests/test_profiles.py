@@ -181,7 +181,7 @@ def _attention_config(model_type: str | None, **extra: object) -> dict[str, obje
         ("", {"hybrid_layer_pattern": [0, 1, 1, 1]}, "hybrid_layer_pattern", "sliding/full"),
         ("mimo_v2_flash", {"swa_num_key_value_heads": 8}, "swa_num_key_value_heads", "geometry"),
         ("deepseek_v4", {"compress_ratios": [0, 4, 128, 4]}, "compress_ratios", "compressed"),
-        ("gemma3n_text", {"num_kv_shared_layers": 2}, "num_kv_shared_layers", "KV sharing"),
+        ("gemma4_text", {"num_kv_shared_layers": 2}, "num_kv_shared_layers", "KV sharing"),
         ("gemma4_text", {"global_head_dim": 512}, "global_head_dim", "head geometry"),
         ("gemma4_text", {"attention_k_eq_v": True}, "attention_k_eq_v", "values"),
         ("qwen3_5_text", {"mamba_ssm_dtype": "float32"}, "mamba_ssm_dtype", "state dtype"),
@@ -425,3 +425,60 @@ def test_llama4_layer_types_that_disagree_with_vllm_are_refused() -> None:
         layout_from_config(config, name="l4")
     assert info.value.field == "layer_types"
     assert "layer 0: 'full_attention', which vLLM runs as chunked" in info.value.detail
+
+
+# Gemma-3n E4B's text config as published in transformers' Gemma3nTextConfig defaults
+# (no config.json of the model was found in the stored pages): 35 layers, the last 15
+# sharing KV, 4 sliding (512) then 1 full, 2 KV heads of 256.
+GEMMA3N_E4B: dict[str, object] = {
+    "model_type": "gemma3n_text",
+    "num_hidden_layers": 35,
+    "num_kv_shared_layers": 15,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "hidden_size": 2048,
+    "sliding_window": 512,
+    "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+}
+
+
+def test_gemma3n_shared_layers_have_no_region() -> None:
+    """20 of 35 layers cache KV: 16 sliding, 4 full; layers 20..34 own nothing."""
+    layout = layout_from_config(GEMMA3N_E4B, name="gemma-3n-e4b", block_size=16)
+    sliding, full = layout.groups
+    assert (sliding.kind, sliding.sliding_window) == (GroupKind.SLIDING_WINDOW, 512)
+    assert sliding.layers == tuple(i for i in range(20) if (i + 1) % 5)
+    assert full.layers == (4, 9, 14, 19)
+    assert {t.layer for g in layout.groups for t in g.tensors} == set(range(20))
+    assert full.bytes_per_block == 4 * 2 * 16 * 2 * 256 * 2
+    # The outer multimodal config, and the default layer_types, give the same groups.
+    defaults = {k: v for k, v in GEMMA3N_E4B.items() if k != "layer_types"}
+    outer = {"model_type": "gemma3n", "text_config": defaults}
+    assert layout_from_config(outer, name="gemma-3n-e4b", block_size=16).groups == layout.groups
+
+
+def test_gemma3n_plan_counts_only_the_caching_layers() -> None:
+    """32k tokens: 4 full layers move 2048 blocks, 16 sliding layers the 32 blocks under
+    the last 511 tokens; 35 layers planned as full attention would move 35 x 2048."""
+    layout = layout_from_config(GEMMA3N_E4B, name="gemma-3n-e4b", block_size=16)
+    plans = plan_blocks(layout, 32768, 0)
+    assert [len(p.blocks) for p in plans] == [32, 2048]
+    per_layer_block = 2 * 16 * 2 * 256 * 2
+    assert sum(p.nbytes for p in plans) == per_layer_block * (16 * 32 + 4 * 2048)
+
+
+@pytest.mark.parametrize(
+    ("shared", "error"),
+    [
+        (13, UnsupportedModelError),  # layer 22: transformers reads layer 21, vLLM layer 20
+        (35, ProfileError),  # no layer left to cache anything
+        (-1, ProfileError),
+    ],
+)
+def test_gemma3n_sharing_the_engines_read_differently_is_refused(
+    shared: int, error: type[Exception]
+) -> None:
+    with pytest.raises(error) as info:
+        layout_from_config({**GEMMA3N_E4B, "num_kv_shared_layers": shared}, name="g")
+    assert info.value.field == "num_kv_shared_layers"  # type: ignore[attr-defined]

@@ -82,6 +82,12 @@ SUPPORTED: tuple[Family, ...] = (
         model_types=("qwen3_next",),
     ),
     Family(
+        "Gemma-3n (layer_types; the last num_kv_shared_layers layers reuse earlier KV)",
+        "gemma3n",
+        reads=frozenset({"num_kv_shared_layers"}),
+        model_types=("gemma3n", "gemma3n_text"),
+    ),
+    Family(
         "Llama 4 (chunked local attention on RoPE layers, NoPE layers global)",
         "llama4",
         reads=frozenset({"attention_chunk_size", "no_rope_layers", "no_rope_layer_interval"}),
@@ -121,8 +127,6 @@ REFUSED: Mapping[str, tuple[str, tuple[str, ...]]] = {
     "bamba": ("the Bamba Mamba-2 hybrid", ("attn_layer_indices",)),
     "lfm2": ("the short-convolution hybrid", ("layer_types",)),
     "lfm2_moe": ("the short-convolution hybrid", ("layer_types",)),
-    "gemma3n": ("KV sharing across layers", ("num_kv_shared_layers",)),
-    "gemma3n_text": ("KV sharing across layers", ("num_kv_shared_layers",)),
     "deepseek_v2": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
     "deepseek_v3": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
     "deepseek_v32": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
@@ -194,6 +198,8 @@ _ARCHITECTURES: Mapping[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3nForCausalLM": "gemma3n_text",
+    "Gemma3nForConditionalGeneration": "gemma3n",
     "GptOssForCausalLM": "gpt_oss",
     "Qwen3NextForCausalLM": "qwen3_next",
     "JambaForCausalLM": "jamba",
@@ -287,7 +293,7 @@ def _check_sliding(model_type: str | None, family: Family, text: Config) -> None
     window = text.get("sliding_window")
     if not _is_set(window) or family.sliding != "layers":
         return
-    if family.reader in ("gemma2", "gemma3") or "layer_types" in text:
+    if family.reader in ("gemma2", "gemma3", "gemma3n") or "layer_types" in text:
         return
     raise refusal(
         model_type, "a model-wide sliding_window without per-layer layer_types", "sliding_window"

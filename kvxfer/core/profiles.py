@@ -308,6 +308,8 @@ def _layer_tensors(family: Family, sizing: _Sizing, index: int) -> list[_LayerTe
         return _falcon_h1(text, sizing, index)
     if family.reader == "llama4":
         return [_llama4(text, sizing, index)]
+    if family.reader == "gemma3n":
+        return _gemma3n(sizing, index)
     if layer_types is not None:
         return [_from_layer_type(layer_types, sizing, index)]
     if family.reader == "jamba":
@@ -364,6 +366,41 @@ def _llama4(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
     return _attention(
         GroupKind.CHUNKED_LOCAL, None, sizing, sizing.positive("attention_chunk_size")
     )
+
+
+def _gemma3n(sizing: _Sizing, index: int) -> list[_LayerTensors]:
+    """Gemma-3n: layer_types (default: every 5th layer full, the rest sliding), and the
+    last `num_kv_shared_layers` layers cache nothing: each reads the KV of an earlier
+    layer of its own type, so it has no region and nothing moves for it. transformers
+    takes the last earlier layer of that type, vLLM layer first-2 (sliding) or first-1
+    (full); a config where the two differ is refused."""
+    layer_types = sizing.text.get("layer_types") or [
+        FULL if (i + 1) % 5 == 0 else SLIDING for i in range(sizing.num_layers)
+    ]
+    shared = sizing.text.get("num_kv_shared_layers", 0)
+    if (
+        isinstance(shared, bool)
+        or not isinstance(shared, int)
+        or not 0 <= shared < sizing.num_layers
+    ):
+        raise ProfileError(
+            "num_kv_shared_layers",
+            f"must be an integer in [0, num_hidden_layers={sizing.num_layers}), got {shared!r}",
+        )
+    first = sizing.num_layers - shared
+    if index < first:
+        return [_from_layer_type(layer_types, sizing, index)]
+    kind = layer_types[index]
+    earlier = [j for j in range(first) if layer_types[j] == kind]
+    engine = first - 2 if kind == SLIDING else first - 1
+    if not earlier or earlier[-1] != engine:
+        raise refusal(
+            sizing.model_type,
+            f"KV sharing where layer {index} ({kind}) has no earlier layer of its type "
+            f"at layer {engine}, the one vLLM reads",
+            "num_kv_shared_layers",
+        )
+    return []
 
 
 def _interval(sizing: _Sizing) -> int:
