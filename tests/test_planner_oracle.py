@@ -274,3 +274,56 @@ def test_kv_shared_layers_move_nothing_of_their_own(
     per_layer = 2 * block_size * 2 * 16 * 2  # K and V, 2 KV heads of 16, bf16
     total = sum(p.nbytes for p in plan_blocks(layout, num_tokens, computed))
     assert total == len(moved) * per_layer
+
+
+@st.composite
+def mimo_configs(draw: st.DrawFn) -> dict[str, object]:
+    """MiMo-V2 configs: a drawn sliding/full pattern, window and per-kind geometry."""
+    layers = draw(st.integers(1, 8))
+    dims = st.sampled_from((8, 16, 24))
+    return {
+        "model_type": "mimo_v2_flash",
+        "num_hidden_layers": layers,
+        "hybrid_layer_pattern": draw(
+            st.lists(st.sampled_from((0, 1)), min_size=layers, max_size=layers)
+        ),
+        "sliding_window_size": draw(st.integers(1, 3000)),
+        "num_attention_heads": 8,
+        "num_key_value_heads": draw(st.sampled_from((1, 2, 4))),
+        "head_dim": draw(dims),
+        "v_head_dim": draw(dims),
+        "swa_num_key_value_heads": draw(st.sampled_from((1, 2, 8))),
+        "swa_head_dim": draw(dims),
+        "swa_v_head_dim": draw(dims),
+    }
+
+
+@settings(max_examples=200, deadline=None)
+@given(mimo_configs(), st.sampled_from((1, 16, 64)), st.data())
+def test_per_kind_geometry_moves_exact_bytes(
+    config: dict[str, object], block_size: int, data: st.DataObject
+) -> None:
+    """Each layer's (layer, block) reads from the token oracle, each priced at that
+    layer's own K + V size: the plan's bytes are exactly their sum."""
+    layout = layout_from_config(config, name="mimo", block_size=block_size)
+    num_tokens, computed = data.draw(requests(block_size, max_tokens=6000))
+    pattern = config["hybrid_layer_pattern"]
+    assert isinstance(pattern, list)
+    window = config["sliding_window_size"]
+    assert isinstance(window, int)
+    kinds: list[tuple[str, int | None]] = [
+        ("sliding", window) if p else ("full", None) for p in pattern
+    ]
+    reads = oracle_layer_blocks(kinds, range(len(kinds)), num_tokens, computed, block_size)
+
+    def layer_bytes(layer: int) -> int:
+        pre = "swa_" if pattern[layer] else ""
+        heads, k, v = (
+            config[f"{pre}{key}"] for key in ("num_key_value_heads", "head_dim", "v_head_dim")
+        )
+        return block_size * heads * (k + v) * 2  # type: ignore[operator]
+
+    plans = plan_blocks(layout, num_tokens, computed)
+    moved = {(t.layer, b) for p in plans for t in p.group.tensors for b in p.blocks}
+    assert moved == reads
+    assert sum(p.nbytes for p in plans) == sum(layer_bytes(layer) for layer, _ in reads)

@@ -179,7 +179,7 @@ def _attention_config(model_type: str | None, **extra: object) -> dict[str, obje
         # tests/data/configs: their published keys, on a small attention config.
         ("nemotron_h", {"hybrid_override_pattern": "M*M-"}, "hybrid_override_pattern", "hybrid"),
         ("", {"hybrid_layer_pattern": [0, 1, 1, 1]}, "hybrid_layer_pattern", "sliding/full"),
-        ("mimo_v2_flash", {"swa_num_key_value_heads": 8}, "swa_num_key_value_heads", "geometry"),
+        ("glm4_moe", {"swa_num_key_value_heads": 8}, "swa_num_key_value_heads", "geometry"),
         ("deepseek_v4", {"compress_ratios": [0, 4, 128, 4]}, "compress_ratios", "compressed"),
         ("gemma4_text", {"num_kv_shared_layers": 2}, "num_kv_shared_layers", "KV sharing"),
         ("gemma4_text", {"global_head_dim": 512}, "global_head_dim", "head geometry"),
@@ -211,7 +211,7 @@ def _attention_config(model_type: str | None, **extra: object) -> dict[str, obje
         ("my_ssm", {"ssm_state_size": 128}, "ssm_state_size", "state-space"),
         (None, {"conv_L_cache": 3}, "conv_L_cache", "convolution"),
         ("my_model", {"attention_head_dim": 160}, "attention_head_dim", "head dim"),
-        ("mimo_v2_flash", {"v_head_dim": 128}, "v_head_dim", "value head dim"),
+        ("glm4_moe", {"v_head_dim": 128}, "v_head_dim", "value head dim"),
         ("falcon", {"multi_query": True}, "multi_query", "multi-query"),
         (
             "falcon",
@@ -482,3 +482,67 @@ def test_gemma3n_sharing_the_engines_read_differently_is_refused(
     with pytest.raises(error) as info:
         layout_from_config({**GEMMA3N_E4B, "num_kv_shared_layers": shared}, name="g")
     assert info.value.field == "num_kv_shared_layers"  # type: ignore[attr-defined]
+
+
+def _mimo(**extra: object) -> dict[str, object]:
+    """MiMo-V2-Flash's attention keys as vLLM reads them, with its published sizes (no
+    config.json of the model was found in the stored pages): 48 layers, layer 0 and every
+    6th layer full (4 KV heads), the rest sliding over 128 tokens (8 KV heads); K head
+    dim 192, V head dim 128 on both."""
+    config: dict[str, object] = {
+        "model_type": "mimo_v2_flash",
+        "num_hidden_layers": 48,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "head_dim": 192,
+        "v_head_dim": 128,
+        "swa_num_attention_heads": 64,
+        "swa_num_key_value_heads": 8,
+        "swa_head_dim": 192,
+        "swa_v_head_dim": 128,
+        "sliding_window_size": 128,
+        "hybrid_layer_pattern": [0] + [1 if (i + 1) % 6 else 0 for i in range(1, 48)],
+        "hidden_size": 4096,
+    }
+    return config | extra
+
+
+def test_mimo_v2_groups_have_their_own_geometry() -> None:
+    layout = layout_from_config(_mimo(), name="mimo", block_size=16)
+    full, sliding = layout.groups
+    assert full.layers == (0, 5, 11, 17, 23, 29, 35, 41, 47)
+    assert (sliding.kind, sliding.sliding_window, len(sliding.layers)) == (
+        GroupKind.SLIDING_WINDOW,
+        128,
+        39,
+    )
+    # per layer: K = 16 tokens x heads x 192 x 2 bytes, V the same with 128
+    assert [t.bytes_per_block for t in full.tensors[:2]] == [16 * 4 * 192 * 2, 16 * 4 * 128 * 2]
+    assert [t.bytes_per_block for t in sliding.tensors[:2]] == [16 * 8 * 192 * 2, 16 * 8 * 128 * 2]
+    assert full.bytes_per_block == 9 * 16 * 4 * 320 * 2
+    # TP 8: 4 full-layer KV heads are replicated (one per rank), 8 sliding ones split.
+    tp8 = layout_from_config(_mimo(), name="mimo", block_size=16, tp_size=8)
+    assert [t.bytes_per_block for t in tp8.groups[0].tensors[:2]] == [16 * 192 * 2, 16 * 128 * 2]
+    assert [t.bytes_per_block for t in tp8.groups[1].tensors[:2]] == [16 * 192 * 2, 16 * 128 * 2]
+    # A V head dim left out is the K head dim.
+    no_v = layout_from_config(_mimo(v_head_dim=None), name="mimo", block_size=16)
+    assert [t.bytes_per_block for t in no_v.groups[0].tensors[:2]] == [16 * 4 * 192 * 2] * 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "error"),
+    [
+        ({"hybrid_layer_pattern": None}, "hybrid_layer_pattern", UnsupportedModelError),
+        ({"layer_types": ["full_attention"] * 48}, "layer_types", UnsupportedModelError),
+        ({"sliding_window": 4096}, "sliding_window", UnsupportedModelError),
+        ({"hybrid_layer_pattern": [0, 1]}, "hybrid_layer_pattern", ProfileError),
+        ({"swa_num_key_value_heads": 0}, "swa_num_key_value_heads", ProfileError),
+        ({"swa_v_head_dim": -1}, "swa_v_head_dim", ProfileError),
+    ],
+)
+def test_mimo_v2_what_vllm_would_read_differently_is_refused(
+    extra: dict[str, object], field: str, error: type[Exception]
+) -> None:
+    with pytest.raises(error) as info:
+        layout_from_config(_mimo(**extra), name="mimo")
+    assert info.value.field == field  # type: ignore[attr-defined]

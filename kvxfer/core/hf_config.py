@@ -88,6 +88,13 @@ SUPPORTED: tuple[Family, ...] = (
         model_types=("gemma3n", "gemma3n_text"),
     ),
     Family(
+        "MiMo-V2 (hybrid_layer_pattern; sliding and full layers with their own KV heads "
+        "and K / V head dims)",
+        "mimo_v2",
+        reads=frozenset({"hybrid_layer_pattern", "sliding_window_size", "swa_", "v_head_dim"}),
+        model_types=("mimo_v2_flash", "mimo_v2"),
+    ),
+    Family(
         "Llama 4 (chunked local attention on RoPE layers, NoPE layers global)",
         "llama4",
         reads=frozenset({"attention_chunk_size", "no_rope_layers", "no_rope_layer_interval"}),
@@ -211,6 +218,7 @@ _ARCHITECTURES: Mapping[str, str] = {
     "Zamba2ForCausalLM": "zamba2",
     "MiniMaxText01ForCausalLM": "minimax_text_01",
     "Llama4ForCausalLM": "llama4_text",
+    "MiMoV2FlashForCausalLM": "mimo_v2_flash",
     "Llama4ForConditionalGeneration": "llama4",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
@@ -293,7 +301,7 @@ def _check_sliding(model_type: str | None, family: Family, text: Config) -> None
     window = text.get("sliding_window")
     if not _is_set(window) or family.sliding != "layers":
         return
-    if family.reader in ("gemma2", "gemma3", "gemma3n") or "layer_types" in text:
+    if family.reader in ("gemma2", "gemma3", "gemma3n", "mimo_v2") or "layer_types" in text:
         return
     raise refusal(
         model_type, "a model-wide sliding_window without per-layer layer_types", "sliding_window"

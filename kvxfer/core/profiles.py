@@ -210,20 +210,21 @@ class _Sizing:
         kv_heads = self.text.get("num_key_value_heads")
         if kv_heads is None:  # HF: no KV head count means one per query head
             kv_heads = heads
-        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
-            raise ProfileError(
-                "num_key_value_heads", f"must be a positive integer, got {kv_heads!r}"
-            )
         head_dim = self.text.get("head_dim") or self.positive("hidden_size") // heads
+        return self.head_bytes("num_key_value_heads", kv_heads, int(head_dim))
+
+    def head_bytes(self, key: str, kv_heads: object, head_dim: int) -> int:
+        """Bytes of one block of `kv_heads` (read from `key`) heads of `head_dim`, per TP
+        rank: split across ranks when they divide, else replicated (one per rank)."""
+        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+            raise ProfileError(key, f"must be a positive integer, got {kv_heads!r}")
         if kv_heads % self.tp == 0:
             per_rank = kv_heads // self.tp
         elif self.tp % kv_heads == 0:
             per_rank = 1  # KV heads are replicated across ranks
         else:
-            raise ProfileError(
-                "num_key_value_heads", f"{kv_heads} heads cannot be placed on tp_size {self.tp}"
-            )
-        return self.block_size * per_rank * int(head_dim) * self.elem
+            raise ProfileError(key, f"{kv_heads} heads cannot be placed on tp_size {self.tp}")
+        return self.block_size * per_rank * head_dim * self.elem
 
 
 def _attention(
@@ -310,6 +311,8 @@ def _layer_tensors(family: Family, sizing: _Sizing, index: int) -> list[_LayerTe
         return [_llama4(text, sizing, index)]
     if family.reader == "gemma3n":
         return _gemma3n(sizing, index)
+    if family.reader == "mimo_v2":
+        return [_mimo_v2(sizing, index)]
     if layer_types is not None:
         return [_from_layer_type(layer_types, sizing, index)]
     if family.reader == "jamba":
@@ -401,6 +404,59 @@ def _gemma3n(sizing: _Sizing, index: int) -> list[_LayerTensors]:
             "num_kv_shared_layers",
         )
     return []
+
+
+def _mimo_v2(sizing: _Sizing, index: int) -> _LayerTensors:
+    """MiMo-V2, by vLLM's rule: `hybrid_layer_pattern[i]` 1 is a sliding layer (window
+    `sliding_window_size`) with its own `swa_num_key_value_heads`, `swa_head_dim` and
+    `swa_v_head_dim`; 0 a full layer with `num_key_value_heads`, `head_dim`, `v_head_dim`.
+    A V head dim left out is the K head dim. K and V differ in size per block."""
+    text = sizing.text
+    pattern = text.get("hybrid_layer_pattern")
+    if pattern is None:
+        raise refusal(
+            sizing.model_type,
+            "MiMo-V2 without hybrid_layer_pattern (the per-layer list vLLM reads)",
+            "hybrid_layer_pattern",
+        )
+    if not isinstance(pattern, list) or len(pattern) != sizing.num_layers:
+        raise ProfileError(
+            "hybrid_layer_pattern", f"must be a list of num_hidden_layers ({sizing.num_layers}) 0/1"
+        )
+    sliding = pattern[index]
+    if sliding not in (0, 1) or isinstance(sliding, bool):
+        raise ProfileError(f"hybrid_layer_pattern[{index}]", f"must be 0 or 1, got {sliding!r}")
+    _check_agrees(sizing, index, SLIDING if sliding else FULL)
+    prefix = "swa_" if sliding else ""
+    k_dim = sizing.positive(f"{prefix}head_dim")
+    v_dim = sizing.positive(f"{prefix}v_head_dim") if text.get(f"{prefix}v_head_dim") else k_dim
+    heads_key = f"{prefix}num_key_value_heads"
+    k = sizing.head_bytes(heads_key, text.get(heads_key), k_dim)
+    v = sizing.head_bytes(heads_key, text.get(heads_key), v_dim)
+    if not sliding:
+        return _LayerTensors(GroupKind.FULL_ATTENTION, None, (("k", k), ("v", v)))
+    return _LayerTensors(
+        GroupKind.SLIDING_WINDOW, sizing.positive("sliding_window_size"), (("k", k), ("v", v))
+    )
+
+
+def _check_agrees(sizing: _Sizing, index: int, kind: str) -> None:
+    """A `layer_types` or `sliding_window` beside MiMo-V2's own keys must say the same."""
+    layer_types = sizing.text.get("layer_types")
+    said = (
+        layer_types[index] if isinstance(layer_types, list) and index < len(layer_types) else kind
+    )
+    window = sizing.text.get("sliding_window")
+    if said != kind or (
+        kind == SLIDING and window is not None and window != sizing.text.get("sliding_window_size")
+    ):
+        field = "layer_types" if said != kind else "sliding_window"
+        raise refusal(
+            sizing.model_type,
+            f"{field} disagreeing with hybrid_layer_pattern / sliding_window_size "
+            f"(layer {index}), which vLLM reads",
+            field,
+        )
 
 
 def _interval(sizing: _Sizing) -> int:
