@@ -34,11 +34,8 @@ def failures(
     return failed
 
 
-@settings(max_examples=200)
-@given(st.data())
-def test_valid_tokens_matches_simulation(data: st.DataObject) -> None:
-    layout = data.draw(layouts())
-    num_tokens, computed = data.draw(requests(layout.block_size, max_tokens=60_000))
+def _check_against_simulation(data: st.DataObject, layout: EngineLayout, max_tokens: int) -> None:
+    num_tokens, computed = data.draw(requests(layout.block_size, max_tokens=max_tokens))
     failed = data.draw(failures(layout, num_tokens, computed))
     got = valid_tokens(layout.groups, num_tokens, computed, layout.block_size, failed)
     assert got == oracle_valid_tokens(
@@ -47,6 +44,12 @@ def test_valid_tokens_matches_simulation(data: st.DataObject) -> None:
     assert computed <= got <= num_tokens
     if not any(failed.values()):
         assert got == num_tokens
+
+
+@settings(max_examples=200)
+@given(st.data())
+def test_valid_tokens_matches_simulation(data: st.DataObject) -> None:
+    _check_against_simulation(data, data.draw(layouts()), 60_000)
 
 
 def test_early_full_attention_failure_is_limited_by_the_window() -> None:
@@ -80,13 +83,7 @@ def test_failed_block_outside_the_transfer_is_rejected() -> None:
 @given(st.data())
 def test_chunked_valid_tokens_matches_simulation(data: st.DataObject) -> None:
     """Llama 4 layouts (chunked_local beside full attention), failures anywhere."""
-    layout = data.draw(llama4_layouts())
-    num_tokens, computed = data.draw(requests(layout.block_size, max_tokens=30_000))
-    failed = data.draw(failures(layout, num_tokens, computed))
-    got = valid_tokens(layout.groups, num_tokens, computed, layout.block_size, failed)
-    assert got == oracle_valid_tokens(
-        layout.groups, num_tokens, computed, layout.block_size, failed
-    )
+    _check_against_simulation(data, data.draw(llama4_layouts()), 30_000)
 
 
 def test_chunked_failure_resumes_inside_the_chunk() -> None:
