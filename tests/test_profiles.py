@@ -538,6 +538,7 @@ def test_mimo_v2_groups_have_their_own_geometry() -> None:
         ({"hybrid_layer_pattern": [0, 1]}, "hybrid_layer_pattern", ProfileError),
         ({"swa_num_key_value_heads": 0}, "swa_num_key_value_heads", ProfileError),
         ({"swa_v_head_dim": -1}, "swa_v_head_dim", ProfileError),
+        ({"layer_types": ["full_attention"]}, "layer_types", ProfileError),
     ],
 )
 def test_mimo_v2_what_vllm_would_read_differently_is_refused(

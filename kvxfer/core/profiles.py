@@ -198,6 +198,21 @@ class _Sizing:
             raise ProfileError(key, f"must be a positive integer, got {value!r}")
         return value
 
+    def per_layer(self, key: str, value: Any, items: str = "strings") -> list[Any]:
+        """`value` (read from `key`) as a list with one entry per layer."""
+        if not isinstance(value, list) or len(value) != self.num_layers:
+            raise ProfileError(
+                key, f"must be a list of num_hidden_layers ({self.num_layers}) {items}"
+            )
+        return value
+
+    def flag(self, key: str, value: Any, index: int) -> int:
+        """Entry `index` of the per-layer 0/1 list `value` (read from `key`)."""
+        entry = self.per_layer(key, value, "0/1")[index]
+        if entry not in (0, 1) or isinstance(entry, bool):
+            raise ProfileError(f"{key}[{index}]", f"must be 0 or 1, got {entry!r}")
+        return int(entry)
+
     def split(self, key: str, value: int) -> int:
         """value / tp for a tensor-parallel-sharded dimension; must divide exactly."""
         if value % self.tp:
@@ -342,20 +357,10 @@ def _llama4(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
     rope = text.get("no_rope_layers") or [
         int((i + 1) % _interval(sizing) != 0) for i in range(sizing.num_layers)
     ]
-    if not isinstance(rope, list) or len(rope) != sizing.num_layers:
-        raise ProfileError(
-            "no_rope_layers", f"must be a list of num_hidden_layers ({sizing.num_layers}) 0/1"
-        )
-    if rope[index] not in (0, 1) or isinstance(rope[index], bool):
-        raise ProfileError(f"no_rope_layers[{index}]", f"must be 0 or 1, got {rope[index]!r}")
-    chunked = chunk is not None and rope[index] == 1
+    chunked = chunk is not None and sizing.flag("no_rope_layers", rope, index) == 1
     layer_types = text.get("layer_types")
     if layer_types is not None:
-        said = layer_types[index] if isinstance(layer_types, list) else None
-        if not isinstance(layer_types, list) or len(layer_types) != sizing.num_layers:
-            raise ProfileError(
-                "layer_types", f"must be a list of num_hidden_layers ({sizing.num_layers}) strings"
-            )
+        said = sizing.per_layer("layer_types", layer_types)[index]
         if said != (CHUNKED if chunked else FULL):
             runs = "chunked" if chunked else "full"
             raise refusal(
@@ -419,13 +424,7 @@ def _mimo_v2(sizing: _Sizing, index: int) -> _LayerTensors:
             "MiMo-V2 without hybrid_layer_pattern (the per-layer list vLLM reads)",
             "hybrid_layer_pattern",
         )
-    if not isinstance(pattern, list) or len(pattern) != sizing.num_layers:
-        raise ProfileError(
-            "hybrid_layer_pattern", f"must be a list of num_hidden_layers ({sizing.num_layers}) 0/1"
-        )
-    sliding = pattern[index]
-    if sliding not in (0, 1) or isinstance(sliding, bool):
-        raise ProfileError(f"hybrid_layer_pattern[{index}]", f"must be 0 or 1, got {sliding!r}")
+    sliding = sizing.flag("hybrid_layer_pattern", pattern, index)
     _check_agrees(sizing, index, SLIDING if sliding else FULL)
     prefix = "swa_" if sliding else ""
     k_dim = sizing.positive(f"{prefix}head_dim")
@@ -443,9 +442,7 @@ def _mimo_v2(sizing: _Sizing, index: int) -> _LayerTensors:
 def _check_agrees(sizing: _Sizing, index: int, kind: str) -> None:
     """A `layer_types` or `sliding_window` beside MiMo-V2's own keys must say the same."""
     layer_types = sizing.text.get("layer_types")
-    said = (
-        layer_types[index] if isinstance(layer_types, list) and index < len(layer_types) else kind
-    )
+    said = kind if layer_types is None else sizing.per_layer("layer_types", layer_types)[index]
     window = sizing.text.get("sliding_window")
     if said != kind or (
         kind == SLIDING and window is not None and window != sizing.text.get("sliding_window_size")
@@ -486,11 +483,7 @@ def _gemma2(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
 
 
 def _from_layer_type(layer_types: Any, sizing: _Sizing, index: int) -> _LayerTensors:
-    if not isinstance(layer_types, list) or len(layer_types) != sizing.num_layers:
-        raise ProfileError(
-            "layer_types", f"must be a list of num_hidden_layers ({sizing.num_layers}) strings"
-        )
-    kind = layer_types[index]
+    kind = sizing.per_layer("layer_types", layer_types)[index]
     if kind == FULL:
         return _attention(GroupKind.FULL_ATTENTION, None, sizing)
     if kind == SLIDING:
