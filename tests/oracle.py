@@ -12,13 +12,18 @@ from itertools import accumulate
 from kvxfer.core.layout import GroupKind, KVGroup
 
 
-def attended_cached_positions(group: KVGroup, num_tokens: int) -> range:
+def attended_cached_positions(group: KVGroup, num_tokens: int) -> Sequence[int]:
     """Cached positions the decode step at position N reads in this group."""
     if group.kind is GroupKind.SLIDING_WINDOW:
         window = group.sliding_window
         assert window is not None
         # Position N attends to p with N - p < W, i.e. the W positions ending at N.
         return range(max(0, num_tokens - window + 1), num_tokens)
+    if group.kind is GroupKind.CHUNKED_LOCAL:
+        chunk = group.chunk_size
+        assert chunk is not None
+        # Position N attends to the earlier positions of its own chunk, one at a time.
+        return [p for p in range(num_tokens) if p // chunk == num_tokens // chunk]
     return range(num_tokens)
 
 
@@ -55,11 +60,8 @@ def oracle_valid_tokens(
             continue
         moved = oracle_blocks(group, num_tokens, computed, block_size)
         valid = bytearray(num_tokens)
-        held_from = 0
-        if group.kind is GroupKind.SLIDING_WINDOW:
-            assert group.sliding_window is not None
-            held_from = max(0, computed - group.sliding_window + 1)
-        for t in range(held_from, computed):
+        # The destination holds what its own next step at C reads.
+        for t in attended_cached_positions(group, computed):
             valid[t] = 1
         for t in range(computed, num_tokens):
             block = t // own_block_size(group, block_size)
@@ -70,6 +72,15 @@ def oracle_valid_tokens(
     def invalid_in(group_id: int, lo: int, hi: int) -> int:
         prefix = invalid_prefix[group_id]
         return prefix[hi] - prefix[lo]
+
+    # Walking the tokens: a new chunk of S begins at every S-th token.
+    chunk_starts: dict[int, list[int]] = {}
+    for group in groups:
+        if group.chunk_size is not None and group.chunk_size not in chunk_starts:
+            starts = [0]
+            for t in range(1, num_tokens + 1):
+                starts.append(t if t % group.chunk_size == 0 else starts[-1])
+            chunk_starts[group.chunk_size] = starts
 
     has_mamba = any(g.kind is GroupKind.MAMBA for g in groups)
     for s in range(num_tokens, computed, -1):
@@ -82,8 +93,34 @@ def oracle_valid_tokens(
             elif group.kind is GroupKind.SLIDING_WINDOW:
                 assert group.sliding_window is not None
                 ok = invalid_in(group.group_id, max(0, s - group.sliding_window + 1), s) == 0
+            elif group.kind is GroupKind.CHUNKED_LOCAL:
+                chunk = group.chunk_size
+                assert chunk is not None
+                ok = invalid_in(group.group_id, chunk_starts[chunk][s], s) == 0
             if not ok:
                 break
         if ok:
             return s
     return computed
+
+
+def oracle_layer_blocks(
+    layers: Sequence[tuple[str, int | None]],
+    cache_of: Sequence[int],
+    num_tokens: int,
+    computed: int,
+    block_size: int,
+) -> set[tuple[int, int]]:
+    """(caching layer, logical block) pairs the step at N reads and the destination lacks.
+
+    Layer i is ("full", None) or ("sliding", W) and reads its KV from layer cache_of[i]'s
+    cache (itself, or an earlier layer whose KV it shares). Token by token: layer i reads
+    position p when p < N and, if sliding, N - p < W."""
+    if computed == num_tokens:
+        return set()
+    reads: set[tuple[int, int]] = set()
+    for layer, (kind, window) in enumerate(layers):
+        for p in range(computed, num_tokens):
+            if kind == "full" or (window is not None and num_tokens - p < window):
+                reads.add((cache_of[layer], p // block_size))
+    return reads

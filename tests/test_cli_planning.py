@@ -36,6 +36,7 @@ def test_plan_json_gemma_32k() -> None:
     assert set(sliding) == {
         "kind",
         "sliding_window",
+        "chunk_size",
         "num_layers",
         "first_block",
         "last_block",
@@ -145,3 +146,16 @@ def test_planning_commands_import_neither_torch_nor_nixl() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_llama4_layout_and_plan_show_the_chunk() -> None:
+    config = str(Path(__file__).parent / "data/configs/llama4-text-formomouse.json")
+    report = json.loads(run("layout", "--model", config, "--json").stdout)
+    (group,) = report["groups"]
+    assert (group["kind"], group["chunk_size"], group["num_layers"]) == ("chunked_local", 8192, 28)
+    assert "chunked_local(S=8192)" in run("layout", "--model", config).stdout
+    plan = json.loads(run("plan", "--model", config, "--tokens", "130000", "--json").stdout)
+    (moved,) = plan["groups"]
+    assert (moved["first_block"], moved["last_block"], moved["chunk_size"]) == (7680, 8124, 8192)
+    assert plan["total_bytes"] == 445 * 28 * 2 * 32 * 8 * 128
+    assert plan["full_attention_bytes"] == 8125 * 28 * 2 * 32 * 8 * 128

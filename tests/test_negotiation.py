@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from strategies import PROFILES
 
 from kvxfer._exceptions import NegotiationError
-from kvxfer.core.layout import GroupKind, KVGroup, TensorSpec
+from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup, TensorSpec
 from kvxfer.core.negotiation import find_mismatches, negotiate
 from kvxfer.core.profiles import layout_for_model
 
@@ -104,3 +105,33 @@ def test_group_ids_must_match_structure() -> None:
     )
     m = _fields(base, dataclasses.replace(base, groups=(*base.groups, extra)))
     assert m[f"layout.groups[{len(base.groups)}]"].local == "absent"  # type: ignore[attr-defined]
+
+
+LLAMA4 = str(Path(__file__).parent / "data/configs/llama4-text-formomouse.json")
+
+
+def _chunked(chunk_size: int) -> EngineLayout:
+    layout = layout_for_model(LLAMA4)
+    group = dataclasses.replace(layout.groups[0], chunk_size=chunk_size)
+    return dataclasses.replace(layout, groups=(group,))
+
+
+def test_chunk_size_difference_is_named() -> None:
+    m = _fields(_chunked(8192), _chunked(4096))
+    assert m["layout.groups[0].chunk_size"].local == "8192"  # type: ignore[attr-defined]
+    assert m["layout.groups[0].chunk_size"].peer == "4096"  # type: ignore[attr-defined]
+
+
+def test_chunked_groups_are_refused_as_not_yet_transferable() -> None:
+    """The planner plans chunked_local exactly, but the sidecar's publish check cannot size
+    it yet: negotiation refuses it by name, even between identical layouts."""
+    layout = layout_for_model(LLAMA4)
+    with pytest.raises(NegotiationError) as info:
+        negotiate(layout, layout_for_model(LLAMA4))
+    (mismatch,) = info.value.mismatches
+    assert mismatch.field == "layout.groups[0].kind"
+    assert (mismatch.local, mismatch.peer) == ("chunked_local", "chunked_local")
+    assert "not yet transferable" in mismatch.hint
+    # Against a layout without the group, both the difference and the refusal are named.
+    full = layout_for_model("llama-3.1-8b")
+    assert "not yet transferable" in _fields(full, layout)["layout.groups[0].kind"].hint  # type: ignore[attr-defined]

@@ -179,9 +179,9 @@ def _attention_config(model_type: str | None, **extra: object) -> dict[str, obje
         # tests/data/configs: their published keys, on a small attention config.
         ("nemotron_h", {"hybrid_override_pattern": "M*M-"}, "hybrid_override_pattern", "hybrid"),
         ("", {"hybrid_layer_pattern": [0, 1, 1, 1]}, "hybrid_layer_pattern", "sliding/full"),
-        ("mimo_v2_flash", {"swa_num_key_value_heads": 8}, "swa_num_key_value_heads", "geometry"),
+        ("glm4_moe", {"swa_num_key_value_heads": 8}, "swa_num_key_value_heads", "geometry"),
         ("deepseek_v4", {"compress_ratios": [0, 4, 128, 4]}, "compress_ratios", "compressed"),
-        ("gemma3n_text", {"num_kv_shared_layers": 2}, "num_kv_shared_layers", "KV sharing"),
+        ("gemma4_text", {"num_kv_shared_layers": 2}, "num_kv_shared_layers", "KV sharing"),
         ("gemma4_text", {"global_head_dim": 512}, "global_head_dim", "head geometry"),
         ("gemma4_text", {"attention_k_eq_v": True}, "attention_k_eq_v", "values"),
         ("qwen3_5_text", {"mamba_ssm_dtype": "float32"}, "mamba_ssm_dtype", "state dtype"),
@@ -211,7 +211,7 @@ def _attention_config(model_type: str | None, **extra: object) -> dict[str, obje
         ("my_ssm", {"ssm_state_size": 128}, "ssm_state_size", "state-space"),
         (None, {"conv_L_cache": 3}, "conv_L_cache", "convolution"),
         ("my_model", {"attention_head_dim": 160}, "attention_head_dim", "head dim"),
-        ("mimo_v2_flash", {"v_head_dim": 128}, "v_head_dim", "value head dim"),
+        ("glm4_moe", {"v_head_dim": 128}, "v_head_dim", "value head dim"),
         ("falcon", {"multi_query": True}, "multi_query", "multi-query"),
         (
             "falcon",
@@ -355,3 +355,195 @@ def test_state_dtype_that_cannot_be_known_is_refused(change: dict[str, object], 
     if "torch_dtype" in change:  # an attention-only config needs no model dtype
         llama = json.loads((path.parent / "llama-3.1-8b.json").read_text())
         assert layout_from_config({**llama, **change}, name="l").groups
+
+
+def _llama4(**extra: object) -> dict[str, object]:
+    return _attention_config("llama4_text", num_hidden_layers=8, **extra)
+
+
+def _groups_of(config: dict[str, object]) -> list[tuple[str, int | None, tuple[int, ...]]]:
+    layout = layout_from_config(config, name="l4")
+    return [(g.kind.value, g.chunk_size, g.layers) for g in layout.groups]
+
+
+@pytest.mark.parametrize("rope", [None, []])
+def test_llama4_default_makes_every_fourth_layer_global(rope: object) -> None:
+    """No (or an empty) no_rope_layers: NoPE, full attention, on layers 3, 7, ...; the
+    others attend within chunks (transformers' default, which vLLM reads)."""
+    config = _llama4(attention_chunk_size=8192, no_rope_layers=rope)
+    assert _groups_of(config) == [
+        ("chunked_local", 8192, (0, 1, 2, 4, 5, 6)),
+        ("full_attention", None, (3, 7)),
+    ]
+    config["no_rope_layer_interval"] = 2
+    assert _groups_of(config) == [
+        ("chunked_local", 8192, (0, 2, 4, 6)),
+        ("full_attention", None, (1, 3, 5, 7)),
+    ]
+
+
+def test_llama4_reads_explicit_rope_layers_and_a_consistent_layer_types() -> None:
+    rope = [1, 0, 1, 1, 0, 0, 1, 1]
+    kinds = ["chunked_attention" if r else "full_attention" for r in rope]
+    expected = [
+        ("chunked_local", 4096, (0, 2, 3, 6, 7)),
+        ("full_attention", None, (1, 4, 5)),
+    ]
+    config = _llama4(attention_chunk_size=4096, no_rope_layers=rope)
+    assert _groups_of(config) == expected
+    assert _groups_of({**config, "layer_types": kinds}) == expected
+    # Without a chunk size vLLM runs every layer as full attention.
+    assert _groups_of(_llama4(attention_chunk_size=None)) == [
+        ("full_attention", None, tuple(range(8)))
+    ]
+    # The multimodal wrapper: the text config nests, the outer model_type is llama4.
+    outer = {"model_type": "llama4", "text_config": {**config, "model_type": "llama4_text"}}
+    assert _groups_of(outer) == expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"no_rope_layers": [1, 0]}, "no_rope_layers"),
+        ({"no_rope_layers": [1, 2, 1, 1, 1, 1, 1, 1]}, "no_rope_layers[1]"),
+        ({"no_rope_layer_interval": 0}, "no_rope_layer_interval"),
+        ({"attention_chunk_size": -5}, "attention_chunk_size"),
+        ({"layer_types": ["chunked_attention"] * 3}, "layer_types"),
+    ],
+)
+def test_llama4_malformed_fields_are_named(extra: dict[str, object], field: str) -> None:
+    with pytest.raises(ProfileError) as info:
+        layout_from_config(_llama4(**{"attention_chunk_size": 8192, **extra}), name="l4")
+    assert info.value.field == field
+
+
+def test_llama4_layer_types_that_disagree_with_vllm_are_refused() -> None:
+    """transformers masks by layer_types, vLLM by no_rope_layers: where they differ the
+    two engines cache different things, so kvxfer refuses rather than pick one."""
+    config = _llama4(attention_chunk_size=8192, layer_types=["full_attention"] * 8)
+    with pytest.raises(UnsupportedModelError) as info:
+        layout_from_config(config, name="l4")
+    assert info.value.field == "layer_types"
+    assert "layer 0: 'full_attention', which vLLM runs as chunked" in info.value.detail
+
+
+# Gemma-3n E4B's text config as published in transformers' Gemma3nTextConfig defaults
+# (no config.json of the model was found in the stored pages): 35 layers, the last 15
+# sharing KV, 4 sliding (512) then 1 full, 2 KV heads of 256.
+GEMMA3N_E4B: dict[str, object] = {
+    "model_type": "gemma3n_text",
+    "num_hidden_layers": 35,
+    "num_kv_shared_layers": 15,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "hidden_size": 2048,
+    "sliding_window": 512,
+    "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+}
+
+
+def test_gemma3n_shared_layers_have_no_region() -> None:
+    """20 of 35 layers cache KV: 16 sliding, 4 full; layers 20..34 own nothing."""
+    layout = layout_from_config(GEMMA3N_E4B, name="gemma-3n-e4b", block_size=16)
+    sliding, full = layout.groups
+    assert (sliding.kind, sliding.sliding_window) == (GroupKind.SLIDING_WINDOW, 512)
+    assert sliding.layers == tuple(i for i in range(20) if (i + 1) % 5)
+    assert full.layers == (4, 9, 14, 19)
+    assert {t.layer for g in layout.groups for t in g.tensors} == set(range(20))
+    assert full.bytes_per_block == 4 * 2 * 16 * 2 * 256 * 2
+    # The outer multimodal config, and the default layer_types, give the same groups.
+    defaults = {k: v for k, v in GEMMA3N_E4B.items() if k != "layer_types"}
+    outer = {"model_type": "gemma3n", "text_config": defaults}
+    assert layout_from_config(outer, name="gemma-3n-e4b", block_size=16).groups == layout.groups
+
+
+def test_gemma3n_plan_counts_only_the_caching_layers() -> None:
+    """32k tokens: 4 full layers move 2048 blocks, 16 sliding layers the 32 blocks under
+    the last 511 tokens; 35 layers planned as full attention would move 35 x 2048."""
+    layout = layout_from_config(GEMMA3N_E4B, name="gemma-3n-e4b", block_size=16)
+    plans = plan_blocks(layout, 32768, 0)
+    assert [len(p.blocks) for p in plans] == [32, 2048]
+    per_layer_block = 2 * 16 * 2 * 256 * 2
+    assert sum(p.nbytes for p in plans) == per_layer_block * (16 * 32 + 4 * 2048)
+
+
+@pytest.mark.parametrize(
+    ("shared", "error"),
+    [
+        (13, UnsupportedModelError),  # layer 22: transformers reads layer 21, vLLM layer 20
+        (35, ProfileError),  # no layer left to cache anything
+        (-1, ProfileError),
+    ],
+)
+def test_gemma3n_sharing_the_engines_read_differently_is_refused(
+    shared: int, error: type[Exception]
+) -> None:
+    with pytest.raises(error) as info:
+        layout_from_config({**GEMMA3N_E4B, "num_kv_shared_layers": shared}, name="g")
+    assert info.value.field == "num_kv_shared_layers"  # type: ignore[attr-defined]
+
+
+def _mimo(**extra: object) -> dict[str, object]:
+    """MiMo-V2-Flash's attention keys as vLLM reads them, with its published sizes (no
+    config.json of the model was found in the stored pages): 48 layers, layer 0 and every
+    6th layer full (4 KV heads), the rest sliding over 128 tokens (8 KV heads); K head
+    dim 192, V head dim 128 on both."""
+    config: dict[str, object] = {
+        "model_type": "mimo_v2_flash",
+        "num_hidden_layers": 48,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "head_dim": 192,
+        "v_head_dim": 128,
+        "swa_num_attention_heads": 64,
+        "swa_num_key_value_heads": 8,
+        "swa_head_dim": 192,
+        "swa_v_head_dim": 128,
+        "sliding_window_size": 128,
+        "hybrid_layer_pattern": [0] + [1 if (i + 1) % 6 else 0 for i in range(1, 48)],
+        "hidden_size": 4096,
+    }
+    return config | extra
+
+
+def test_mimo_v2_groups_have_their_own_geometry() -> None:
+    layout = layout_from_config(_mimo(), name="mimo", block_size=16)
+    full, sliding = layout.groups
+    assert full.layers == (0, 5, 11, 17, 23, 29, 35, 41, 47)
+    assert (sliding.kind, sliding.sliding_window, len(sliding.layers)) == (
+        GroupKind.SLIDING_WINDOW,
+        128,
+        39,
+    )
+    # per layer: K = 16 tokens x heads x 192 x 2 bytes, V the same with 128
+    assert [t.bytes_per_block for t in full.tensors[:2]] == [16 * 4 * 192 * 2, 16 * 4 * 128 * 2]
+    assert [t.bytes_per_block for t in sliding.tensors[:2]] == [16 * 8 * 192 * 2, 16 * 8 * 128 * 2]
+    assert full.bytes_per_block == 9 * 16 * 4 * 320 * 2
+    # TP 8: 4 full-layer KV heads are replicated (one per rank), 8 sliding ones split.
+    tp8 = layout_from_config(_mimo(), name="mimo", block_size=16, tp_size=8)
+    assert [t.bytes_per_block for t in tp8.groups[0].tensors[:2]] == [16 * 192 * 2, 16 * 128 * 2]
+    assert [t.bytes_per_block for t in tp8.groups[1].tensors[:2]] == [16 * 192 * 2, 16 * 128 * 2]
+    # A V head dim left out is the K head dim.
+    no_v = layout_from_config(_mimo(v_head_dim=None), name="mimo", block_size=16)
+    assert [t.bytes_per_block for t in no_v.groups[0].tensors[:2]] == [16 * 4 * 192 * 2] * 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "error"),
+    [
+        ({"hybrid_layer_pattern": None}, "hybrid_layer_pattern", UnsupportedModelError),
+        ({"layer_types": ["full_attention"] * 48}, "layer_types", UnsupportedModelError),
+        ({"sliding_window": 4096}, "sliding_window", UnsupportedModelError),
+        ({"hybrid_layer_pattern": [0, 1]}, "hybrid_layer_pattern", ProfileError),
+        ({"swa_num_key_value_heads": 0}, "swa_num_key_value_heads", ProfileError),
+        ({"swa_v_head_dim": -1}, "swa_v_head_dim", ProfileError),
+        ({"layer_types": ["full_attention"]}, "layer_types", ProfileError),
+    ],
+)
+def test_mimo_v2_what_vllm_would_read_differently_is_refused(
+    extra: dict[str, object], field: str, error: type[Exception]
+) -> None:
+    with pytest.raises(error) as info:
+        layout_from_config(_mimo(**extra), name="mimo")
+    assert info.value.field == field  # type: ignore[attr-defined]

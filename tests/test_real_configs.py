@@ -10,6 +10,7 @@ of one layer is 16 x 2 x kv_heads x head_dim = 32 x kv_heads x head_dim bytes.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -24,9 +25,9 @@ from oracle import oracle_blocks
 from strategies import requests
 
 from kvxfer._exceptions import ProfileError, UnsupportedModelError
-from kvxfer.core.layout import GroupKind
+from kvxfer.core.layout import EngineLayout, GroupKind
 from kvxfer.core.planner import plan_blocks
-from kvxfer.core.profiles import layout_for_model
+from kvxfer.core.profiles import layout_for_model, layout_from_config
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 
@@ -36,6 +37,7 @@ class Expected(NamedTuple):
     window: int | None
     layers: tuple[int, ...]
     tensor_bytes: tuple[int, ...]  # per layer, B = 16, bf16, TP 1
+    chunk: int | None = None
 
 
 def _kv(kv_heads: int, head_dim: int) -> tuple[int, int]:
@@ -104,6 +106,10 @@ SUPPORTED: dict[str, list[Expected]] = {
         Expected("sliding_window", 64, (0,), _kv(2, 16)),
         Expected("full_attention", None, (1,), _kv(2, 16)),
     ],
+    # Llama 4: every layer has RoPE (no_rope_layers all 1), so every layer is chunked.
+    "llama4-text-formomouse": [
+        Expected("chunked_local", None, tuple(range(28)), _kv(8, 128), chunk=8192)
+    ],
 }
 
 # name -> (model_type, field named, words of the feature)
@@ -118,9 +124,13 @@ REFUSED: dict[str, tuple[str, str, str]] = {
     "lfm2-350m": ("lfm2", "layer_types", "short-convolution"),
     "granite-4.0-h-1b": ("granitemoehybrid", "layer_types", "Granite-4.0 Mamba-2"),
     "granite-4.0-micro": ("granitemoehybrid", "layer_types", "Granite-4.0 Mamba-2"),
-    "mobilellm-r1-950m": ("llama4_text", "attention_chunk_size", "chunked local attention"),
-    "llama4-text-formomouse": ("llama4_text", "attention_chunk_size", "chunked local attention"),
+    # transformers reads layer_types (all full), vLLM no_rope_layers (all RoPE: chunked)
+    "mobilellm-r1-950m": ("llama4_text", "layer_types", "disagreeing with no_rope_layers"),
 }
+
+# Keys a stored page was cut before, restored by the test from the file itself:
+# MobileLLM-R1's layer_types and no_rope_layers both list its 22 layers.
+COMPLETED: dict[str, dict[str, int]] = {"mobilellm-r1-950m": {"num_hidden_layers": 22}}
 
 
 # State dtypes the files cannot give: one page was cut before its dtype, one test model
@@ -130,6 +140,12 @@ STATE_DTYPE = {"falcon-h1-tiny-random": "bfloat16", "qwen3-next-tiny-test": "bfl
 
 def _path(name: str) -> str:
     return str(CONFIGS / f"{name}.json")
+
+
+def _layout(name: str, **kw: int) -> EngineLayout:
+    """The stored config with the keys its page was cut before (COMPLETED)."""
+    config = json.loads(Path(_path(name)).read_text()) | COMPLETED.get(name, {})
+    return layout_from_config(config, name=name, **kw)  # type: ignore[arg-type]
 
 
 def test_every_stored_config_is_tested_and_sourced() -> None:
@@ -152,6 +168,7 @@ def test_supported_config_has_exact_groups_and_bytes(name: str) -> None:
             g.sliding_window,
             g.layers,
             tuple(t.bytes_per_block for t in g.tensors if t.layer == g.layers[0]),
+            g.chunk_size,
         )
         for g in layout.groups
     ]
@@ -180,7 +197,7 @@ def test_supported_config_plans_match_the_token_oracle(
 def test_refused_config_names_the_feature_and_field(name: str) -> None:
     model_type, field, feature = REFUSED[name]
     with pytest.raises(UnsupportedModelError) as info:
-        layout_for_model(_path(name))
+        _layout(name)
     assert info.value.field == field
     pattern = (
         rf"model_type '{model_type}': .*{re.escape(feature)}.* is not supported \(field {field}\)"
@@ -217,3 +234,24 @@ def test_state_without_a_known_dtype_is_refused_by_field(name: str, field: str) 
         layout_for_model(_path(name))
     assert info.value.field == field
     assert "state_dtype" in info.value.detail
+
+
+def test_a_cut_page_is_refused_by_the_missing_field() -> None:
+    """MobileLLM-R1's stored page stops before num_hidden_layers: a field error, not a guess."""
+    with pytest.raises(ProfileError) as info:
+        layout_for_model(_path("mobilellm-r1-950m"))
+    assert info.value.field == "num_hidden_layers"
+
+
+def test_llama4_moves_only_the_last_chunk() -> None:
+    """130000 tokens, chunks of 8192: the step at 130000 reads chunk 15, tokens
+    [122880, 130000) = blocks 7680..8124 of 16; at 131072 (a chunk start) nothing."""
+    layout = layout_for_model(_path("llama4-text-formomouse"), block_size=16)
+    (plan,) = plan_blocks(layout, 130000, 0)
+    assert plan.blocks == range(7680, 8125)
+    assert plan.nbytes == 445 * 28 * 2 * 32 * 8 * 128
+    assert set(plan.blocks) == oracle_blocks(plan.group, 130000, 0, 16)
+    (plan,) = plan_blocks(layout, 131072, 0)
+    assert not plan.blocks
+    (plan,) = plan_blocks(layout, 130000, 128000)  # C inside the last chunk
+    assert plan.blocks == range(8000, 8125)

@@ -7,11 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import oracle_valid_tokens
 from strategies import layouts, requests
+from test_planner_oracle import llama4_layouts
 
 from kvxfer._exceptions import PlanError
 from kvxfer.core.layout import EngineLayout, GroupKind
 from kvxfer.core.planner import plan_blocks
-from kvxfer.core.profiles import layout_for_model
+from kvxfer.core.profiles import layout_for_model, layout_from_config
 from kvxfer.core.recompute import valid_tokens
 
 
@@ -33,11 +34,8 @@ def failures(
     return failed
 
 
-@settings(max_examples=200)
-@given(st.data())
-def test_valid_tokens_matches_simulation(data: st.DataObject) -> None:
-    layout = data.draw(layouts())
-    num_tokens, computed = data.draw(requests(layout.block_size, max_tokens=60_000))
+def _check_against_simulation(data: st.DataObject, layout: EngineLayout, max_tokens: int) -> None:
+    num_tokens, computed = data.draw(requests(layout.block_size, max_tokens=max_tokens))
     failed = data.draw(failures(layout, num_tokens, computed))
     got = valid_tokens(layout.groups, num_tokens, computed, layout.block_size, failed)
     assert got == oracle_valid_tokens(
@@ -46,6 +44,12 @@ def test_valid_tokens_matches_simulation(data: st.DataObject) -> None:
     assert computed <= got <= num_tokens
     if not any(failed.values()):
         assert got == num_tokens
+
+
+@settings(max_examples=200)
+@given(st.data())
+def test_valid_tokens_matches_simulation(data: st.DataObject) -> None:
+    _check_against_simulation(data, data.draw(layouts()), 60_000)
 
 
 def test_early_full_attention_failure_is_limited_by_the_window() -> None:
@@ -73,3 +77,30 @@ def test_failed_block_outside_the_transfer_is_rejected() -> None:
     layout = layout_for_model("llama-3.1-8b", block_size=16)
     with pytest.raises(PlanError, match=r"failed_blocks\[0\]: blocks \[2\] were not part"):
         valid_tokens(layout.groups, 1000, 64, 16, {0: {2}})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_chunked_valid_tokens_matches_simulation(data: st.DataObject) -> None:
+    """Llama 4 layouts (chunked_local beside full attention), failures anywhere."""
+    _check_against_simulation(data, data.draw(llama4_layouts()), 30_000)
+
+
+def test_chunked_failure_resumes_inside_the_chunk() -> None:
+    """All layers chunked, S = 100, B = 10, N = 290, C = 0: blocks 20..28 move (tokens
+    [200, 290)). A failed block 25 leaves [200, 250) whole: the engine resumes at 250,
+    whose chunk [200, 250) it holds; a failed block 20 leaves nothing of the chunk, so
+    only s = 200 (a chunk start, reading nothing) works."""
+    config = {
+        "model_type": "llama4_text",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "head_dim": 4,
+        "attention_chunk_size": 100,
+        "no_rope_layers": [1, 1],
+    }
+    layout = layout_from_config(config, name="chunked", block_size=10)
+    assert [g.kind for g in layout.groups] == [GroupKind.CHUNKED_LOCAL]
+    assert valid_tokens(layout.groups, 290, 0, 10, {0: {25}}) == 250
+    assert valid_tokens(layout.groups, 290, 0, 10, {0: {20}}) == 200
+    assert valid_tokens(layout.groups, 290, 0, 10, {0: {28}}) == 280

@@ -74,3 +74,19 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
         assert filecmp.cmp(
             tmp_path / "kvxfer" / "v1" / name, committed_dir / name, shallow=False
         ), f"kvxfer/v1/{name} is stale: run scripts/gen_proto.sh"
+
+
+def test_chunked_local_round_trips_and_needs_its_chunk_size() -> None:
+    config = REPO / "tests/data/configs/llama4-text-formomouse.json"
+    layout = layout_for_model(str(config), block_size=32)
+    message = layout_to_proto(layout)
+    assert message.groups[0].kind == pb.GROUP_KIND_CHUNKED_LOCAL
+    assert message.groups[0].chunk_size == 8192
+    assert layout_from_proto(pb.EngineLayout.FromString(message.SerializeToString())) == layout
+    message.groups[0].ClearField("chunk_size")
+    with pytest.raises(LayoutError, match=r"^layout.groups\[0\].chunk_size: required"):
+        layout_from_proto(message)
+    message = layout_to_proto(layout_for_model("gpt-oss-20b"))
+    message.groups[1].chunk_size = 64  # a full-attention group with a chunk size
+    with pytest.raises(LayoutError, match=r"^layout.groups\[1\].chunk_size: must be unset"):
+        layout_from_proto(message)

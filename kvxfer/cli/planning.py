@@ -33,6 +33,7 @@ def layout_report(layout: EngineLayout) -> dict[str, Any]:
             "group_id": g.group_id,
             "kind": g.kind.value,
             "sliding_window": g.sliding_window,
+            "chunk_size": g.chunk_size,
             "num_layers": len(g.layers),
             "layers": list(g.layers),
             "num_tensors": len(g.tensors),
@@ -57,6 +58,7 @@ def plan_report(layout: EngineLayout, num_tokens: int, computed_tokens: int) -> 
         {
             "kind": p.group.kind.value,
             "sliding_window": p.group.sliding_window,
+            "chunk_size": p.group.chunk_size,
             "num_layers": len(p.group.layers),
             "first_block": p.blocks.start if p.blocks else None,
             "last_block": p.blocks.stop - 1 if p.blocks else None,
@@ -85,8 +87,12 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _kind_label(kind: str, window: int | None) -> str:
-    return f"{kind}(W={window})" if window is not None else kind
+def _kind_label(group: dict[str, Any]) -> str:
+    if group["sliding_window"] is not None:
+        return f"{group['kind']}(W={group['sliding_window']})"
+    if group["chunk_size"] is not None:
+        return f"{group['kind']}(S={group['chunk_size']})"
+    return str(group["kind"])
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -109,7 +115,7 @@ def run_layout(args: argparse.Namespace) -> int:
     rows = [
         [
             str(g["group_id"]),
-            _kind_label(g["kind"], g["sliding_window"]),
+            _kind_label(g),
             str(g["num_layers"]),
             "-" if g["bytes_per_token"] is None else human_bytes(g["bytes_per_token"]),
             human_bytes(g["bytes_per_block"]),
@@ -132,7 +138,7 @@ def run_plan(args: argparse.Namespace) -> int:
     rows = [
         [
             str(i),
-            _kind_label(g["kind"], g["sliding_window"]),
+            _kind_label(g),
             str(g["num_layers"]),
             "-" if g["first_block"] is None else f"{g['first_block']}..{g['last_block']}",
             str(g["num_blocks"]),

@@ -24,6 +24,7 @@ Config = Mapping[str, Any]
 
 # Layer kinds of `layer_types` and the families whose reader models them.
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+CHUNKED = "chunked_attention"
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,26 @@ SUPPORTED: tuple[Family, ...] = (
         model_types=("qwen3_next",),
     ),
     Family(
+        "Gemma-3n (layer_types; the last num_kv_shared_layers layers reuse earlier KV)",
+        "gemma3n",
+        reads=frozenset({"num_kv_shared_layers"}),
+        model_types=("gemma3n", "gemma3n_text"),
+    ),
+    Family(
+        "MiMo-V2 (hybrid_layer_pattern; sliding and full layers with their own KV heads "
+        "and K / V head dims)",
+        "mimo_v2",
+        reads=frozenset({"hybrid_layer_pattern", "sliding_window_size", "swa_", "v_head_dim"}),
+        model_types=("mimo_v2_flash", "mimo_v2"),
+    ),
+    Family(
+        "Llama 4 (chunked local attention on RoPE layers, NoPE layers global)",
+        "llama4",
+        reads=frozenset({"attention_chunk_size", "no_rope_layers", "no_rope_layer_interval"}),
+        layer_kinds=frozenset({FULL, CHUNKED}),
+        model_types=("llama4", "llama4_text"),
+    ),
+    Family(
         "Jamba (Mamba-1 + attention)",
         "jamba",
         reads=frozenset({"attn_layer_period", "attn_layer_offset", "mamba_"}),
@@ -113,10 +134,6 @@ REFUSED: Mapping[str, tuple[str, tuple[str, ...]]] = {
     "bamba": ("the Bamba Mamba-2 hybrid", ("attn_layer_indices",)),
     "lfm2": ("the short-convolution hybrid", ("layer_types",)),
     "lfm2_moe": ("the short-convolution hybrid", ("layer_types",)),
-    "llama4": ("chunked local attention", ("attention_chunk_size",)),
-    "llama4_text": ("chunked local attention", ("attention_chunk_size",)),
-    "gemma3n": ("KV sharing across layers", ("num_kv_shared_layers",)),
-    "gemma3n_text": ("KV sharing across layers", ("num_kv_shared_layers",)),
     "deepseek_v2": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
     "deepseek_v3": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
     "deepseek_v32": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
@@ -188,6 +205,8 @@ _ARCHITECTURES: Mapping[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3nForCausalLM": "gemma3n_text",
+    "Gemma3nForConditionalGeneration": "gemma3n",
     "GptOssForCausalLM": "gpt_oss",
     "Qwen3NextForCausalLM": "qwen3_next",
     "JambaForCausalLM": "jamba",
@@ -199,6 +218,8 @@ _ARCHITECTURES: Mapping[str, str] = {
     "Zamba2ForCausalLM": "zamba2",
     "MiniMaxText01ForCausalLM": "minimax_text_01",
     "Llama4ForCausalLM": "llama4_text",
+    "MiMoV2FlashForCausalLM": "mimo_v2_flash",
+    "Llama4ForConditionalGeneration": "llama4",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
@@ -280,7 +301,7 @@ def _check_sliding(model_type: str | None, family: Family, text: Config) -> None
     window = text.get("sliding_window")
     if not _is_set(window) or family.sliding != "layers":
         return
-    if family.reader in ("gemma2", "gemma3") or "layer_types" in text:
+    if family.reader in ("gemma2", "gemma3", "gemma3n", "mimo_v2") or "layer_types" in text:
         return
     raise refusal(
         model_type, "a model-wide sliding_window without per-layer layer_types", "sliding_window"

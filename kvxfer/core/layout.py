@@ -32,6 +32,7 @@ class GroupKind(enum.StrEnum):
     FULL_ATTENTION = "full_attention"
     SLIDING_WINDOW = "sliding_window"
     MAMBA = "mamba"
+    CHUNKED_LOCAL = "chunked_local"
 
 
 KV_DTYPE_BYTES: Mapping[str, int] = {
@@ -76,7 +77,10 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class KVGroup:
-    """`block_size` is this group's own block size in tokens when it differs from the
+    """`sliding_window` is set only for a sliding_window group, `chunk_size` (tokens per
+    attention chunk, Llama 4) only for a chunked_local group.
+
+    `block_size` is this group's own block size in tokens when it differs from the
     layout's (an engine such as vLLM's hybrid manager sizes groups separately, e.g.
     a state group of 1024 tokens beside 160-token attention blocks); None means the
     layout's `block_size`. Always read it through `EngineLayout.block_size_of`."""
@@ -87,6 +91,7 @@ class KVGroup:
     layers: tuple[int, ...]
     tensors: tuple[TensorSpec, ...]
     block_size: int | None = None
+    chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         where = f"groups[{self.group_id}]"
@@ -103,6 +108,12 @@ class KVGroup:
             raise LayoutError(
                 f"{where}.sliding_window", f"must be unset for a {self.kind.value} group"
             )
+        if self.kind is GroupKind.CHUNKED_LOCAL:
+            if self.chunk_size is None:
+                raise LayoutError(f"{where}.chunk_size", "required for a chunked_local group")
+            check_int(f"{where}.chunk_size", self.chunk_size, 1, 1 << 30)
+        elif self.chunk_size is not None:
+            raise LayoutError(f"{where}.chunk_size", f"must be unset for a {self.kind.value} group")
         if not self.layers:
             raise LayoutError(f"{where}.layers", "a group needs at least one layer")
         if not self.tensors:

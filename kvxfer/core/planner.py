@@ -7,6 +7,8 @@ source, C tokens the destination already holds, block size B, window W:
 - sliding_window: the next decode step at position N attends to [N-W+1, N],
   so the cached tokens needed are [max(C, N-W+1, 0), N). Computed from N: a
   fixed cdiv(W, B) can miss a block, cdiv(W, B)+1 often moves one too many.
+- chunked_local: the next step at position N reads the cached tokens of its own
+  chunk of S tokens, [max(C, floor(N/S)*S), N) (nothing when N starts a chunk).
 - mamba: the single state block (logical block 0) unless C == N.
 
 `plan_transfer` turns that into chunks of consecutive logical blocks of one
@@ -19,6 +21,7 @@ data plane binds them to registered memory.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -71,8 +74,11 @@ def needed_blocks(
     num_tokens: int,
     computed_tokens: int,
     block_size: int,
+    *,
+    chunk_size: int | None = None,
 ) -> range:
-    """Logical blocks of one group that must move (empty when nothing does)."""
+    """Logical blocks of one group that must move (empty when nothing does).
+    `window` is a sliding_window group's, `chunk_size` a chunked_local group's."""
     if computed_tokens >= num_tokens:
         return range(0)
     if kind is GroupKind.MAMBA:
@@ -80,11 +86,29 @@ def needed_blocks(
     end = -(-num_tokens // block_size)
     if kind is GroupKind.FULL_ATTENTION:
         return range(computed_tokens // block_size, end)
-    assert window is not None
-    first_token = max(computed_tokens, num_tokens - window + 1, 0)
+    if kind is GroupKind.CHUNKED_LOCAL:
+        if chunk_size is None:
+            raise PlanError("chunk_size", "required to plan a chunked_local group")
+        first_token = max(computed_tokens, num_tokens // chunk_size * chunk_size)
+    else:
+        if window is None:
+            raise PlanError("sliding_window", "required to plan a sliding_window group")
+        first_token = max(computed_tokens, num_tokens - window + 1, 0)
     if first_token >= num_tokens:
-        return range(0)  # W == 1: the next step reads no cached token
+        return range(0)  # W == 1, or N starts a chunk: the next step reads no cached token
     return range(first_token // block_size, end)
+
+
+def group_blocks(group: KVGroup, num_tokens: int, computed_tokens: int, block_size: int) -> range:
+    """`needed_blocks` of `group` (block_size: the group's own, see block_size_of)."""
+    return needed_blocks(
+        group.kind,
+        group.sliding_window,
+        num_tokens,
+        computed_tokens,
+        block_size,
+        chunk_size=group.chunk_size,
+    )
 
 
 @dataclass(frozen=True)
@@ -106,14 +130,7 @@ def plan_blocks(
     check_groups_request(layout.groups, num_tokens, computed_tokens, layout.block_size)
     return tuple(
         GroupPlan(
-            group,
-            needed_blocks(
-                group.kind,
-                group.sliding_window,
-                num_tokens,
-                computed_tokens,
-                layout.block_size_of(group),
-            ),
+            group, group_blocks(group, num_tokens, computed_tokens, layout.block_size_of(group))
         )
         for group in layout.groups
     )
@@ -148,9 +165,17 @@ def pool_blocks(layout: EngineLayout, max_tokens: int) -> dict[GroupKind, int]:
     # W - 1 cached tokens starting anywhere in a block span at most cdiv(W - 1 + B - 1, B)
     # blocks; at least one block so an engine can be sized at all (W == 1 needs none).
     sliding = max((max(1, -(-(w + b - 2) // b)) for w, b in windows), default=1)
+    chunks = [(g.chunk_size, layout.block_size_of(g)) for g in attention if g.chunk_size]
+    # At most S - 1 cached tokens from a chunk start kS, which lies at most B - gcd(S, B)
+    # tokens into its block: an upper bound, reached when some kS + S - 1 <= max_tokens.
+    chunked = max(
+        (max(1, -(-(s - 1 + b - math.gcd(s, b)) // b)) for s, b in chunks),
+        default=1,
+    )
     return {
         GroupKind.FULL_ATTENTION: full,
         GroupKind.SLIDING_WINDOW: min(full, sliding),
+        GroupKind.CHUNKED_LOCAL: min(full, chunked),
         GroupKind.MAMBA: 1,
     }
 
@@ -287,11 +312,11 @@ def _check_same_shape(src: EngineLayout, dst: EngineLayout) -> None:
                 f"{where}.block_size",
                 f"src has {src.block_size_of(a)}, dst has {dst.block_size_of(b)}; must be equal",
             )
-        if (a.kind, a.sliding_window) != (b.kind, b.sliding_window):
+        if (a.kind, a.sliding_window, a.chunk_size) != (b.kind, b.sliding_window, b.chunk_size):
             raise PlanError(
                 where,
-                f"src is {a.kind.value} (window {a.sliding_window}), "
-                f"dst is {b.kind.value} (window {b.sliding_window})",
+                f"src is {a.kind.value} (window {a.sliding_window}, chunk {a.chunk_size}), "
+                f"dst is {b.kind.value} (window {b.sliding_window}, chunk {b.chunk_size})",
             )
         if [(t.name, t.bytes_per_block) for t in a.tensors] != [
             (t.name, t.bytes_per_block) for t in b.tensors

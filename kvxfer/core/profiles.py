@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer._exceptions import ProfileError, UnsupportedModelError
-from kvxfer.core.hf_config import FULL, LINEAR, SLIDING, Family, recognise
+from kvxfer.core.hf_config import CHUNKED, FULL, LINEAR, SLIDING, Family, recognise, refusal
 from kvxfer.core.layout import (
     EngineLayout,
     GroupId,
@@ -47,6 +47,7 @@ class _LayerTensors:
     kind: GroupKind
     window: int | None
     tensors: tuple[tuple[str, int], ...]
+    chunk: int | None = None
 
 
 def builtin_profiles() -> list[str]:
@@ -122,14 +123,15 @@ def layout_from_config(
     text = config.get("text_config", config)
     if not isinstance(text, Mapping):
         raise ProfileError("text_config", "must be a JSON object")
-    _, family = recognise(config, text)
+    model_type, family = recognise(config, text)
     elem = dtype_bytes(kv_dtype)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ProfileError("block_size", f"must be a positive integer, got {block_size!r}")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ProfileError("tp_size", f"must be a positive integer, got {tp_size!r}")
     state = _StateDtypes(config, text, state_dtype)
-    groups = _groups(family, _Sizing(text, elem, block_size, tp_size, state.element_bytes))
+    sizing = _Sizing(text, elem, block_size, tp_size, state.element_bytes, model_type)
+    groups = _groups(family, sizing)
     return EngineLayout(
         model=name,
         fingerprint=fingerprint(text),
@@ -180,8 +182,10 @@ class _Sizing:
         block_size: int,
         tp_size: int,
         state_bytes: Callable[[], tuple[int, int]],
+        model_type: str | None = None,
     ) -> None:
         self.text = text
+        self.model_type = model_type
         self.elem = elem
         self.state_bytes = state_bytes  # (conv, ssm) element bytes, read on first use
         self.block_size = block_size
@@ -193,6 +197,21 @@ class _Sizing:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ProfileError(key, f"must be a positive integer, got {value!r}")
         return value
+
+    def per_layer(self, key: str, value: Any, items: str = "strings") -> list[Any]:
+        """`value` (read from `key`) as a list with one entry per layer."""
+        if not isinstance(value, list) or len(value) != self.num_layers:
+            raise ProfileError(
+                key, f"must be a list of num_hidden_layers ({self.num_layers}) {items}"
+            )
+        return value
+
+    def flag(self, key: str, value: Any, index: int) -> int:
+        """Entry `index` of the per-layer 0/1 list `value` (read from `key`)."""
+        entry = self.per_layer(key, value, "0/1")[index]
+        if entry not in (0, 1) or isinstance(entry, bool):
+            raise ProfileError(f"{key}[{index}]", f"must be 0 or 1, got {entry!r}")
+        return int(entry)
 
     def split(self, key: str, value: int) -> int:
         """value / tp for a tensor-parallel-sharded dimension; must divide exactly."""
@@ -206,25 +225,28 @@ class _Sizing:
         kv_heads = self.text.get("num_key_value_heads")
         if kv_heads is None:  # HF: no KV head count means one per query head
             kv_heads = heads
-        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
-            raise ProfileError(
-                "num_key_value_heads", f"must be a positive integer, got {kv_heads!r}"
-            )
         head_dim = self.text.get("head_dim") or self.positive("hidden_size") // heads
+        return self.head_bytes("num_key_value_heads", kv_heads, int(head_dim))
+
+    def head_bytes(self, key: str, kv_heads: object, head_dim: int) -> int:
+        """Bytes of one block of `kv_heads` (read from `key`) heads of `head_dim`, per TP
+        rank: split across ranks when they divide, else replicated (one per rank)."""
+        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+            raise ProfileError(key, f"must be a positive integer, got {kv_heads!r}")
         if kv_heads % self.tp == 0:
             per_rank = kv_heads // self.tp
         elif self.tp % kv_heads == 0:
             per_rank = 1  # KV heads are replicated across ranks
         else:
-            raise ProfileError(
-                "num_key_value_heads", f"{kv_heads} heads cannot be placed on tp_size {self.tp}"
-            )
-        return self.block_size * per_rank * int(head_dim) * self.elem
+            raise ProfileError(key, f"{kv_heads} heads cannot be placed on tp_size {self.tp}")
+        return self.block_size * per_rank * head_dim * self.elem
 
 
-def _attention(kind: GroupKind, window: int | None, sizing: _Sizing) -> _LayerTensors:
+def _attention(
+    kind: GroupKind, window: int | None, sizing: _Sizing, chunk: int | None = None
+) -> _LayerTensors:
     size = sizing.attention_bytes()
-    return _LayerTensors(kind, window, (("k", size), ("v", size)))
+    return _LayerTensors(kind, window, (("k", size), ("v", size)), chunk)
 
 
 def _state(conv_elems: int, ssm_elems: int, sizing: _Sizing) -> _LayerTensors:
@@ -300,6 +322,12 @@ def _layer_tensors(family: Family, sizing: _Sizing, index: int) -> list[_LayerTe
     layer_types = text.get("layer_types")
     if family.reader == "falcon_h1":
         return _falcon_h1(text, sizing, index)
+    if family.reader == "llama4":
+        return [_llama4(text, sizing, index)]
+    if family.reader == "gemma3n":
+        return _gemma3n(sizing, index)
+    if family.reader == "mimo_v2":
+        return [_mimo_v2(sizing, index)]
     if layer_types is not None:
         return [_from_layer_type(layer_types, sizing, index)]
     if family.reader == "jamba":
@@ -318,6 +346,120 @@ def _layer_tensors(family: Family, sizing: _Sizing, index: int) -> list[_LayerTe
     if family.sliding == "all" and text.get("sliding_window") is not None:
         return [_attention(GroupKind.SLIDING_WINDOW, _window(sizing), sizing)]
     return [_attention(GroupKind.FULL_ATTENTION, None, sizing)]
+
+
+def _llama4(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
+    """Llama 4, by vLLM's rule: a layer with RoPE (`no_rope_layers[i]` 1) attends within
+    chunks of `attention_chunk_size` tokens, a NoPE layer (0) to everything. An empty or
+    absent `no_rope_layers` means NoPE on every `no_rope_layer_interval`-th layer (4). A
+    `layer_types` list (which transformers reads instead) must say the same."""
+    chunk = text.get("attention_chunk_size")
+    rope = text.get("no_rope_layers") or [
+        int((i + 1) % _interval(sizing) != 0) for i in range(sizing.num_layers)
+    ]
+    chunked = chunk is not None and sizing.flag("no_rope_layers", rope, index) == 1
+    layer_types = text.get("layer_types")
+    if layer_types is not None:
+        said = sizing.per_layer("layer_types", layer_types)[index]
+        if said != (CHUNKED if chunked else FULL):
+            runs = "chunked" if chunked else "full"
+            raise refusal(
+                sizing.model_type,
+                f"layer_types disagreeing with no_rope_layers / attention_chunk_size "
+                f"(layer {index}: {said!r}, which vLLM runs as {runs} attention)",
+                "layer_types",
+            )
+    if not chunked:
+        return _attention(GroupKind.FULL_ATTENTION, None, sizing)
+    return _attention(
+        GroupKind.CHUNKED_LOCAL, None, sizing, sizing.positive("attention_chunk_size")
+    )
+
+
+def _gemma3n(sizing: _Sizing, index: int) -> list[_LayerTensors]:
+    """Gemma-3n: layer_types (default: every 5th layer full, the rest sliding), and the
+    last `num_kv_shared_layers` layers cache nothing: each reads the KV of an earlier
+    layer of its own type, so it has no region and nothing moves for it. transformers
+    takes the last earlier layer of that type, vLLM layer first-2 (sliding) or first-1
+    (full); a config where the two differ is refused."""
+    layer_types = sizing.text.get("layer_types") or [
+        FULL if (i + 1) % 5 == 0 else SLIDING for i in range(sizing.num_layers)
+    ]
+    shared = sizing.text.get("num_kv_shared_layers", 0)
+    if (
+        isinstance(shared, bool)
+        or not isinstance(shared, int)
+        or not 0 <= shared < sizing.num_layers
+    ):
+        raise ProfileError(
+            "num_kv_shared_layers",
+            f"must be an integer in [0, num_hidden_layers={sizing.num_layers}), got {shared!r}",
+        )
+    first = sizing.num_layers - shared
+    if index < first:
+        return [_from_layer_type(layer_types, sizing, index)]
+    kind = layer_types[index]
+    earlier = [j for j in range(first) if layer_types[j] == kind]
+    engine = first - 2 if kind == SLIDING else first - 1
+    if not earlier or earlier[-1] != engine:
+        raise refusal(
+            sizing.model_type,
+            f"KV sharing where layer {index} ({kind}) has no earlier layer of its type "
+            f"at layer {engine}, the one vLLM reads",
+            "num_kv_shared_layers",
+        )
+    return []
+
+
+def _mimo_v2(sizing: _Sizing, index: int) -> _LayerTensors:
+    """MiMo-V2, by vLLM's rule: `hybrid_layer_pattern[i]` 1 is a sliding layer (window
+    `sliding_window_size`) with its own `swa_num_key_value_heads`, `swa_head_dim` and
+    `swa_v_head_dim`; 0 a full layer with `num_key_value_heads`, `head_dim`, `v_head_dim`.
+    A V head dim left out is the K head dim. K and V differ in size per block."""
+    text = sizing.text
+    pattern = text.get("hybrid_layer_pattern")
+    if pattern is None:
+        raise refusal(
+            sizing.model_type,
+            "MiMo-V2 without hybrid_layer_pattern (the per-layer list vLLM reads)",
+            "hybrid_layer_pattern",
+        )
+    sliding = sizing.flag("hybrid_layer_pattern", pattern, index)
+    _check_agrees(sizing, index, SLIDING if sliding else FULL)
+    prefix = "swa_" if sliding else ""
+    k_dim = sizing.positive(f"{prefix}head_dim")
+    v_dim = sizing.positive(f"{prefix}v_head_dim") if text.get(f"{prefix}v_head_dim") else k_dim
+    heads_key = f"{prefix}num_key_value_heads"
+    k = sizing.head_bytes(heads_key, text.get(heads_key), k_dim)
+    v = sizing.head_bytes(heads_key, text.get(heads_key), v_dim)
+    if not sliding:
+        return _LayerTensors(GroupKind.FULL_ATTENTION, None, (("k", k), ("v", v)))
+    return _LayerTensors(
+        GroupKind.SLIDING_WINDOW, sizing.positive("sliding_window_size"), (("k", k), ("v", v))
+    )
+
+
+def _check_agrees(sizing: _Sizing, index: int, kind: str) -> None:
+    """A `layer_types` or `sliding_window` beside MiMo-V2's own keys must say the same."""
+    layer_types = sizing.text.get("layer_types")
+    said = kind if layer_types is None else sizing.per_layer("layer_types", layer_types)[index]
+    window = sizing.text.get("sliding_window")
+    if said != kind or (
+        kind == SLIDING and window is not None and window != sizing.text.get("sliding_window_size")
+    ):
+        field = "layer_types" if said != kind else "sliding_window"
+        raise refusal(
+            sizing.model_type,
+            f"{field} disagreeing with hybrid_layer_pattern / sliding_window_size "
+            f"(layer {index}), which vLLM reads",
+            field,
+        )
+
+
+def _interval(sizing: _Sizing) -> int:
+    if sizing.text.get("no_rope_layer_interval") is None:
+        return 4  # the Llama 4 default
+    return sizing.positive("no_rope_layer_interval")
 
 
 def _pattern(sizing: _Sizing) -> int:
@@ -341,11 +483,7 @@ def _gemma2(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
 
 
 def _from_layer_type(layer_types: Any, sizing: _Sizing, index: int) -> _LayerTensors:
-    if not isinstance(layer_types, list) or len(layer_types) != sizing.num_layers:
-        raise ProfileError(
-            "layer_types", f"must be a list of num_hidden_layers ({sizing.num_layers}) strings"
-        )
-    kind = layer_types[index]
+    kind = sizing.per_layer("layer_types", layer_types)[index]
     if kind == FULL:
         return _attention(GroupKind.FULL_ATTENTION, None, sizing)
     if kind == SLIDING:
@@ -404,13 +542,13 @@ def _groups_per_rank(groups: int, sizing: _Sizing) -> int:
 
 
 def _group_layers(per_layer: list[list[_LayerTensors]]) -> tuple[KVGroup, ...]:
-    """One group per distinct (kind, window), in order of first use."""
-    members: dict[tuple[GroupKind, int | None], list[tuple[int, _LayerTensors]]] = {}
+    """One group per distinct (kind, window, chunk), in order of first use."""
+    members: dict[tuple[GroupKind, int | None, int | None], list[tuple[int, _LayerTensors]]] = {}
     for index, contributions in enumerate(per_layer):
         for part in contributions:
-            members.setdefault((part.kind, part.window), []).append((index, part))
+            members.setdefault((part.kind, part.window, part.chunk), []).append((index, part))
     groups = []
-    for group_id, ((kind, window), layers) in enumerate(members.items()):
+    for group_id, ((kind, window, chunk), layers) in enumerate(members.items()):
         tensors = tuple(
             TensorSpec(name=f"layer.{index}.{suffix}", layer=index, bytes_per_block=size)
             for index, part in layers
@@ -423,6 +561,7 @@ def _group_layers(per_layer: list[list[_LayerTensors]]) -> tuple[KVGroup, ...]:
                 sliding_window=window,
                 layers=tuple(index for index, _ in layers),
                 tensors=tensors,
+                chunk_size=chunk,
             )
         )
     return tuple(groups)

@@ -5,11 +5,13 @@ at once, the KV the engine needs to continue from s is valid:
 
 - full_attention needs tokens [0, s);
 - sliding_window needs tokens [max(0, s-W+1), s);
+- chunked_local needs tokens [floor(s/S)*S, s) (the tokens of s's own chunk);
 - mamba needs its state at exactly s: at C (held locally) or at N (moved, not failed).
 
-Valid KV is what the destination held before the pull ([0, C) for full
-attention, [max(0, C-W+1), C) for sliding window) plus the moved blocks that
-did not fail. s = C always qualifies. Work is proportional to the number of
+Valid KV is what the destination held before the pull (what its own next
+step at C reads: [0, C) for full attention, [max(0, C-W+1), C) for sliding
+window, [floor(C/S)*S, C) for chunked local) plus the moved blocks that did
+not fail. s = C always qualifies. Work is proportional to the number of
 failed blocks, not to N.
 """
 
@@ -20,7 +22,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 from kvxfer._exceptions import PlanError
 from kvxfer.core.layout import GroupKind, KVGroup, group_block_size
-from kvxfer.core.planner import check_groups_request, needed_blocks
+from kvxfer.core.planner import check_groups_request, group_blocks
 
 Intervals = list[tuple[int, int]]  # sorted, disjoint, non-adjacent half-open [a, b)
 
@@ -40,7 +42,7 @@ def valid_tokens(
     if not any(failed.values()):
         return num_tokens
     resume = num_tokens
-    sliding: list[tuple[int, Intervals]] = []
+    local: list[tuple[KVGroup, Intervals]] = []
     for group in groups:
         if group.kind is GroupKind.MAMBA:
             if failed.get(group.group_id):
@@ -51,9 +53,8 @@ def valid_tokens(
         if group.kind is GroupKind.FULL_ATTENTION:
             resume = min(resume, _first_invalid(valid, num_tokens))
         else:
-            assert group.sliding_window is not None
-            sliding.append((group.sliding_window, valid))
-    resume = _settle_windows(resume, computed_tokens, sliding)
+            local.append((group, valid))
+    resume = _settle_windows(resume, computed_tokens, local)
     has_mamba = any(g.kind is GroupKind.MAMBA for g in groups)
     if resume <= computed_tokens or (has_mamba and resume < num_tokens):
         return computed_tokens
@@ -72,12 +73,8 @@ def _check_failed(
         group = by_id.get(group_id)
         if group is None:
             raise PlanError("failed_blocks", f"unknown group {group_id}")
-        moved = needed_blocks(
-            group.kind,
-            group.sliding_window,
-            num_tokens,
-            computed_tokens,
-            group_block_size(group, block_size),
+        moved = group_blocks(
+            group, num_tokens, computed_tokens, group_block_size(group, block_size)
         )
         stray = sorted(b for b in blocks if b not in moved)
         if stray:
@@ -94,18 +91,26 @@ def _valid(
     failed: Collection[int] | None,
 ) -> Intervals:
     """Token intervals of this group holding valid KV after the pull."""
-    held_from = 0
-    if group.kind is GroupKind.SLIDING_WINDOW:
-        assert group.sliding_window is not None
-        held_from = max(0, computed_tokens - group.sliding_window + 1)
+    held_from = _reach_start(group, computed_tokens)
     pieces: Intervals = [(held_from, computed_tokens)] if computed_tokens > held_from else []
-    moved = needed_blocks(group.kind, group.sliding_window, num_tokens, computed_tokens, block_size)
+    moved = group_blocks(group, num_tokens, computed_tokens, block_size)
     start = moved.start
     for block in [*sorted(set(failed or ())), moved.stop]:
         if block > start:
             pieces.append((start * block_size, min(block * block_size, num_tokens)))
         start = block + 1
     return _merge(pieces)
+
+
+def _reach_start(group: KVGroup, position: int) -> int:
+    """First cached token the step at `position` reads in this attention group."""
+    if group.kind is GroupKind.SLIDING_WINDOW:
+        assert group.sliding_window is not None
+        return max(0, position - group.sliding_window + 1)
+    if group.kind is GroupKind.CHUNKED_LOCAL:
+        assert group.chunk_size is not None
+        return position // group.chunk_size * group.chunk_size
+    return 0
 
 
 def _merge(pieces: Intervals) -> Intervals:
@@ -137,17 +142,19 @@ def _last_invalid(valid: Intervals, lo: int, hi: int) -> int | None:
     return candidate if candidate >= lo else None
 
 
-def _settle_windows(resume: int, floor: int, sliding: Sequence[tuple[int, Intervals]]) -> int:
-    """Lower `resume` until every sliding window before it is whole.
+def _settle_windows(resume: int, floor: int, local: Sequence[tuple[KVGroup, Intervals]]) -> int:
+    """Lower `resume` until the reach of every sliding-window and chunked group before
+    it is whole.
 
-    If a window [s-W+1, s) holds an invalid token t, no s' in (t, s] can work
-    (its window holds t as well), so the next candidate is t itself.
+    If the reach [lo(s), s) holds an invalid token t, no s' in (t, s] can work: a
+    window [s'-W+1, s') and a chunk [floor(s'/S)*S, s') (s' is in s's chunk, as
+    t is) hold t as well. So the next candidate is t itself.
     """
     changed = True
     while changed and resume > floor:
         changed = False
-        for window, valid in sliding:
-            bad = _last_invalid(valid, max(0, resume - window + 1), resume)
+        for group, valid in local:
+            bad = _last_invalid(valid, _reach_start(group, resume), resume)
             if bad is not None:
                 resume, changed = bad, True
     return resume

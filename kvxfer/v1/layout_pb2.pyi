@@ -8,6 +8,9 @@ History:
   KVGroup.block_size (optional, added within protocol 1): a group's own block
   size when it differs from EngineLayout.block_size; unset means the layout's.
   An old reader ignores it, so a layout using it must only meet new peers.
+  GROUP_KIND_CHUNKED_LOCAL and KVGroup.chunk_size (added within protocol 1):
+  Llama 4's chunked local attention. An old reader refuses the unknown kind
+  ("unknown group kind 5"), so it is never mistaken for another kind.
 """
 
 from collections import abc as _abc
@@ -38,6 +41,8 @@ class _GroupKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GroupKind.V
     GROUP_KIND_MAMBA: _GroupKind.ValueType  # 3
     GROUP_KIND_MLA: _GroupKind.ValueType  # 4
     """Latent KV (DeepSeek MLA): named so it can be refused by name; not supported yet."""
+    GROUP_KIND_CHUNKED_LOCAL: _GroupKind.ValueType  # 5
+    """Attention within chunks of chunk_size tokens (Llama 4 attention_chunk_size)."""
 
 class GroupKind(_GroupKind, metaclass=_GroupKindEnumTypeWrapper): ...
 
@@ -47,6 +52,8 @@ GROUP_KIND_SLIDING_WINDOW: GroupKind.ValueType  # 2
 GROUP_KIND_MAMBA: GroupKind.ValueType  # 3
 GROUP_KIND_MLA: GroupKind.ValueType  # 4
 """Latent KV (DeepSeek MLA): named so it can be refused by name; not supported yet."""
+GROUP_KIND_CHUNKED_LOCAL: GroupKind.ValueType  # 5
+"""Attention within chunks of chunk_size tokens (Llama 4 attention_chunk_size)."""
 Global___GroupKind: _TypeAlias = GroupKind  # noqa: Y015
 
 @_typing.final
@@ -86,6 +93,7 @@ class KVGroup(_message.Message):
     LAYERS_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    CHUNK_SIZE_FIELD_NUMBER: _builtins.int
     group_id: _builtins.int
     kind: Global___GroupKind.ValueType
     sliding_window: _builtins.int
@@ -94,6 +102,8 @@ class KVGroup(_message.Message):
     """Tokens per block of this group when not EngineLayout.block_size (vLLM's
     hybrid manager sizes state groups apart from attention groups).
     """
+    chunk_size: _builtins.int
+    """Tokens per attention chunk; set only for chunked-local groups."""
     @_builtins.property
     def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -107,17 +117,22 @@ class KVGroup(_message.Message):
         layers: _abc.Iterable[_builtins.int] | None = ...,
         tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
         block_size: _builtins.int | None = ...,
+        chunk_size: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_sliding_window", b"_sliding_window", "block_size", b"block_size", "sliding_window", b"sliding_window"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_chunk_size", b"_chunk_size", "_sliding_window", b"_sliding_window", "block_size", b"block_size", "chunk_size", b"chunk_size", "sliding_window", b"sliding_window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_sliding_window", b"_sliding_window", "block_size", b"block_size", "group_id", b"group_id", "kind", b"kind", "layers", b"layers", "sliding_window", b"sliding_window", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_chunk_size", b"_chunk_size", "_sliding_window", b"_sliding_window", "block_size", b"block_size", "chunk_size", b"chunk_size", "group_id", b"group_id", "kind", b"kind", "layers", b"layers", "sliding_window", b"sliding_window", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__block_size: _TypeAlias = _typing.Literal["block_size"]  # noqa: Y015
     _WhichOneofArgType__block_size: _TypeAlias = _typing.Literal["_block_size", b"_block_size"]  # noqa: Y015
+    _WhichOneofReturnType__chunk_size: _TypeAlias = _typing.Literal["chunk_size"]  # noqa: Y015
+    _WhichOneofArgType__chunk_size: _TypeAlias = _typing.Literal["_chunk_size", b"_chunk_size"]  # noqa: Y015
     _WhichOneofReturnType__sliding_window: _TypeAlias = _typing.Literal["sliding_window"]  # noqa: Y015
     _WhichOneofArgType__sliding_window: _TypeAlias = _typing.Literal["_sliding_window", b"_sliding_window"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__block_size) -> _WhichOneofReturnType__block_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__chunk_size) -> _WhichOneofReturnType__chunk_size | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sliding_window) -> _WhichOneofReturnType__sliding_window | None: ...
 

@@ -8,6 +8,9 @@ History:
   KVGroup.block_size (optional, added within protocol 1): a group's own block
   size when it differs from EngineLayout.block_size; unset means the layout's.
   An old reader ignores it, so a layout using it must only meet new peers.
+  GROUP_KIND_CHUNKED_LOCAL and KVGroup.chunk_size (added within protocol 1):
+  Llama 4's chunked local attention. An old reader refuses the unknown kind
+  ("unknown group kind 5"), so it is never mistaken for another kind.
 """
 
 from collections import abc as _abc

@@ -26,6 +26,7 @@ _KIND_TO_PB = {
     GroupKind.FULL_ATTENTION: pb.GROUP_KIND_FULL_ATTENTION,
     GroupKind.SLIDING_WINDOW: pb.GROUP_KIND_SLIDING_WINDOW,
     GroupKind.MAMBA: pb.GROUP_KIND_MAMBA,
+    GroupKind.CHUNKED_LOCAL: pb.GROUP_KIND_CHUNKED_LOCAL,
 }
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 
@@ -57,6 +58,8 @@ def _group_to_proto(group: KVGroup) -> pb.KVGroup:
         message.sliding_window = group.sliding_window
     if group.block_size is not None:
         message.block_size = group.block_size
+    if group.chunk_size is not None:
+        message.chunk_size = group.chunk_size
     return message
 
 
@@ -127,6 +130,7 @@ def _group_from_proto(message: pb.KVGroup, index: int) -> KVGroup:
             for t in message.tensors
         ),
         block_size=message.block_size if message.HasField("block_size") else None,
+        chunk_size=message.chunk_size if message.HasField("chunk_size") else None,
     )
 
 
