@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from kvxfer._exceptions import InvalidInputError, LayoutError
 from kvxfer.core.buffers import BoundBuffer, BufferHandle
 from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind
-from kvxfer.core.planner import needed_blocks
+from kvxfer.core.planner import group_blocks
 from kvxfer.core.requests import EngineEvent
 from kvxfer.dataplane.memory import MappedBuffer
 from kvxfer.server.callers import Caller, ProcessWatch
@@ -119,8 +119,8 @@ def check_spans_cover(layout: EngineLayout, num_tokens: int, spans: tuple[BlockS
         )
     by_group = {span.group_id: (i, span) for i, span in enumerate(spans)}
     for group in layout.groups:
-        kind, window = group.kind, group.sliding_window
-        blocks = needed_blocks(kind, window, num_tokens, 0, layout.block_size)
+        kind = group.kind
+        blocks = group_blocks(group, num_tokens, 0, layout.block_size_of(group))
         if not blocks:
             continue
         last = blocks.stop - 1

@@ -7,15 +7,16 @@ import dataclasses
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from oracle import oracle_blocks, oracle_valid_tokens
 
-from kvxfer._exceptions import NegotiationError, PlanError
-from kvxfer.core.layout import EngineLayout, GroupId, GroupKind, KVGroup, TensorSpec
+from kvxfer._exceptions import InvalidInputError, NegotiationError, PlanError
+from kvxfer.core.layout import BlockSpan, EngineLayout, GroupId, GroupKind, KVGroup, TensorSpec
 from kvxfer.core.negotiation import negotiate
 from kvxfer.core.planner import plan_blocks
 from kvxfer.core.recompute import valid_tokens
+from kvxfer.server.engines import check_spans_cover
 from kvxfer.wire.layout import layout_from_proto, layout_to_proto
 
 SIZES = (16, 32, 96, 128, 160, 1024)
@@ -76,6 +77,32 @@ def test_valid_tokens_with_own_block_sizes_matches_simulation(data: st.DataObjec
     assert got == oracle_valid_tokens(
         layout.groups, num_tokens, computed, layout.block_size, failed
     )
+
+
+@settings(max_examples=200)
+@given(st.data())
+def test_the_publish_check_sizes_each_group_by_its_own_block_size(data: st.DataObject) -> None:
+    """The sidecar accepts a publish whose spans hold exactly the oracle's blocks of each
+    group, and refuses one that stops a block short in any group that moves anything."""
+    layout = data.draw(mixed_layouts())
+    num_tokens = data.draw(st.integers(1, 3000))
+    needed = {g.group_id: oracle_blocks(g, num_tokens, 0, layout.block_size) for g in layout.groups}
+    spans = tuple(
+        BlockSpan(gid, min(blocks), tuple(range(max(blocks) - min(blocks) + 1)))
+        for gid, blocks in needed.items()
+        if blocks
+    )
+    assume(spans)  # nothing to move at all (a window of 1 at N = 1): no publish to check
+    check_spans_cover(layout, num_tokens, spans)
+    short = data.draw(st.sampled_from(spans))
+    if len(short.block_ids) == 1:  # the one block it needs, moved one block on
+        short = dataclasses.replace(short, first_block=short.first_block + 1)
+    else:  # the last block dropped
+        short = dataclasses.replace(short, block_ids=short.block_ids[:-1])
+    with pytest.raises(InvalidInputError):
+        check_spans_cover(
+            layout, num_tokens, tuple(short if s.group_id == short.group_id else s for s in spans)
+        )
 
 
 def test_a_state_group_of_1024_tokens_beside_160_token_attention() -> None:

@@ -123,8 +123,8 @@ def test_chunk_size_difference_is_named() -> None:
 
 
 def test_chunked_groups_are_refused_as_not_yet_transferable() -> None:
-    """The planner plans chunked_local exactly, but the sidecar's publish check cannot size
-    it yet: negotiation refuses it by name, even between identical layouts."""
+    """The planner plans chunked_local exactly, but no pull of one has run end to end yet:
+    negotiation refuses it by name, even between identical layouts."""
     layout = layout_for_model(LLAMA4)
     with pytest.raises(NegotiationError) as info:
         negotiate(layout, layout_for_model(LLAMA4))

@@ -10,8 +10,10 @@ mismatch, not something to drop.
 
 Not supported yet, and refused with a message that says so: different block
 sizes, different tensor-parallel sizes, MLA (refused earlier, by the profiles),
-and pulling chunked_local groups (`NOT_YET_TRANSFERABLE`: the planner and the
-CLI plan them exactly, but the sidecar's publish check does not size them yet).
+and pulling chunked_local groups (`NOT_YET_TRANSFERABLE`: the planner, the CLI
+and the sidecar's publish check size them exactly, but no pull of one has run
+end to end yet: the simulated engine has no chunked pool and the vLLM
+integration does not map vLLM's ChunkedLocalAttentionSpec).
 """
 
 from __future__ import annotations
@@ -24,13 +26,11 @@ from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup
 PROTOCOL_VERSION = 1
 SUPPORTED_PROTOCOLS = frozenset({1})
 
-# Group kinds the planner handles but the sidecar cannot pull end to end yet, and why.
-# server/engines.py check_spans_cover sizes a published request with needed_blocks(kind,
-# sliding_window, ...) and no chunk size, so a chunked_local request cannot be published.
+# Group kinds the planner handles but no pull has moved end to end yet, and why.
 NOT_YET_TRANSFERABLE: dict[GroupKind, str] = {
     GroupKind.CHUNKED_LOCAL: (
         "chunked_local groups are planned exactly but not yet transferable by the sidecar "
-        "(its publish check does not read the chunk size)"
+        "(no pull of one has been tested end to end)"
     ),
 }
 
