@@ -1,0 +1,196 @@
+"""What an operator deploys: the image's install steps, its defaults, the monitoring
+bundle and the generated settings reference (docs/deploy.md).
+
+No Docker daemon exists here, so the image is tested through its one build step,
+`deploy/image/install.sh`, run in a fresh venv: a real sidecar starts from that venv,
+a real engine registers NIXL memory with it, the image's health probe asks it over
+gRPC, and promtool checks a real scrape. The static checks (hadolint, checkov,
+kubernetes-validate, promtool test rules) run in `make deploy-check`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import shutil
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from kvxfer._exceptions import InvalidInputError
+from kvxfer.cli.fleet import Proc, spawn
+from kvxfer.server.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGE = ROOT / "deploy" / "image"
+# What the lean venv may hold at most (measured 245 MB: docs/deploy.md). A torch
+# or CUDA wheel sneaking in would add gigabytes.
+MAX_IMAGE_VENV_MB = 300
+FORBIDDEN = {"torch", "triton", "cupy-cuda12x"}
+
+
+def tool(name: str) -> str:
+    """A CI tool that must be present: missing, the test fails (never skips)."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} not found on PATH: install it (.ci/run does: {name} is required)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def image_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    venv = tmp_path_factory.mktemp("image") / "venv"
+    done = subprocess.run(
+        [str(IMAGE / "install.sh"), str(venv), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return venv
+
+
+def site_packages(venv: Path) -> Path:
+    (site,) = venv.glob("lib/python*/site-packages")
+    return site
+
+
+def du_mb(path: Path) -> float:
+    return sum(f.lstat().st_size for f in path.rglob("*") if not f.is_symlink()) / 1e6
+
+
+def test_image_venv_is_lean_and_complete(image_venv: Path) -> None:
+    dists = {
+        canonicalize_name(d.metadata["Name"]): d
+        for d in importlib.metadata.distributions(path=[str(site_packages(image_venv))])
+    }
+    assert "kvxfer" in dists
+    assert not FORBIDDEN & dists.keys()
+    assert not [n for n in dists if n.startswith("nvidia-")]
+    # Every dependency is installed (install.sh uses --no-deps), except the torch that
+    # nixl-cu12 declares and the sidecar never imports.
+    missing = []
+    for name, dist in dists.items():
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            if canonicalize_name(req.name) not in dists and (name, req.name) != (
+                "nixl-cu12",
+                "torch",
+            ):
+                missing.append(f"{name} -> {text}")
+    assert missing == []
+    size = du_mb(image_venv)
+    print(f"image venv: {size:.0f} MB")
+    assert size < MAX_IMAGE_VENV_MB
+
+
+@pytest.fixture
+def lean_sidecar(image_venv: Path, tmp_path: Path) -> Iterator[Proc]:
+    argv = [
+        str(image_venv / "bin" / "kvxfer-server"),
+        "--peer-address", "127.0.0.1:0",
+        "--engine-address", f"unix:{tmp_path}/engine.sock",
+        "--metrics-address", "127.0.0.1:0",
+    ]  # fmt: skip
+    proc = spawn("sidecar from the image venv", argv, tmp_path / "sidecar.log")
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0, (tmp_path / "sidecar.log").read_text()[-2000:]
+
+
+def health(venv: Path, address: str, service: str) -> subprocess.CompletedProcess[str]:
+    argv = [str(venv / "bin" / "python"), str(IMAGE / "kvxfer-health"), address]
+    return subprocess.run(
+        [*argv, "--service", service], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_image_venv_runs_a_sidecar_its_probe_and_promtool_accept(
+    image_venv: Path, lean_sidecar: Proc, tmp_path: Path
+) -> None:
+    engine = lean_sidecar.ready["engine_address"]
+    ok = health(image_venv, engine, "kvxfer.v1.EngineService")
+    assert ok.returncode == 0, ok.stderr
+    assert "SERVING" in ok.stdout
+    unknown = health(image_venv, engine, "kvxfer.v1.NoSuchService")
+    assert unknown.returncode == 1
+    assert "NOT_FOUND" in unknown.stderr
+    gone = health(image_venv, f"unix:{tmp_path}/nobody.sock", "")
+    assert gone.returncode == 1
+    assert "UNAVAILABLE" in gone.stderr
+
+    # A real engine (numpy + shared memory, no torch) registers NIXL memory.
+    sim = [
+        str(image_venv / "bin" / "kvxfer-cli"), "engine-sim", "--sidecar", engine,
+        "--model", "llama-3.1-8b", "--role", "prefill", "--num-blocks", "8",
+        "--state-blocks", "4",
+    ]  # fmt: skip
+    engine_proc = spawn("engine-sim from the image venv", sim, tmp_path / "engine.log")
+    try:
+        address = lean_sidecar.ready["metrics_address"]
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+            scrape = response.read().decode()
+    finally:
+        assert engine_proc.stop() == 0, (tmp_path / "engine.log").read_text()[-2000:]
+    assert re.search(r"^kvxfer_registered_engines 1\.0$", scrape, re.M)
+    check = subprocess.run(
+        [tool("promtool"), "check", "metrics"],
+        input=scrape,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def dockerfile_env() -> dict[str, str]:
+    """The runtime stage's ENV, as the container sees it."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    runtime = text.rsplit("\nFROM ", 1)[1]
+    env: dict[str, str] = {}
+    for line in runtime.splitlines():
+        if line.startswith("ENV "):
+            env.update(re.findall(r"(\w+)=(\S+)", line))
+    return env
+
+
+def test_image_defaults_need_tls_and_never_bind_the_peer_port_wide(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    env = {k: v for k, v in dockerfile_env().items() if k.startswith("KVXFER_")}
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    sock_dir = str(Path(env["KVXFER_ENGINE_ADDRESS"].removeprefix("unix:")).parent)
+    assert f"-o 10001 -g 10001 -m 0700 {sock_dir}\n" in dockerfile  # created, owned
+    assert re.search(r"^CMD \[\]$", dockerfile, re.M)  # no flag overrides the env
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    # Without the mounted certificates the sidecar refuses to start, naming the file.
+    with pytest.raises(InvalidInputError, match="cert_file"):
+        load_settings([])
+    for key in ("KVXFER_TLS__CERT_FILE", "KVXFER_TLS__KEY_FILE", "KVXFER_TLS__CA_FILE"):
+        path = tmp_path / Path(env[key]).name
+        path.write_text("PEM")
+        monkeypatch.setenv(key, str(path))
+    settings = load_settings([])
+    assert settings.peer_address == "127.0.0.1:7500"  # never 0.0.0.0 by default
+    assert settings.tls.enabled
+    monkeypatch.setenv("KVXFER_PEER_ADDRESS", "10.1.2.3:7500")  # as $(POD_IP):7500
+    assert load_settings([]).peer_address == "10.1.2.3:7500"
+
+
+def test_health_probe_refuses_bad_arguments() -> None:
+    probe = [sys.executable, str(IMAGE / "kvxfer-health"), "unix:/x.sock", "--timeout", "0"]
+    done = subprocess.run(probe, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "--timeout" in done.stderr
