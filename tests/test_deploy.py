@@ -25,6 +25,9 @@ from packaging.utils import canonicalize_name
 
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.cli.fleet import Proc, spawn
+from kvxfer.core.requests import PullStatus
+from kvxfer.dataplane.adapter import TransferStatus
+from kvxfer.server.metrics import Metrics
 from kvxfer.server.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,3 +197,36 @@ def test_health_probe_refuses_bad_arguments() -> None:
     done = subprocess.run(probe, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2
     assert "--timeout" in done.stderr
+
+
+MONITORING = ROOT / "deploy" / "monitoring"
+
+
+def exported_series() -> set[str]:
+    """Every series name the sidecar's registry can export (server/metrics.py)."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    names = set()
+    for family in Metrics().registry.collect():
+        names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+    return names
+
+
+@pytest.mark.parametrize("path", ["prometheusrule.yaml", "grafana-dashboard.json"])
+def test_monitoring_queries_use_metrics_and_labels_the_sidecar_exports(path: str) -> None:
+    text = (MONITORING / path).read_text()
+    used = set(re.findall(r"\bkvxfer_[a-z_]+", text))
+    assert used, path
+    assert used - exported_series() == set()
+    results = {s.value for s in PullStatus} | {s.value for s in TransferStatus}
+    results |= {"ok", "refused", "error"}  # handshakes (server/peers.py)
+    for values in re.findall(r'result[!=]~?\\?"([^"\\]+)', text):
+        assert set(values.split("|")) <= results, values
+
+
+def test_alerts_cover_what_operators_must_hear_about() -> None:
+    text = (MONITORING / "prometheusrule.yaml").read_text()
+    alerts = set(re.findall(r"- alert: (\w+)", text))
+    wanted = {"TransferFailures", "LeaseExpiries", "StalledPulls", "HandshakesRefused", "NoPeers"}
+    assert {f"Kvxfer{a}" for a in wanted} <= alerts
+    tests = (MONITORING / "rules-test.yaml").read_text()
+    assert alerts <= set(re.findall(r"alertname: (\w+)", tests))  # each one unit-tested
