@@ -11,6 +11,7 @@ kubernetes-validate, promtool test rules) run in `make deploy-check`.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from packaging.requirements import Requirement
@@ -28,10 +30,11 @@ from kvxfer.cli.fleet import Proc, spawn
 from kvxfer.core.requests import PullStatus
 from kvxfer.dataplane.adapter import TransferStatus
 from kvxfer.server.metrics import Metrics
-from kvxfer.server.settings import load_settings
+from kvxfer.server.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = ROOT / "deploy" / "image"
+GEN_CONFIG_DOCS = ROOT / "scripts" / "gen_config_docs.py"
 # What the lean venv may hold at most (measured 245 MB: docs/deploy.md). A torch
 # or CUDA wheel sneaking in would add gigabytes.
 MAX_IMAGE_VENV_MB = 300
@@ -230,3 +233,41 @@ def test_alerts_cover_what_operators_must_hear_about() -> None:
     assert {f"Kvxfer{a}" for a in wanted} <= alerts
     tests = (MONITORING / "rules-test.yaml").read_text()
     assert alerts <= set(re.findall(r"alertname: (\w+)", tests))  # each one unit-tested
+
+
+def config_docs() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gen_config_docs", GEN_CONFIG_DOCS)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass resolves annotations there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_configuration_reference_is_current_and_complete() -> None:
+    gen = config_docs()
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == gen.render(), "run: python scripts/gen_config_docs.py"
+    rows = list(gen.rows(Settings))
+    assert len(rows) > 30
+    for row in rows:
+        assert row.description, f"{row.flag}: add a Field description in server/settings.py"
+        assert f"| `{row.flag}` | `{row.env}` |" in committed
+
+
+def test_configuration_reference_names_what_the_sidecar_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each numeric setting's documented flag and variable reach that very field: a bad
+    value given either way is refused naming it (a wrong name would be ignored or
+    refused as unknown)."""
+    numeric = [r for r in config_docs().rows(Settings) if r.type in {"integer", "number"}]
+    assert len(numeric) > 20
+    for row in numeric:
+        field = ".".join(row.path)
+        with pytest.raises(InvalidInputError, match=re.escape(field)):
+            load_settings([f"{row.flag}=x"])
+        with monkeypatch.context() as env:
+            env.setenv(row.env, "x")
+            with pytest.raises(InvalidInputError, match=re.escape(field)):
+                load_settings([])
