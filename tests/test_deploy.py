@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -20,8 +21,10 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -31,6 +34,7 @@ from kvxfer.core.requests import PullStatus
 from kvxfer.dataplane.adapter import TransferStatus
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.settings import Settings, load_settings
+from kvxfer.v1 import sidecar_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = ROOT / "deploy" / "image"
@@ -271,3 +275,81 @@ def test_configuration_reference_names_what_the_sidecar_reads(
             env.setenv(row.env, "x")
             with pytest.raises(InvalidInputError, match=re.escape(field)):
                 load_settings([])
+
+
+KUBE = ROOT / "deploy" / "kubernetes"
+POD = {"POD_IP": "10.1.2.3", "POD_NAMESPACE": "kvxfer"}
+
+
+def statefulset(role: str) -> dict[str, Any]:
+    (found,) = [
+        doc
+        for doc in yaml.safe_load_all((KUBE / "base" / f"{role}.yaml").read_text())
+        if doc["kind"] == "StatefulSet"
+    ]
+    return found  # type: ignore[no-any-return]
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion of env values and args."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], value)
+
+
+@pytest.mark.parametrize(("role", "other"), [("prefill", "decode"), ("decode", "prefill")])
+def test_manifests_configure_a_sidecar_the_server_accepts(
+    role: str, other: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pod = statefulset(role)["spec"]["template"]["spec"]
+    (sidecar,) = pod["initContainers"]
+    (engine,) = pod["containers"]
+    assert sidecar["restartPolicy"] == "Always"  # a native sidecar
+    assert pod["securityContext"]["runAsUser"] == 10001  # the image's USER
+    assert re.search(r"^USER 10001:10001$", (ROOT / "Dockerfile").read_text(), re.M)
+    env = dict(dockerfile_env()) | POD | {"POD_NAME": f"{role}-0"}
+    for item in sidecar["env"]:
+        if "value" in item:
+            env[item["name"]] = expand(item["value"], env)
+    certs = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
+    assert certs["tls"] == str(Path(env["KVXFER_TLS__CERT_FILE"]).parent)
+    for key in ("KVXFER_TLS__CERT_FILE", "KVXFER_TLS__KEY_FILE", "KVXFER_TLS__CA_FILE"):
+        env[key] = str(tmp_path / Path(env[key]).name)
+        Path(env[key]).write_text("PEM")
+    for key, value in env.items():
+        if key.startswith("KVXFER_"):
+            monkeypatch.setenv(key, value)
+    settings = load_settings([])
+    assert settings.peer_address == "10.1.2.3:7500"  # the pod IP, never 0.0.0.0
+    advertised = f"{role}-0.kvxfer-{role}.kvxfer.svc.cluster.local:7500"
+    assert settings.advertise_address == advertised
+    assert settings.tls.allowed_peers == (f"kvxfer-{other}",)
+
+    # The certificates cover the advertised name and carry the CN the other role allows.
+    certs_doc = yaml.safe_load_all((KUBE / "cert-manager" / "certificates.yaml").read_text())
+    (cert,) = [
+        d["spec"]
+        for d in certs_doc
+        if d["kind"] == "Certificate" and d["metadata"]["name"] == f"kvxfer-{role}"
+    ]
+    assert cert["commonName"] == f"kvxfer-{role}"
+    other_env = statefulset(other)["spec"]["template"]["spec"]["initContainers"][0]["env"]
+    assert {"name": "KVXFER_TLS__ALLOWED_PEERS", "value": f'["kvxfer-{role}"]'} in other_env
+    assert {"server auth", "client auth"} <= set(cert["usages"])
+    (wildcard,) = cert["dnsNames"]
+    assert advertised.rsplit(":", 1)[0].split(".", 1)[1] == wildcard.removeprefix("*.")
+    (tls_volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    assert tls_volume["secret"]["secretName"] == cert["secretName"]
+
+    # The engine reaches the same socket, through the same volume.
+    kv = json.loads(next(e["value"] for e in engine["env"] if e["name"] == "KV_TRANSFER_CONFIG"))
+    assert kv["kv_connector_extra_config"]["sidecar"] == settings.engine_address
+    assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    run = str(Path(settings.engine_address.removeprefix("unix:")).parent)
+    for container in (sidecar, engine):
+        assert {"name": "kvxfer-run", "mountPath": run} in container["volumeMounts"]
+        assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    # Probes ask for services the sidecar serves.
+    services = set(sidecar_pb2.DESCRIPTOR.services_by_name)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = sidecar[probe]["exec"]["command"]
+        assert command[0] == "kvxfer-health"
+        assert command[command.index("--service") + 1].removeprefix("kvxfer.v1.") in services
