@@ -103,6 +103,28 @@ def test_image_venv_is_lean_and_complete(image_venv: Path) -> None:
     assert size < MAX_IMAGE_VENV_MB
 
 
+# What the compiled libraries in the image venv may take from the system: all of it is
+# in python:3.11.14-slim-bookworm (apt itself depends on libstdc++6; python on libssl3).
+SLIM_BASE_LIBS = {
+    "libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1",
+    "libgcc_s.so.1", "libstdc++.so.6", "libz.so.1", "libssl.so.3", "libcrypto.so.3",
+}  # fmt: skip
+
+
+def test_image_venv_needs_only_what_the_slim_base_has(image_venv: Path) -> None:
+    site = site_packages(image_venv)
+    system: set[str] = set()
+    for lib in [*site.glob("nixl_cu12/*.so"), *site.glob("nixl_cu12.libs/*.so*")]:
+        out = subprocess.run(["ldd", str(lib)], capture_output=True, text=True, check=True)
+        for line in out.stdout.splitlines():
+            name, _, where = line.strip().partition(" => ")
+            assert "not found" not in where, f"{lib.name}: {line.strip()}"
+            if where and str(site) not in str(Path(where.split()[0]).resolve()):
+                system.add(name)
+    assert "libstdc++.so.6" in system  # found at all
+    assert system <= SLIM_BASE_LIBS
+
+
 @pytest.fixture
 def lean_sidecar(image_venv: Path, tmp_path: Path) -> Iterator[Proc]:
     argv = [
