@@ -39,7 +39,7 @@ from kvxfer.v1 import sidecar_pb2
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = ROOT / "deploy" / "image"
 GEN_CONFIG_DOCS = ROOT / "scripts" / "gen_config_docs.py"
-# What the lean venv may hold at most (measured 245 MB: docs/deploy.md). A torch
+# What the lean venv may hold at most (measured 249 MB: docs/deploy.md). A torch
 # or CUDA wheel sneaking in would add gigabytes.
 MAX_IMAGE_VENV_MB = 300
 FORBIDDEN = {"torch", "triton", "cupy-cuda12x"}
