@@ -1,8 +1,9 @@
 # kvxfer developer commands. Each target creates or updates .venv as needed.
 #   make demo    the main job (README): real vLLM P/D through the sidecars
 #   make demo-sim  the same lifecycle between simulated engines
-#   make test    every check: ruff, mypy --strict, import-linter, pytest (README, CI)
+#   make test    every check: ruff, mypy --strict, import-linter, deploy-check, pytest (README, CI)
 #   make vllm-venv  .venv-vllm: real vLLM on CPU with kvxfer (tests/test_vllm_*.py)
+#   make deploy-check  hadolint, checkov, kubernetes-validate, promtool on deploy/ (docs/deploy.md)
 #
 # The package is installed into .venv non-editably, as a user gets it: server/
 # and client/ only exist as kvxfer.server / kvxfer.client after installation,
@@ -16,7 +17,8 @@ DEPS := $(VENV)/.deps-stamp
 # `import kvxfer` means the installed package.
 NEUTRAL := $(VENV)
 
-.PHONY: demo demo-sim test check install lint typecheck imports pytest proto clean vllm-venv vllm-install
+.PHONY: demo demo-sim test check install lint typecheck imports pytest proto clean vllm-venv vllm-install \
+	deploy-tools deploy-check
 
 # Real vLLM (CPU build) lives in its own venv: it pins torch 2.13.0+cpu and
 # setuptools 78.1.1, and numba caps numpy, so it cannot share .venv's pins.
@@ -44,6 +46,22 @@ $(VLLM_DEPS): pyproject.toml constraints-vllm.txt
 	touch $@
 
 vllm-venv: $(VLLM_DEPS)
+
+# Linters and validators for the image, manifests and monitoring bundle
+# (deploy/check.sh); kubectl and promtool come from the system.
+DEPLOY_VENV ?= .venv-deploy
+DEPLOY_DEPS := $(DEPLOY_VENV)/.deps-stamp
+
+$(DEPLOY_DEPS): deploy/tools-requirements.txt
+	$(PYTHON) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DEPLOY_VENV)/bin/python -m pip install -q -r deploy/tools-requirements.txt
+	touch $@
+
+deploy-tools: $(DEPLOY_DEPS)
+
+deploy-check: $(DEPLOY_DEPS)
+	deploy/check.sh $(DEPLOY_VENV)/bin
 
 # kvxfer itself, re-installed (no deps) on every run, as `install` does for .venv.
 vllm-install: $(VLLM_DEPS)
@@ -78,7 +96,7 @@ imports: install
 pytest: install vllm-install
 	$(BIN)/pytest
 
-test: lint typecheck imports pytest
+test: lint typecheck imports deploy-check pytest
 
 check: test
 
@@ -86,4 +104,4 @@ proto: $(DEPS)
 	PYTHON=$(BIN)/python scripts/gen_proto.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(DEPLOY_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

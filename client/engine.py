@@ -6,6 +6,11 @@ deadline, and failed RPCs raise the kvxfer error their status stands for
 (`NegotiationError` with its mismatches, `PeerUnavailableError` naming the
 address, ...).
 
+The first call waits for the sidecar: for a unix socket, until its file appears
+(a sidecar and an engine started together, e.g. in one pod), then until the
+channel connects, for at most `connect_timeout_s` (default 10 s) in all; after
+that `PeerUnavailableError` names the path or address.
+
     async with EngineClient("unix:/tmp/kvxfer-engine.sock") as client:
         await client.register(cache.layout, cache.buffers, name="prefill-0")
         params = await client.publish("req-1", num_tokens, spans)
@@ -26,7 +31,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from kvxfer._exceptions import InvalidInputError, KvxferError
+from kvxfer._exceptions import InvalidInputError, KvxferError, PeerUnavailableError
 from kvxfer.core.buffers import BufferHandle
 from kvxfer.core.layout import BlockSpan, EngineLayout
 from kvxfer.core.requests import EngineEvent, PullAccepted, TransferParams, check_address
@@ -43,6 +48,8 @@ from kvxfer.wire.sidecar import (
 
 T = TypeVar("T")
 MAX_MESSAGE_BYTES = 64 << 20
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+_SOCKET_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -53,10 +60,23 @@ class Registration:
 
 
 class EngineClient:
-    def __init__(self, address: str, *, engine_id: str = "", timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        engine_id: str = "",
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    ) -> None:
         self.address = check_address(address, "sidecar address", allow_unix=True)
+        if not connect_timeout_s > 0:
+            raise InvalidInputError(
+                "connect_timeout_s", f"must be positive, got {connect_timeout_s}"
+            )
         self.engine_id = engine_id
         self._timeout_s = timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._connected = False
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -78,7 +98,33 @@ class EngineClient:
     async def close(self) -> None:
         await self._channel.close()
 
+    async def connect(self) -> None:
+        """Wait until the sidecar accepts connections (every call does this first)."""
+        if self._connected:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._connect_timeout_s
+        if self.address.startswith("unix:"):
+            path = self.address.removeprefix("unix:").removeprefix("//")
+            while not os.path.exists(path):
+                if loop.time() >= deadline:
+                    raise PeerUnavailableError(
+                        f"sidecar socket {path} did not appear within "
+                        f"{self._connect_timeout_s:g}s: is kvxfer-server running with "
+                        f"--engine-address unix:{path}?"
+                    )
+                await asyncio.sleep(_SOCKET_POLL_S)
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), deadline - loop.time())
+        except TimeoutError:
+            raise PeerUnavailableError(
+                f"sidecar at {self.address} did not accept a connection within "
+                f"{self._connect_timeout_s:g}s"
+            ) from None
+        self._connected = True
+
     async def _call(self, what: str, rpc: Callable[[], Awaitable[T]]) -> T:
+        await self.connect()
         return await guarded(f"{what} at sidecar {self.address}", rpc)
 
     def _engine(self) -> str:
@@ -144,6 +190,7 @@ class EngineClient:
 
     async def events(self) -> AsyncIterator[EngineEvent]:
         """This engine's events, as they happen, until the sidecar ends the stream."""
+        await self.connect()
         call = self._stub.WatchEvents(pb.WatchEventsRequest(engine_id=self._engine()))
         try:
             async for message in call:
@@ -165,14 +212,27 @@ class EngineClient:
 class SyncEngineClient:
     """`EngineClient` for threads: each call blocks until done (or its deadline)."""
 
-    def __init__(self, address: str, *, engine_id: str = "", timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        engine_id: str = "",
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self._timeout_s = timeout_s
+        # A call may first wait for the sidecar to come up.
+        self._timeout_s = timeout_s + connect_timeout_s
 
         async def make() -> EngineClient:
-            return EngineClient(address, engine_id=engine_id, timeout_s=timeout_s)
+            return EngineClient(
+                address,
+                engine_id=engine_id,
+                timeout_s=timeout_s,
+                connect_timeout_s=connect_timeout_s,
+            )
 
         self._client = self._run(make())
 
@@ -187,6 +247,9 @@ class SyncEngineClient:
     @property
     def engine_id(self) -> str:
         return self._client.engine_id
+
+    def connect(self) -> None:
+        self._run(self._client.connect())
 
     def register(
         self, layout: EngineLayout, buffers: Sequence[BufferHandle], name: str = ""
