@@ -9,6 +9,7 @@ so log lines can never corrupt the protocol.
 
 Requests (one JSON object per line on stdin):
   {"op": "generate", "prompts": [[ids]], "max_tokens": N, "kv_transfer_params": [obj|null]}
+  {"op": "reset_prefix_cache"}   (drop the engine's own prefix cache; connectors keep theirs)
   {"op": "quit"}
 Replies: {"ok": true, ...} or {"ok": false, "error": "..."}; the first line is
 {"ok": true, "ready": true, ...} once the engine has loaded.
@@ -144,9 +145,15 @@ def main() -> None:
         if request.get("op") == "quit":
             break
         try:
-            if request.get("op") != "generate":
-                raise ValueError(f"op {request.get('op')!r} unknown; expected generate or quit")
-            reply = _generate(llm, request)
+            if request.get("op") == "reset_prefix_cache":
+                reply = {"ok": True, "reset": bool(llm.reset_prefix_cache())}
+            elif request.get("op") == "generate":
+                reply = _generate(llm, request)
+            else:
+                raise ValueError(
+                    f"op {request.get('op')!r} unknown; expected generate, reset_prefix_cache "
+                    "or quit"
+                )
         except Exception as exc:  # any failure goes back to the driver, which raises it
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         replies.write(json.dumps(reply) + "\n")
