@@ -63,9 +63,7 @@ class HostCopyWorker(OffloadingWorker):
     ) -> bool:
         return self._copy(job_id, src_spec, dst_spec, to_pool=True)
 
-    def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec
-    ) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         return self._copy(job_id, dst_spec, src_spec, to_pool=False)
 
     def _copy(

@@ -145,6 +145,7 @@ def main() -> None:
         if request.get("op") == "quit":
             break
         try:
+            reply: dict[str, Any]
             if request.get("op") == "reset_prefix_cache":
                 reply = {"ok": True, "reset": bool(llm.reset_prefix_cache())}
             elif request.get("op") == "generate":
