@@ -3,19 +3,20 @@
 `run_composed_pd` runs a prefill and a decode vLLM whose kv_transfer_config is
 `MultiConnector([kvxfer, OffloadingConnector])` (or the reverse order), both
 with prefix caching on (the offloading connector keys its cache by block
-hash), and checks three things a dead or misrouted child would break:
+hash), and records what a dead or misrouted child would change:
 
-1. P/D: each prompt routed prefill -> decode decodes the single-instance
-   reference's tokens; kvxfer's pulls are recorded (stats file) so a caller
-   compares their bytes with the token oracle's exact minimum.
-2. The offloading child works: the prefill's first pass stores blocks
-   (`vllm:kv_offload_store_bytes`); after both engines drop their own prefix
-   cache, the same prompt routed again is served on the prefill from the
-   offloading child (`vllm:kv_offload_load_bytes` > 0), kvxfer publishes those
-   blocks, and the decode still matches the reference.
-3. Routing between the children: on the decode, kvxfer's remote tokens must
-   win over (kvxfer first) or give way to (offloading first) the offloading
-   child's hit; either way the output stays the reference's.
+1. Reference: the prefill engine generates every prompt on its own first (no
+   kv_transfer_params: a single-instance run, which also lets its offloading
+   child store the prompts' blocks).
+2. Both engines drop their own prefix cache (connectors keep theirs), then
+   each prompt is routed prefill -> decode: the prefill is served its prefix
+   by the offloading child (`vllm:kv_offload_load_bytes`), kvxfer publishes
+   those blocks and the decode pulls them (the decode's offloading child has
+   never seen these prompts): tokens must equal the reference's, and kvxfer's
+   pulls (stats file) are compared with the oracle by the caller.
+3. Caches dropped again, the first prompt is routed once more: on the decode
+   the first child with a hit loads it, kvxfer (a pull) or the offloading
+   child (its own copy, kvxfer only lets the prefill release).
 
 The offloading connector is vLLM's own with kvxfer's host-copy spec
 (`vllm_offload`): the in-tree specs need a GPU. Sidecars come from the caller
@@ -90,11 +91,6 @@ def run_composed_pd(
         raise InvalidInputError("prompts", "needs at least one prompt")
     python = vllm_fleet.find_vllm_python(python)
     workdir.mkdir(parents=True, exist_ok=True)
-    reference_spec = vllm_fleet.EngineSpec(
-        model, 1024, block_size, None, enable_prefix_caching=False
-    )
-    reference = vllm_fleet.reference_run(reference_spec, prompts, max_tokens, python, workdir)
-    want = [g.token_ids for g in reference.outputs]
     p = sidecars.sidecar(f"{workdir.name}-prefill")
     d = sidecars.sidecar(f"{workdir.name}-decode")
     stats = workdir / "decode-stats.jsonl"
@@ -105,12 +101,15 @@ def run_composed_pd(
     prefill = replace(prefill, enable_prefix_caching=True)
     decode = replace(decode, enable_prefix_caching=True)
     with vllm_fleet.PdPair(prefill, decode, python, workdir) as pair:
+        reference = pair.prefill.generate(prompts, max_tokens)
+        want = [g.token_ids for g in reference.outputs]
+        _reset_prefix_caches(pair)
         warm_up = len(stats.read_text().splitlines())
-        first = [_route(pair, prompt, max_tokens) for prompt in prompts]
+        routed = [_route(pair, prompt, max_tokens) for prompt in prompts]
         _reset_prefix_caches(pair)
         again = _route(pair, prompts[0], max_tokens)
     pulls = _pulls(stats, warm_up)
-    rows = [*first, again]
+    rows = [*routed, again]
     return {
         "model": str(model),
         "order": order,
@@ -118,8 +117,9 @@ def run_composed_pd(
         "decode_kv_transfer_config": decode_config,
         "requests": len(rows),
         "matched": sum(r["token_ids"] == w for r, w in zip(rows, [*want, want[0]], strict=True)),
-        "first_pass": first,
-        "offload_hit_pass": again,
+        "reference_store_bytes": reference.metrics_delta.get(STORE_BYTES, 0.0),
+        "routed": routed,
+        "repeat": again,
         "pulls": pulls,
         "bytes_moved": sum(x["bytes_moved"] for x in pulls),
         "layout": _layout(stats),
