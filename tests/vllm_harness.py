@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
+from oracle import oracle_blocks
 
+from kvxfer.core.layout import GroupId, GroupKind, KVGroup, TensorSpec
 from kvxfer.integrations import vllm_fleet
 from kvxfer.integrations.tiny_models import FAMILIES, VOCAB_SIZE
 
@@ -35,7 +39,7 @@ def vllm_python() -> Path:
     return python
 
 
-def write_models(root: Path) -> dict[str, Path]:
+def write_models(root: Path, families: Sequence[str] = FAMILIES) -> dict[str, Path]:
     """One tiny model per family, written through `kvxfer-cli tiny-model` from kvxfer's own
     venv (which has no transformers, so the command re-runs itself in .venv-vllm)."""
     cli = Path(sys.prefix) / "bin" / "kvxfer-cli"
@@ -47,15 +51,27 @@ def write_models(root: Path) -> dict[str, Path]:
             text=True,
             cwd=root,
         )
-        for family in FAMILIES
+        for family in families
     }
     for family, proc in procs.items():
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"tiny-model {family} failed:\n{out}"
-    return {family: root / family for family in FAMILIES}
+    return {family: root / family for family in families}
 
 
 def engine_spec(models: dict[str, Path], family: str, cpu: int | None) -> vllm_fleet.EngineSpec:
     return vllm_fleet.EngineSpec(
         models[family], MAX_MODEL_LEN, BLOCK_SIZE.get(family), None, cpu=cpu
     )
+
+
+def oracle_pull_bytes(layout: dict[str, Any], num_tokens: int, computed_tokens: int) -> int:
+    """The token oracle's exact minimum for one pull, from the layout the connector recorded
+    (`[kind, window, block size, bytes per block]` per group)."""
+    total = 0
+    for gid, (kind, window, size, nbytes) in enumerate(layout["groups"]):
+        group = KVGroup(
+            GroupId(gid), GroupKind(kind), window, (0,), (TensorSpec("t", 0, nbytes),), size
+        )
+        total += len(oracle_blocks(group, num_tokens, computed_tokens, size)) * nbytes
+    return total

