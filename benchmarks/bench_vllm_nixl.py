@@ -32,6 +32,7 @@ from typing import Any
 
 from kvxfer.integrations import vllm_fleet
 from kvxfer.integrations.tiny_models import FAMILIES, VOCAB_SIZE
+from kvxfer.integrations.vllm_demo import read_pulls
 
 REPO = Path(__file__).resolve().parents[1]
 CONNECTORS = ["nixl", "kvxfer", "kvxfer-faults"]
@@ -150,13 +151,11 @@ def _stats_lines(stats: Path | None) -> int:
 def _add_kvxfer_stats(rows: list[dict[str, Any]], stats: Path, skip: int) -> None:
     """kvxfer's bytes and transfer time per request: its connector's stats lines (one per
     finished pull, Pull call to PullDone as the decode worker sees it)."""
-    done = [json.loads(line) for line in stats.read_text().splitlines()[skip:]]
-    done = [fact for fact in done if "bytes_moved" in fact]
-    for row, fact in zip(rows, done, strict=True):
-        row["bytes_moved"] = fact["bytes_moved"]
-        row["transfer_time_s"] = fact["duration_s"]
-        row["pull_status"] = fact["status"]
-        row["failed_blocks"] = sum(len(blocks) for blocks in fact["failed_blocks"].values())
+    for row, pull in zip(rows, read_pulls(stats, skip), strict=True):
+        row["bytes_moved"] = pull["bytes_moved"]
+        row["transfer_time_s"] = pull["duration_s"]
+        row["pull_status"] = pull["status"]
+        row["failed_blocks"] = pull["failed"]
 
 
 def _summary(family: str, connector: str, block_size: int | None, rows: list[dict[str, Any]],

@@ -33,7 +33,7 @@ from typing import Any
 
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.integrations import vllm_fleet
-from kvxfer.integrations.vllm_demo import _layout, _pulls
+from kvxfer.integrations.vllm_demo import read_layout, read_pulls
 
 STORE_BYTES = "vllm:kv_offload_store_bytes"
 LOAD_BYTES = "vllm:kv_offload_load_bytes"
@@ -108,7 +108,7 @@ def run_composed_pd(
         routed = [_route(pair, prompt, max_tokens) for prompt in prompts]
         _reset_prefix_caches(pair)
         again = _route(pair, prompts[0], max_tokens)
-    pulls = _pulls(stats, warm_up)
+    pulls = read_pulls(stats, warm_up)
     rows = [*routed, again]
     return {
         "model": str(model),
@@ -122,16 +122,13 @@ def run_composed_pd(
         "repeat": again,
         "pulls": pulls,
         "bytes_moved": sum(x["bytes_moved"] for x in pulls),
-        "layout": _layout(stats),
+        "layout": read_layout(stats),
     }
 
 
 def _route(pair: vllm_fleet.PdPair, prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
     """One request prefill -> decode, with the offloading child's byte counters on both."""
-    first = pair.prefill.generate([prompt], 1, [{"do_remote_decode": True}])
-    params = first.outputs[0].kv_transfer_params
-    if params is None:
-        raise vllm_fleet.VllmWorkerError("prefill returned no kv_transfer_params")
+    params, first = pair.prefill_for_decode(prompt)
     second = pair.decode.generate([prompt], max_tokens, [params])
     out = second.outputs[0]
     return {

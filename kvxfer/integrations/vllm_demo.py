@@ -83,11 +83,10 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
     with vllm_fleet.PdPair(prefill, decode, python, workdir) as pair:
         warm_up = len(stats.read_text().splitlines())  # the pair's warm-up is not the demo's
         routed = [pair.route(prompt, options.max_tokens) for prompt in prompts]
-        donor = pair.prefill.generate([prompts[1]], 1, [{"do_remote_decode": True}])
-        fake = pair.decode.generate([control], options.max_tokens,
-                                    [donor.outputs[0].kv_transfer_params])  # fmt: skip
+        donor, _ = pair.prefill_for_decode(prompts[1])
+        fake = pair.decode.generate([control], options.max_tokens, [donor])
     n = len(prompts)
-    pulls = _pulls(stats, warm_up)
+    pulls = read_pulls(stats, warm_up)
     if len(pulls) != n + 1:  # the control's pull comes last
         raise vllm_fleet.VllmWorkerError(f"{len(pulls)} pulls recorded for {n} requests + 1")
     counted, control_pull = pulls[:n], pulls[n]
@@ -114,7 +113,7 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
         "bytes_full_attention": sum(x["full_attention_bytes"] for x in counted),
         "failed_blocks": sum(x["failed"] for x in counted),
         "recomputed_tokens": sum(x["num_tokens"] - x["valid_tokens"] for x in counted),
-        "layout": _layout(stats),
+        "layout": read_layout(stats),
         "per_request": per_request,
     }
 
@@ -160,9 +159,9 @@ def _reference(
     return [g.token_ids for g in reply.outputs], "vllm single instance"
 
 
-def _pulls(stats: Path, skip: int) -> list[dict[str, Any]]:
-    """Each finished pull after the first `skip` lines, in order, with what its Pull call
-    planned."""
+def read_pulls(stats: Path, skip: int) -> list[dict[str, Any]]:
+    """Each finished pull in a connector's stats file (extra config stats_path) after the
+    first `skip` lines, in order, with what its Pull call planned."""
     planned: dict[str, dict[str, Any]] = {}
     done = []
     for line in stats.read_text().splitlines()[skip:]:
@@ -179,7 +178,7 @@ def _pulls(stats: Path, skip: int) -> list[dict[str, Any]]:
     return done
 
 
-def _layout(stats: Path) -> dict[str, Any] | None:
+def read_layout(stats: Path) -> dict[str, Any] | None:
     for line in stats.read_text().splitlines():
         fact = json.loads(line)
         if "layout" in fact:

@@ -468,14 +468,20 @@ class PdPair:
                 if attempt == attempts:
                     raise
 
-    def route(self, prompt: Sequence[int], max_tokens: int) -> PdResult:
-        """Prefill (one token, KV kept for a remote decode), then decode from its KV."""
+    def prefill_for_decode(self, prompt: Sequence[int]) -> tuple[dict[str, Any], Reply]:
+        """The router's first step: prefill one token, KV kept for a remote decode. Returns
+        the kv_transfer_params to hand to the decode, and the prefill's reply."""
         first = self.prefill.generate([prompt], 1, [{"do_remote_decode": True}])
         params = first.outputs[0].kv_transfer_params
         if params is None:
             raise VllmWorkerError(
                 "prefill returned no kv_transfer_params: its connector did not publish the request"
             )
+        return params, first
+
+    def route(self, prompt: Sequence[int], max_tokens: int) -> PdResult:
+        """Prefill (one token, KV kept for a remote decode), then decode from its KV."""
+        params, first = self.prefill_for_decode(prompt)
         second = self.decode.generate([prompt], max_tokens, [params])
         out = second.outputs[0]
         if out.finish_reason != "length":
@@ -553,10 +559,7 @@ def measure_dead_prefill(
     (recomputed) with the reference's tokens, else what happened. After a request that
     does not answer within `timeout_s` the decode engine is stuck: the rest are not sent.
     Leaves the pair's prefill dead; run it last."""
-    params = [
-        pair.prefill.generate([p], 1, [{"do_remote_decode": True}]).outputs[0].kv_transfer_params
-        for p in prompts
-    ]
+    params = [pair.prefill_for_decode(p)[0] for p in prompts]
     pair.prefill.kill()
     rows: list[dict[str, Any]] = []
     stuck = False
