@@ -177,14 +177,14 @@ def _attention_config(model_type: str | None, **extra: object) -> dict[str, obje
     [
         # Families named in issue 12 whose published config.json is not stored in
         # tests/data/configs: their published keys, on a small attention config.
-        ("nemotron_h", {"hybrid_override_pattern": "M*M-"}, "hybrid_override_pattern", "hybrid"),
+        ("nemotron_h", {"block_configs": [{}] * 4}, "block_configs", "Puzzle"),
         ("", {"hybrid_layer_pattern": [0, 1, 1, 1]}, "hybrid_layer_pattern", "sliding/full"),
         ("glm4_moe", {"swa_num_key_value_heads": 8}, "swa_num_key_value_heads", "geometry"),
         ("deepseek_v4", {"compress_ratios": [0, 4, 128, 4]}, "compress_ratios", "compressed"),
         ("gemma4_text", {"num_kv_shared_layers": 2}, "num_kv_shared_layers", "KV sharing"),
         ("gemma4_text", {"global_head_dim": 512}, "global_head_dim", "head geometry"),
         ("gemma4_text", {"attention_k_eq_v": True}, "attention_k_eq_v", "values"),
-        ("qwen3_5_text", {"mamba_ssm_dtype": "float32"}, "mamba_ssm_dtype", "state dtype"),
+        ("qwen3", {"mamba_ssm_dtype": "float32"}, "mamba_ssm_dtype", "state dtype"),
         ("llama", {"mamba_ssm_cache_dtype": "float32"}, "mamba_ssm_cache_dtype", "state dtype"),
         ("llama", {"attention_chunk_size": 8192}, "attention_chunk_size", "chunked"),
         ("llama", {"sliding_window": 4096}, "sliding_window", "sliding_window"),
@@ -207,7 +207,12 @@ def _attention_config(model_type: str | None, **extra: object) -> dict[str, obje
             "layer_types[1]",
             "'mamba'",
         ),
-        ("minimax", {"layer_types": ["linear_attention"] * 4}, "layer_types", "lightning"),
+        (
+            "minimax",
+            {"layer_types": ["linear_attention"] * 4, "sliding_window": 64},
+            "sliding_window",
+            "sliding window",
+        ),
         ("my_ssm", {"ssm_state_size": 128}, "ssm_state_size", "state-space"),
         (None, {"conv_L_cache": 3}, "conv_L_cache", "convolution"),
         ("my_model", {"attention_head_dim": 160}, "attention_head_dim", "head dim"),
@@ -251,7 +256,7 @@ def test_linear_attention_is_gated_deltanet_only_for_qwen3_next() -> None:
     config = json.loads(
         (Path(__file__).parents[1] / "kvxfer/profiles/qwen3-next-80b-a3b.json").read_text()
     )
-    config["model_type"] = "qwen3_5_moe"
+    config["model_type"] = "some_linear_model"
     with pytest.raises(UnsupportedModelError, match="field"):
         layout_from_config(config, name="q")
     del config["layer_types"], config["model_type"]

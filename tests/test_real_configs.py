@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 from hypothesis import given, settings
@@ -106,6 +106,36 @@ SUPPORTED: dict[str, list[Expected]] = {
         Expected("sliding_window", 64, (0,), _kv(2, 16)),
         Expected("full_attention", None, (1,), _kv(2, 16)),
     ],
+    # State families (kvxfer/core/state_families.py), by vLLM's state shapes.
+    # Falcon-Mamba tiny: Mamba-1, intermediate 256; conv 3 rows, ssm x state_size 8.
+    "falcon-mamba-tiny-dev": [Expected("mamba", None, tuple(range(4)), (3 * 256 * 2, 256 * 8 * 2))],
+    # Granite-4.0-H-1B: Mamba-2 (2 x 2048, 1 group, d_state 128, 64 heads x 64); attention
+    # at 5, 15, 25, 35 with 8 KV heads of 2048 / 32.
+    "granite-4.0-h-1b": [
+        _mamba2(40, 4096, 1, 128, 64, 64)._replace(layers=_except(40, 10, 5)),
+        Expected("full_attention", None, _every(40, 10, 5), _kv(8, 2048 // 32)),
+    ],
+    # LFM2-350M: conv state (conv_L_cache 3 - 1) rows x conv_dim 1024; attention with
+    # 8 KV heads of 1024 / 16.
+    "lfm2-350m": [
+        Expected("mamba", None, (0, 1, 3, 4, 6, 7, 9, 11, 13, 15), (2 * 1024 * 2,)),
+        Expected("full_attention", None, (2, 5, 8, 10, 12, 14), _kv(8, 1024 // 16)),
+    ],
+    # MiniMax tiny: lightning state 8 heads x 64 x 64 on layers 0-6, full attention on 7.
+    "minimax-tiny-random": [
+        Expected("mamba", None, tuple(range(7)), (8 * 64 * 64 * 2,)),
+        Expected("full_attention", None, (7,), _kv(2, 64)),
+    ],
+    "minimax-m1-tiny-random": [
+        Expected("mamba", None, tuple(range(7)), (8 * 64 * 64 * 2,)),
+        Expected("full_attention", None, (7,), _kv(2, 64)),
+    ],
+    # Zamba2-2.7B: Mamba-2 in all 54 layers (2 x 2560, 1 group, d_state 64, 80 heads x 64);
+    # the 9 hybrid layers also hold their own KV: 32 heads (MHA) of attention_head_dim 160.
+    "zamba2-2.7b-instruct-v2": [
+        _mamba2(54, 5120, 1, 64, 80, 64),
+        Expected("full_attention", None, (6, 12, 18, 24, 30, 36, 42, 47, 51), _kv(32, 160)),
+    ],
     # Llama 4: every layer has RoPE (no_rope_layers all 1), so every layer is chunked.
     "llama4-text-formomouse": [
         Expected("chunked_local", None, tuple(range(28)), _kv(8, 128), chunk=8192)
@@ -114,43 +144,53 @@ SUPPORTED: dict[str, list[Expected]] = {
 
 # name -> (model_type, field named, words of the feature)
 REFUSED: dict[str, tuple[str, str, str]] = {
-    "zamba-7b-v1": ("zamba", "attn_layer_period", "Mamba/shared-attention hybrid"),
-    "zamba2-2.7b-instruct-v2": ("zamba2", "layers_block_type", "shared-attention-block hybrid"),
-    "falcon-mamba-tiny-dev": ("falcon_mamba", "state_size", "pure Mamba-1"),
-    "falcon-mamba-7b-instruct-4bit": ("mamba", "model_type", "pure Mamba-1"),
-    "minimax-text-01": ("minimax_text_01", "attn_type_list", "lightning"),
-    "minimax-m1-tiny-random": ("minimax_m1", "attn_type_list", "lightning"),
-    "minimax-tiny-random": ("minimax", "layer_types", "lightning"),
-    "lfm2-350m": ("lfm2", "layer_types", "short-convolution"),
-    "granite-4.0-h-1b": ("granitemoehybrid", "layer_types", "Granite-4.0 Mamba-2"),
-    "granite-4.0-micro": ("granitemoehybrid", "layer_types", "Granite-4.0 Mamba-2"),
+    "zamba-7b-v1": ("zamba", "attn_layer_period", "no vLLM model"),
     # transformers reads layer_types (all full), vLLM no_rope_layers (all RoPE: chunked)
     "mobilellm-r1-950m": ("llama4_text", "layer_types", "disagreeing with no_rope_layers"),
 }
 
 # Keys a stored page was cut before, restored by the test from the file itself:
 # MobileLLM-R1's layer_types and no_rope_layers both list its 22 layers.
-COMPLETED: dict[str, dict[str, int]] = {"mobilellm-r1-950m": {"num_hidden_layers": 22}}
+COMPLETED: dict[str, dict[str, int]] = {
+    "mobilellm-r1-950m": {"num_hidden_layers": 22},
+    # Zamba2-2.7B's page stops after n_mamba_heads: 54 = its layers_block_type's length,
+    # 32 = its attention_hidden_size 5120 / attention_head_dim 160.
+    "zamba2-2.7b-instruct-v2": {"num_hidden_layers": 54, "num_attention_heads": 32},
+}
+
+# Pages cut before a field the layout needs: refused by that field, never guessed.
+CUT: dict[str, str] = {
+    "falcon-mamba-7b-instruct-4bit": "state_size",
+    "minimax-text-01": "torch_dtype",
+    "granite-4.0-micro": "num_hidden_layers",
+}
 
 
 # State dtypes the files cannot give: one page was cut before its dtype, one test model
 # is stored in float32 (which engines serve in a 16-bit dtype of their choosing).
-STATE_DTYPE = {"falcon-h1-tiny-random": "bfloat16", "qwen3-next-tiny-test": "bfloat16"}
+STATE_DTYPE = {
+    "falcon-h1-tiny-random": "bfloat16",
+    "qwen3-next-tiny-test": "bfloat16",
+    "falcon-mamba-tiny-dev": "bfloat16",  # float32
+    "granite-4.0-h-1b": "bfloat16",  # float32
+    "minimax-m1-tiny-random": "bfloat16",  # float32
+    "zamba2-2.7b-instruct-v2": "bfloat16",  # cut before torch_dtype
+}
 
 
 def _path(name: str) -> str:
     return str(CONFIGS / f"{name}.json")
 
 
-def _layout(name: str, **kw: int) -> EngineLayout:
+def _layout(name: str, **kw: Any) -> EngineLayout:
     """The stored config with the keys its page was cut before (COMPLETED)."""
     config = json.loads(Path(_path(name)).read_text()) | COMPLETED.get(name, {})
-    return layout_from_config(config, name=name, **kw)  # type: ignore[arg-type]
+    return layout_from_config(config, name=name, **kw)
 
 
 def test_every_stored_config_is_tested_and_sourced() -> None:
     stored = {p.stem for p in CONFIGS.glob("*.json")}
-    assert stored == set(SUPPORTED) | set(REFUSED)
+    assert stored == set(SUPPORTED) | set(REFUSED) | set(CUT)
     assert len(stored) >= 25
     sources = (CONFIGS / "SOURCES.md").read_text()
     missing = sorted(name for name in stored if f"`{name}.json`" not in sources)
@@ -159,9 +199,7 @@ def test_every_stored_config_is_tested_and_sourced() -> None:
 
 @pytest.mark.parametrize("name", sorted(SUPPORTED))
 def test_supported_config_has_exact_groups_and_bytes(name: str) -> None:
-    layout = layout_for_model(
-        _path(name), block_size=16, kv_dtype="bfloat16", state_dtype=STATE_DTYPE.get(name)
-    )
+    layout = _layout(name, block_size=16, kv_dtype="bfloat16", state_dtype=STATE_DTYPE.get(name))
     got = [
         Expected(
             g.kind.value,
@@ -185,7 +223,7 @@ def test_supported_config_has_exact_groups_and_bytes(name: str) -> None:
 def test_supported_config_plans_match_the_token_oracle(
     name: str, block_size: int, data: st.DataObject
 ) -> None:
-    layout = layout_for_model(_path(name), block_size=block_size, state_dtype=STATE_DTYPE.get(name))
+    layout = _layout(name, block_size=block_size, state_dtype=STATE_DTYPE.get(name))
     num_tokens, computed = data.draw(requests(block_size))
     for plan in plan_blocks(layout, num_tokens, computed):
         expected = oracle_blocks(plan.group, num_tokens, computed, block_size)
@@ -216,12 +254,12 @@ def test_gemma2_long_prompt_moves_the_window_only_on_even_layers() -> None:
 
 def test_cli_refuses_a_real_config_in_one_line() -> None:
     cli = shutil.which("kvxfer-cli") or str(Path(sys.executable).parent / "kvxfer-cli")
-    args = [cli, "plan", "--model", _path("minimax-text-01"), "--tokens", "1000"]
+    args = [cli, "plan", "--model", _path("zamba-7b-v1"), "--tokens", "1000"]
     result = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
-        "kvxfer-cli: error: attn_type_list: model_type 'minimax_text_01': lightning (linear) "
-        "attention is not supported (field attn_type_list)"
+        "kvxfer-cli: error: attn_layer_period: model_type 'zamba': the Mamba/shared-attention "
+        "hybrid (no vLLM model to size it against) is not supported (field attn_layer_period)"
     ]
 
 
@@ -234,6 +272,13 @@ def test_state_without_a_known_dtype_is_refused_by_field(name: str, field: str) 
         layout_for_model(_path(name))
     assert info.value.field == field
     assert "state_dtype" in info.value.detail
+
+
+@pytest.mark.parametrize("name", sorted(CUT))
+def test_a_page_cut_before_a_needed_field_is_refused_by_it(name: str) -> None:
+    with pytest.raises(ProfileError) as info:
+        layout_for_model(_path(name))
+    assert info.value.field == CUT[name]
 
 
 def test_a_cut_page_is_refused_by_the_missing_field() -> None:

@@ -44,12 +44,83 @@ class Family:
     layer_kinds: frozenset[str] = frozenset({FULL, SLIDING})
     sliding: str = "layers"
     model_types: tuple[str, ...] = field(default=())
+    ssm_dtype_default: str | None = None  # ssm state dtype when the config declares none
 
 
 _ATTENTION = "attention"
 
 # Declared state dtypes: read by the families with state layers (profiles._StateDtypes).
 STATE_DTYPE_KEYS = ("mamba_ssm_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype")
+
+# Families whose layers hold recurrent state (Mamba-1/2, lightning attention, short
+# convolution) beside or instead of attention; read by kvxfer.core.state_families.
+STATE_FAMILIES: tuple[Family, ...] = (
+    Family(
+        "Mamba-1 (every layer a Mamba-1 state)",
+        "mamba1",
+        reads=frozenset({"state_size", "conv_kernel", "time_step_rank", *STATE_DTYPE_KEYS}),
+        model_types=("mamba", "falcon_mamba"),
+    ),
+    Family(
+        "Mamba-2 (every layer a Mamba-2 state)",
+        "mamba2",
+        reads=frozenset({"state_size", "conv_kernel", "time_step_rank", *STATE_DTYPE_KEYS}),
+        model_types=("mamba2",),
+    ),
+    Family(
+        "Nemotron-H (hybrid_override_pattern: M Mamba-2, * attention, - and E no cache)",
+        "nemotron_h",
+        reads=frozenset(
+            {
+                "hybrid_override_pattern",
+                "layers_block_type",
+                "attention_head_dim",
+                "conv_kernel",
+                "mamba_",
+                "ssm_",
+            }
+        ),
+        layer_kinds=frozenset({FULL, LINEAR, "mlp", "moe", "mamba", "attention"}),
+        model_types=("nemotron_h",),
+        ssm_dtype_default="float32",
+    ),
+    Family(
+        "Granite-4.0-H (layer_types: Mamba-2 or attention)",
+        "granite_hybrid",
+        reads=frozenset({"mamba_"}),
+        layer_kinds=frozenset({FULL, LINEAR, "mamba", "attention"}),
+        model_types=("granitemoehybrid",),
+    ),
+    Family(
+        "Bamba (attention at attn_layer_indices, Mamba-2 elsewhere)",
+        "bamba",
+        reads=frozenset({"attn_layer_indices", "mamba_"}),
+        model_types=("bamba",),
+    ),
+    Family(
+        "Zamba2 (Mamba-2 in every layer; hybrid layers add a shared attention block "
+        "with a KV cache of their own)",
+        "zamba2",
+        reads=frozenset(
+            {"layers_block_type", "attention_head_dim", "kv_channels", "num_query_groups", "mamba_"}
+        ),
+        model_types=("zamba2",),
+    ),
+    Family(
+        "MiniMax-Text-01 / M1 (lightning linear attention state, or full attention)",
+        "minimax",
+        reads=frozenset({"attn_type_list", "linear_attn_", *STATE_DTYPE_KEYS}),
+        layer_kinds=frozenset({FULL, LINEAR}),
+        model_types=("minimax_text_01", "minimax_m1", "minimax"),
+    ),
+    Family(
+        "LFM2 (layer_types: short convolution state or full attention)",
+        "lfm2",
+        reads=frozenset({"conv_", *STATE_DTYPE_KEYS}),
+        layer_kinds=frozenset({FULL, "conv"}),
+        model_types=("lfm2", "lfm2_moe"),
+    ),
+)
 
 SUPPORTED: tuple[Family, ...] = (
     Family("Llama", _ATTENTION, model_types=("llama",)),
@@ -75,11 +146,18 @@ SUPPORTED: tuple[Family, ...] = (
     ),
     Family("GPT-OSS", _ATTENTION, model_types=("gpt_oss",)),
     Family(
-        "Qwen3-Next (Gated DeltaNet linear attention + full attention)",
+        "Qwen3-Next, Qwen3.5 (Gated DeltaNet linear attention + full attention; "
+        "Qwen3.5's declared mamba_ssm_dtype)",
         "qwen3_next",
         reads=frozenset({"full_attention_interval", "linear_", *STATE_DTYPE_KEYS}),
         layer_kinds=frozenset({FULL, LINEAR}),
-        model_types=("qwen3_next",),
+        model_types=(
+            "qwen3_next",
+            "qwen3_5",
+            "qwen3_5_moe",
+            "qwen3_5_text",
+            "qwen3_5_moe_text",
+        ),
     ),
     Family(
         "Gemma-3n (layer_types; the last num_kv_shared_layers layers reuse earlier KV)",
@@ -113,36 +191,20 @@ SUPPORTED: tuple[Family, ...] = (
         reads=frozenset({"attn_layer_indices", "mamba_", "ssm_"}),
         model_types=("falcon_h1",),
     ),
+    *STATE_FAMILIES,
 )
 
 # Model types known to need a group kind kvxfer does not have yet: the
 # feature, and the fields that define it (the first one present is named).
 REFUSED: Mapping[str, tuple[str, tuple[str, ...]]] = {
-    "mamba": ("a pure Mamba-1 state-space model", ("state_size",)),
-    "falcon_mamba": ("a pure Mamba-1 state-space model", ("state_size",)),
-    "mamba2": ("a pure Mamba-2 state-space model", ("state_size", "n_groups")),
-    "nemotron_h": (
-        "the hybrid Mamba-2/attention layer pattern",
-        ("hybrid_override_pattern", "layers_block_type"),
+    "zamba": (
+        "the Mamba/shared-attention hybrid (no vLLM model to size it against)",
+        ("layers_block_type", "attn_layer_period"),
     ),
-    "zamba": ("the Mamba/shared-attention hybrid", ("layers_block_type", "attn_layer_period")),
-    "zamba2": ("the Mamba-2/shared-attention-block hybrid", ("layers_block_type",)),
-    "minimax_text_01": ("lightning (linear) attention", ("attn_type_list", "layer_types")),
-    "minimax_m1": ("lightning (linear) attention", ("attn_type_list", "layer_types")),
-    "minimax": ("lightning (linear) attention", ("layer_types", "attn_type_list")),
-    "granitemoehybrid": ("the Granite-4.0 Mamba-2 hybrid", ("layer_types",)),
-    "bamba": ("the Bamba Mamba-2 hybrid", ("attn_layer_indices",)),
-    "lfm2": ("the short-convolution hybrid", ("layer_types",)),
-    "lfm2_moe": ("the short-convolution hybrid", ("layer_types",)),
     "deepseek_v2": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
     "deepseek_v3": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
     "deepseek_v32": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
     "kimi_k2": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
-    "qwen3_5": ("linear attention with a declared state dtype", ("mamba_ssm_dtype", "layer_types")),
-    "qwen3_5_moe": (
-        "linear attention with a declared state dtype",
-        ("mamba_ssm_dtype", "layer_types"),
-    ),
 }
 
 # Keys known to change what a layer caches or reads. Keys ending in "_" are
@@ -215,6 +277,12 @@ _ARCHITECTURES: Mapping[str, str] = {
     "Mamba2ForCausalLM": "mamba2",
     "FalconMambaForCausalLM": "falcon_mamba",
     "NemotronHForCausalLM": "nemotron_h",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "BambaForCausalLM": "bamba",
+    "Lfm2ForCausalLM": "lfm2",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
+    "MiniMaxM1ForCausalLM": "minimax_m1",
+    "MiniMaxForCausalLM": "minimax",
     "Zamba2ForCausalLM": "zamba2",
     "MiniMaxText01ForCausalLM": "minimax_text_01",
     "Llama4ForCausalLM": "llama4_text",

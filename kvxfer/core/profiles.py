@@ -129,7 +129,7 @@ def layout_from_config(
         raise ProfileError("block_size", f"must be a positive integer, got {block_size!r}")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ProfileError("tp_size", f"must be a positive integer, got {tp_size!r}")
-    state = _StateDtypes(config, text, state_dtype)
+    state = _StateDtypes(config, text, state_dtype, family.ssm_dtype_default)
     sizing = _Sizing(text, elem, block_size, tp_size, state.element_bytes, model_type)
     groups = _groups(family, sizing)
     return EngineLayout(
@@ -261,15 +261,19 @@ def _state(conv_elems: int, ssm_elems: int, sizing: _Sizing) -> _LayerTensors:
 class _StateDtypes:
     """The dtypes of conv and ssm state, by vLLM's rule: conv in `mamba_cache_dtype`, else
     the model dtype; ssm in `mamba_ssm_cache_dtype` (Qwen3.5 spells it `mamba_ssm_dtype`),
-    else as conv. The model dtype is the config's `torch_dtype` / `dtype`. An override
-    (`state_dtype`) sets both, for engines run with other cache dtypes."""
+    else the family's default (Nemotron-H: float32), else as conv. The model dtype is the
+    config's `torch_dtype` / `dtype`. An override (`state_dtype`) sets both, for engines
+    run with other cache dtypes."""
 
     _SSM_KEYS = ("mamba_ssm_cache_dtype", "mamba_ssm_dtype")
 
-    def __init__(self, config: Config, text: Config, override: str | None) -> None:
+    def __init__(
+        self, config: Config, text: Config, override: str | None, ssm_default: str | None = None
+    ) -> None:
         self.config = config
         self.text = text
         self.override = override
+        self.ssm_default = ssm_default
 
     def element_bytes(self) -> tuple[int, int]:
         if self.override is not None:
@@ -278,7 +282,9 @@ class _StateDtypes:
         declared = self._declared(("mamba_cache_dtype",))
         conv = dtype_bytes(*declared) if declared else self._model_dtype_bytes()
         declared = self._declared(self._SSM_KEYS)
-        return conv, dtype_bytes(*declared) if declared else conv
+        if declared:
+            return conv, dtype_bytes(*declared)
+        return conv, dtype_bytes(self.ssm_default) if self.ssm_default else conv
 
     def _declared(self, keys: tuple[str, ...]) -> tuple[str, str] | None:
         """(value, key) of the first state dtype the config declares ("auto" is none)."""
@@ -320,6 +326,11 @@ def _layer_tensors(family: Family, sizing: _Sizing, index: int) -> list[_LayerTe
     """The group kinds layer `index` takes part in, with its tensors for each."""
     text = sizing.text
     layer_types = text.get("layer_types")
+    from kvxfer.core.state_families import READERS  # noqa: PLC0415 (it imports this module)
+
+    state_reader = READERS.get(family.reader)
+    if state_reader is not None:
+        return state_reader(sizing, index)
     if family.reader == "falcon_h1":
         return _falcon_h1(text, sizing, index)
     if family.reader == "llama4":
@@ -522,23 +533,46 @@ def _falcon_h1(text: Config, sizing: _Sizing, index: int) -> list[_LayerTensors]
     kinds: list[_LayerTensors] = []
     if attn_layers is None or index in attn_layers:
         kinds.append(_attention(GroupKind.FULL_ATTENTION, None, sizing))
-    d_state = sizing.positive("mamba_d_state")
-    groups = _groups_per_rank(sizing.positive("mamba_n_groups"), sizing)
-    d_ssm = sizing.split("mamba_d_ssm", sizing.positive("mamba_d_ssm"))
-    conv = (sizing.positive("mamba_d_conv") - 1) * (d_ssm + 2 * groups * d_state)
-    heads = sizing.split("mamba_n_heads", sizing.positive("mamba_n_heads"))
-    kinds.append(_state(conv, heads * sizing.positive("mamba_d_head") * d_state, sizing))
+    kinds.append(
+        _mamba2_state(
+            sizing,
+            ("mamba_d_ssm", sizing.positive("mamba_d_ssm")),
+            ("mamba_n_groups", sizing.positive("mamba_n_groups")),
+            ("mamba_n_heads", sizing.positive("mamba_n_heads")),
+            sizing.positive("mamba_d_head"),
+            sizing.positive("mamba_d_state"),
+            sizing.positive("mamba_d_conv"),
+        )
+    )
     return kinds
 
 
-def _groups_per_rank(groups: int, sizing: _Sizing) -> int:
+def _mamba2_state(
+    sizing: _Sizing,
+    intermediate: tuple[str, int],
+    groups: tuple[str, int],
+    heads: tuple[str, int],
+    head_dim: int,
+    d_state: int,
+    d_conv: int,
+) -> _LayerTensors:
+    """One Mamba-2 layer's state on one TP rank, as vLLM's
+    MambaStateShapeCalculator.mamba2_state_shape sizes it: conv (d_conv - 1) rows of
+    intermediate/tp + 2 x groups_per_rank x d_state channels; ssm heads/tp x head_dim x
+    d_state. `intermediate`, `groups` and `heads` are (config key, value)."""
+    channels = sizing.split(*intermediate) + 2 * _groups_per_rank(*groups, sizing) * d_state
+    ssm = sizing.split(*heads) * head_dim * d_state
+    return _state((d_conv - 1) * channels, ssm, sizing)
+
+
+def _groups_per_rank(key: str, groups: int, sizing: _Sizing) -> int:
     """Mamba-2 B/C groups on one TP rank: split when they divide, else replicated so every
     rank holds one (vLLM adds the missing groups rather than splitting one)."""
     if groups % sizing.tp == 0:
         return groups // sizing.tp
     if sizing.tp % groups == 0:
         return 1
-    raise ProfileError("mamba_n_groups", f"{groups} groups cannot be placed on tp_size {sizing.tp}")
+    raise ProfileError(key, f"{groups} groups cannot be placed on tp_size {sizing.tp}")
 
 
 def _group_layers(per_layer: list[list[_LayerTensors]]) -> tuple[KVGroup, ...]:
