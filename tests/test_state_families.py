@@ -329,6 +329,14 @@ def test_nemotron_declared_ssm_dtype_and_override() -> None:
                attention_head_dim=128), "attention_head_dim", "attention_hidden_size"),
         (_real("falcon-mamba-tiny-dev", mamba_d_state=16), "mamba_d_state", "Mamba layer"),
         (MAMBA_CODESTRAL | {"attn_layer_indices": [3]}, "attn_layer_indices", "indices"),
+        # vLLM takes these from its cache flags, not the config (Nemotron-H's
+        # mamba_ssm_cache_dtype aside), so a declared one cannot be trusted either way.
+        (_real("granite-4.0-h-1b", mamba_ssm_cache_dtype="float32"), "mamba_ssm_cache_dtype",
+         "declared"),
+        (_real("lfm2-350m", mamba_cache_dtype="float32"), "mamba_cache_dtype", "declared"),
+        (NEMOTRON_H_8B | {"mamba_cache_dtype": "float32"}, "mamba_cache_dtype", "declared"),
+        (MAMBA_CODESTRAL | {"mamba_ssm_cache_dtype": "float32"}, "mamba_ssm_cache_dtype",
+         "state dtype"),
     ],
 )  # fmt: skip
 def test_what_vllm_would_read_differently_is_refused_by_name(

@@ -58,13 +58,13 @@ STATE_FAMILIES: tuple[Family, ...] = (
     Family(
         "Mamba-1 (every layer a Mamba-1 state)",
         "mamba1",
-        reads=frozenset({"state_size", "conv_kernel", "time_step_rank", *STATE_DTYPE_KEYS}),
+        reads=frozenset({"state_size", "conv_kernel", "time_step_rank"}),
         model_types=("mamba", "falcon_mamba"),
     ),
     Family(
         "Mamba-2 (every layer a Mamba-2 state)",
         "mamba2",
-        reads=frozenset({"state_size", "conv_kernel", "time_step_rank", *STATE_DTYPE_KEYS}),
+        reads=frozenset({"state_size", "conv_kernel", "time_step_rank"}),
         model_types=("mamba2",),
     ),
     Family(
@@ -109,14 +109,14 @@ STATE_FAMILIES: tuple[Family, ...] = (
     Family(
         "MiniMax-Text-01 / M1 (lightning linear attention state, or full attention)",
         "minimax",
-        reads=frozenset({"attn_type_list", "linear_attn_", *STATE_DTYPE_KEYS}),
+        reads=frozenset({"attn_type_list", "linear_attn_"}),
         layer_kinds=frozenset({FULL, LINEAR}),
         model_types=("minimax_text_01", "minimax_m1", "minimax"),
     ),
     Family(
         "LFM2 (layer_types: short convolution state or full attention)",
         "lfm2",
-        reads=frozenset({"conv_", *STATE_DTYPE_KEYS}),
+        reads=frozenset({"conv_"}),
         layer_kinds=frozenset({FULL, "conv"}),
         model_types=("lfm2", "lfm2_moe"),
     ),

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvxfer._exceptions import ProfileError, UnsupportedModelError
-from kvxfer.core.hf_config import FULL, LINEAR, refusal
+from kvxfer.core.hf_config import FULL, LINEAR, STATE_DTYPE_KEYS, refusal
 from kvxfer.core.layout import GroupKind
 from kvxfer.core.profiles import _LayerTensors, _mamba2_state, _Sizing, _state
 
@@ -364,13 +364,33 @@ def _lfm2(sizing: _Sizing, index: int) -> list[_LayerTensors]:
     return [_single_state("conv", (sizing.positive("conv_L_cache") - 1) * channels, sizing)]
 
 
+def _declared_dtypes_read_by_vllm(reader: Reader, honoured: frozenset[str] = frozenset()) -> Reader:
+    """`reader`, refusing a state dtype the config declares that vLLM does not take from
+    the config for this family (it takes them from --mamba-cache-dtype /
+    --mamba-ssm-cache-dtype; only Nemotron-H's config sets mamba_ssm_cache_dtype)."""
+
+    def read(sizing: _Sizing, index: int) -> list[_LayerTensors]:
+        if index == 0:
+            for key in STATE_DTYPE_KEYS:
+                value = sizing.text.get(key)
+                if key not in honoured and value not in (None, "auto"):
+                    raise _refuse(
+                        sizing,
+                        "a state dtype declared in the config, which vLLM ignores for this model",
+                        key,
+                    )
+        return reader(sizing, index)
+
+    return read
+
+
 READERS: Mapping[str, Reader] = {
-    "mamba1": _mamba1,
-    "mamba2": _mamba2,
-    "nemotron_h": _nemotron_h,
-    "granite_hybrid": _granite_hybrid,
-    "bamba": _bamba,
-    "zamba2": _zamba2,
-    "minimax": _minimax,
-    "lfm2": _lfm2,
+    "mamba1": _declared_dtypes_read_by_vllm(_mamba1),
+    "mamba2": _declared_dtypes_read_by_vllm(_mamba2),
+    "nemotron_h": _declared_dtypes_read_by_vllm(_nemotron_h, frozenset({"mamba_ssm_cache_dtype"})),
+    "granite_hybrid": _declared_dtypes_read_by_vllm(_granite_hybrid),
+    "bamba": _declared_dtypes_read_by_vllm(_bamba),
+    "zamba2": _declared_dtypes_read_by_vllm(_zamba2),
+    "minimax": _declared_dtypes_read_by_vllm(_minimax),
+    "lfm2": _declared_dtypes_read_by_vllm(_lfm2),
 }
