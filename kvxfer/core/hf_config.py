@@ -381,5 +381,5 @@ def _check_layer_kinds(model_type: str | None, family: Family, text: Config) -> 
     if not isinstance(layer_types, list):
         return
     for index, kind in enumerate(layer_types):
-        if kind not in family.layer_kinds:
+        if not isinstance(kind, str) or kind not in family.layer_kinds:
             raise refusal(model_type, f"layer type {kind!r}", f"layer_types[{index}]")

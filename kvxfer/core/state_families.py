@@ -68,7 +68,7 @@ def _kinds(sizing: _Sizing, key: str, allowed: Mapping[Any, str], values: Any = 
     values = sizing.per_layer(key, sizing.text.get(key) if values is None else values)
     kinds = []
     for index, value in enumerate(values):
-        if value not in allowed or isinstance(value, bool):
+        if isinstance(value, bool) or not isinstance(value, str | int) or value not in allowed:
             raise _refuse(sizing, f"layer type {value!r}", f"{key}[{index}]")
         kinds.append(allowed[value])
     return kinds
