@@ -43,6 +43,7 @@ from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.errors import ERROR_TRAILER, FIELD_TRAILER, MISMATCH_TRAILER
 from kvxfer.wire.layout import layout_from_proto, span_to_proto, spans_from_proto
 from kvxfer.wire.sidecar import (
+    abort_state_to_proto,
     event_to_proto,
     handles_from_proto,
     hello_to_proto,
@@ -181,11 +182,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     @rpc
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         state = await self._sidecar.abort(request.engine_id, request.request_id)
-        return pb.AbortResponse(state=state)
+        return pb.AbortResponse(state=abort_state_to_proto(state))
 
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: Context
-    ) -> AsyncIterator[pb.EngineEvent]:
+    ) -> AsyncIterator[pb.WatchEventsResponse]:
         try:
             events = self._sidecar.watch(request.engine_id)
             async for event in events:

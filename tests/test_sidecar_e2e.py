@@ -50,7 +50,14 @@ from kvxfer.client.engine import EngineClient, SyncEngineClient
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import Region
 from kvxfer.core.profiles import layout_for_model
-from kvxfer.core.requests import LeaseExpired, PullDone, PullStatus, Released, ReleaseReason
+from kvxfer.core.requests import (
+    AbortState,
+    LeaseExpired,
+    PullDone,
+    PullStatus,
+    Released,
+    ReleaseReason,
+)
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 
@@ -193,7 +200,7 @@ async def test_abort_before_pull_releases_and_fails_the_pull(fleet: Fleet) -> No
         engine_link(fleet.d, fleet.de) as (d, d_events),
     ):
         params = await p.publish(fleet.request_id("abort-before"), 400, fleet.src(count))
-        assert await p.abort(params.request_id) == "held"
+        assert await p.abort(params.request_id) is AbortState.HELD
         released = await p_events.next()
         assert isinstance(released, Released) and released.reason is ReleaseReason.ABORTED
         await d.pull(params, fleet.dst(count), 0)
@@ -214,7 +221,7 @@ async def test_abort_during_pull_from_decode_side(fleet: Fleet) -> None:
         params = await p.publish(fleet.request_id("abort-d"), 1024, fleet.src(count))
         await d.pull(params, fleet.dst(count, faulty=True), 0)
         await asyncio.sleep(0.3)  # chunks are stalling now (fault seam)
-        assert await d.abort(params.request_id) == "pulling"
+        assert await d.abort(params.request_id) is AbortState.PULLING
         done = await d_events.next()
         released = await p_events.next()
     assert isinstance(done, PullDone) and done.status is PullStatus.ABORTED
@@ -232,7 +239,7 @@ async def test_abort_during_pull_from_prefill_side(fleet: Fleet) -> None:
         params = await p.publish(fleet.request_id("abort-p"), 1024, fleet.src(count))
         await d.pull(params, fleet.dst(count, faulty=True), 0)
         await asyncio.sleep(0.3)
-        assert await p.abort(params.request_id) == "reading"
+        assert await p.abort(params.request_id) is AbortState.READING
         assert p_events.pending() == 0  # not released while the read is in flight
         done = await d_events.next()
         released = await p_events.next()
@@ -276,7 +283,7 @@ async def test_mismatched_layout_is_refused_on_a_real_pull(fleet: Fleet) -> None
             params = await p.publish(fleet.request_id("mismatch"), 100, fleet.src(7))
             with pytest.raises(NegotiationError) as refused:
                 await d.pull(params, spans({0: range(7), 1: range(7)}), 0)
-            assert await p.abort(params.request_id) == "held"
+            assert await p.abort(params.request_id) is AbortState.HELD
             await p_events.next()
     finally:
         dxe.stop()
