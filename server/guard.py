@@ -29,7 +29,9 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
+from kvxfer._exceptions import InvalidInputError, LimitExceededError, PermissionDeniedError
 from kvxfer.server.settings import Settings
+from kvxfer.server.status import abort_with
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +94,12 @@ class PeerPortGuard(grpc.aio.ServerInterceptor):
             if who == ANONYMOUS:  # no certificate: count by the client's host instead
                 who = context.peer().rpartition(":")[0] or ANONYMOUS
             if self._calls.get(who, 0) >= self._max_calls:
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"limits.max_calls_per_peer: {self._max_calls} calls from {who} "
-                    "already running",
+                await abort_with(
+                    context,
+                    LimitExceededError(
+                        f"limits.max_calls_per_peer: {self._max_calls} calls from {who} "
+                        "already running"
+                    ),
                 )
             self._calls[who] = self._calls.get(who, 0) + 1
             try:
@@ -121,9 +125,11 @@ class PeerPortGuard(grpc.aio.ServerInterceptor):
                 for n in context.auth_context().get("x509_common_name", [])
             }
             if not names & self._allowed:
-                await context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"peer certificate {sorted(names) or ['none']} is not in tls.allowed_peers",
+                await abort_with(
+                    context,
+                    PermissionDeniedError(
+                        f"peer certificate {sorted(names) or ['none']} is not in tls.allowed_peers"
+                    ),
                 )
         return who
 
@@ -210,4 +216,4 @@ class _Refusals:
             more = f" ({self._suppressed} more since the last line)" if self._suppressed else ""
             log.warning("refused a %s request: %s%s", method, request.reason, more)
             self._last_log, self._suppressed = now, 0
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {request.reason}")
+        await abort_with(context, InvalidInputError(method, request.reason))

@@ -29,6 +29,7 @@ from kvxfer.server.settings import load_settings
 from kvxfer.v1 import layout_pb2
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.errors import rpc_error
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -135,16 +136,17 @@ async def test_sizes_and_counts_are_capped_per_rpc(
     assert (refused.value.details() or "").startswith("layout.groups:")
 
 
-async def test_names_echoed_into_trailers_are_sanitized(channel: grpc.aio.Channel) -> None:
+async def test_names_echoed_into_errors_arrive_exactly(channel: grpc.aio.Channel) -> None:
+    """A name from the wire goes back in the binary rich-status trailer: gRPC once failed
+    such a call with INTERNAL "Invalid metadata" when it sat in an ASCII trailer."""
     peer = pb_grpc.PeerServiceStub(channel)
     for name in ("é\n", "a\r\nkvxfer-error: Forged", "\x00"):
         layout = layout_pb2.EngineLayout(regions=[layout_pb2.Region(name=name, buffer="")])
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await peer.Handshake(pb.HandshakeRequest(protocol_version=1, layout=layout))
         assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, refused.value
-        trailers = dict(refused.value.trailing_metadata() or ())
-        field = trailers["kvxfer-field"]
-        assert isinstance(field, str) and field.isascii() and field.isprintable()
+        error = rpc_error(refused.value, "handshake")
+        assert isinstance(error, InvalidInputError) and name in error.field, error
 
 
 async def test_pulling_from_itself_is_invalid_argument(prefill: tuple[Proc, EngineSim]) -> None:

@@ -195,7 +195,9 @@ class FakeContext:
     def peer(self) -> str:
         return self._peer
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+    async def abort(
+        self, code: grpc.StatusCode, details: str, trailing_metadata: object = ()
+    ) -> None:
         raise AbortedError(code, details)
 
 
