@@ -25,8 +25,9 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from oracle import oracle_blocks, oracle_valid_tokens
 from sidecars import (
     DecodeImage,
@@ -370,15 +371,38 @@ async def test_engine_socket_is_private_and_health_and_reflection_answer(fleet: 
             health = health_pb2_grpc.HealthStub(channel)
             reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
-            request = reflection_pb2.ServerReflectionRequest(list_services="")
-            async for answer in reflect.ServerReflectionInfo(iter([request]), timeout=5):
-                names = {s.name for s in answer.list_services_response.service}
-                break
-        assert "kvxfer.v1.AdminService" in names
-        engine = address.startswith("unix:")
-        want = "kvxfer.v1.EngineService" if engine else "kvxfer.v1.PeerService"
-        assert want in names
+            for version in ("v1", "v1alpha"):
+                names, files = await _reflect(channel, version)
+                assert {"kvxfer.v1.AdminService", *REFLECTION} <= names, (version, names)
+                engine = address.startswith("unix:")
+                want = "kvxfer.v1.EngineService" if engine else "kvxfer.v1.PeerService"
+                assert want in names
+                # What `grpcurl describe` asks next: the file holding a service.
+                assert {"grpc/reflection/v1/reflection.proto", "kvxfer/v1/sidecar.proto"} <= files
+
+
+REFLECTION = {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"}
+
+
+async def _reflect(channel: grpc.aio.Channel, version: str) -> tuple[set[str], set[str]]:
+    """A reflection client of either version: the messages are the same bytes under
+    both package names, so v1alpha's generated classes encode and decode v1's."""
+    call = channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    requests = [reflection_pb2.ServerReflectionRequest(list_services="")] + [
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)
+        for symbol in ("grpc.reflection.v1.ServerReflection", "kvxfer.v1.AdminService")
+    ]
+    names: set[str] = set()
+    files: set[str] = set()
+    async for answer in call(iter(requests), timeout=5):
+        names |= {s.name for s in answer.list_services_response.service}
+        for raw in answer.file_descriptor_response.file_descriptor_proto:
+            files.add(descriptor_pb2.FileDescriptorProto.FromString(raw).name)
+    return names, files
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
