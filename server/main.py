@@ -94,12 +94,12 @@ async def serve(settings: Settings) -> int:
         settings,
         [("peer", PeerServicer(sidecar)), ("admin", AdminServicer(sidecar))],
         max_receive_bytes=PEER_SERVER_MAX_RECEIVE_BYTES,
-        interceptors=[PeerPortGuard(settings)],
+        interceptors=[PeerPortGuard(settings, metrics)],
     )
     engine = _server(
         settings,
         [("engine", EngineServicer(sidecar)), ("admin", AdminServicer(sidecar))],
-        interceptors=[EngineSocketGuard()],
+        interceptors=[EngineSocketGuard(metrics)],
     )
     try:
         peer_port = _bind_peer(peer.server, settings, metrics)

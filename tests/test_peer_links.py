@@ -217,7 +217,7 @@ async def test_calls_per_client_are_bounded() -> None:
         return "done"
 
     settings = load_settings(["--limits.max-calls-per-peer", "2"], environ={})
-    guard = PeerPortGuard(settings)
+    guard = PeerPortGuard(settings, Metrics())
     method = "/kvxfer.v1.PeerService/BeginRead"
 
     async def continuation(details: object) -> grpc.RpcMethodHandler[Any, Any]:

@@ -502,7 +502,7 @@ def _delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
 async def test_metrics_count_what_this_test_did(fleet: Fleet) -> None:
     """Counters move by exactly what this test does (deltas around its own pulls), so
     the check holds whichever tests ran before it."""
-    peer = fleet.p.ready["peer_address"]
+    peer = fleet.p.ready["sidecar_id"]  # the peer label is its identity, not its address
     d0, p0, df0 = scrape(fleet.d), scrape(fleet.p), scrape(fleet.df)
     done, _, src, dst = await _pull_once(fleet, "metrics-ok", 600, 0)
     assert done.status is PullStatus.OK, done.reason
@@ -515,7 +515,7 @@ async def test_metrics_count_what_this_test_did(fleet: Fleet) -> None:
         engine_link(fleet.d, fleet.de) as (d, d_events),
     ):
         aborted = await p.publish(fleet.request_id("metrics-abort"), 100, fleet.src(count))
-        assert await p.abort(aborted.request_id) == "held"
+        assert await p.abort(aborted.request_id) is AbortState.HELD
         assert isinstance(await p_events.next(), Released)
         expired = await p.publish(fleet.request_id("metrics-expire"), 100, fleet.src(count))
         assert isinstance(await p_events.next(timeout_s=10), LeaseExpired)
