@@ -19,10 +19,10 @@ import grpc
 import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from sidecars import EngineSim, engine_link, spans, start_engine, start_sidecar
+from sidecars import EngineSim, engine_link, scrape, spans, start_engine, start_sidecar
 
 from kvxfer._exceptions import InvalidInputError
-from kvxfer.cli.fleet import BIN, Proc
+from kvxfer.cli.fleet import BIN, Proc, metric
 from kvxfer.core.requests import TransferParams
 from kvxfer.server.peers import channel_options, server_options
 from kvxfer.server.settings import load_settings
@@ -99,6 +99,8 @@ async def test_junk_bodies_are_invalid_argument_with_little_logging(
     log = prefill[0].log_text()
     assert "Traceback" not in log
     assert log.count("refused a /kvxfer") <= 3, "junk is logged at most once per 10 s"
+    refused = metric(scrape(prefill[0]), "kvxfer_refusals_total", reason="undecodable")
+    assert refused >= codes[grpc.StatusCode.INVALID_ARGUMENT] // 2, "refusals are counted"
 
 
 def _rss_bytes(pid: int) -> int:
@@ -123,6 +125,7 @@ async def test_sizes_and_counts_are_capped_per_rpc(
     error = await _raw(channel, METHODS[1], big)
     assert error is not None and error.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "BeginRead" in (error.details() or "")
+    assert metric(scrape(prefill[0]), "kvxfer_refusals_total", reason="too_large") >= 1
     peer = pb_grpc.PeerServiceStub(channel)
     many = pb.HeartbeatRequest(request_ids=["r"] * 5000, read_tokens=[""] * 5000)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
