@@ -1,9 +1,10 @@
 # kvxfer developer commands. Each target creates or updates .venv as needed.
 #   make demo    the main job (README): real vLLM P/D through the sidecars
 #   make demo-sim  the same lifecycle between simulated engines
-#   make test    every check: ruff, mypy --strict, import-linter, deploy-check, pytest (README, CI)
+#   make test    every check: ruff, mypy --strict, import-linter, buf-lint, deploy-check, pytest (README, CI)
 #   make vllm-venv  .venv-vllm: real vLLM on CPU with kvxfer (tests/test_vllm_*.py)
 #   make deploy-check  hadolint, checkov, kubernetes-validate, promtool on deploy/ (docs/deploy.md)
+#   make buf-lint  buf lint (STANDARD rules, buf.yaml) on proto/
 #
 # The package is installed into .venv non-editably, as a user gets it: server/
 # and client/ only exist as kvxfer.server / kvxfer.client after installation,
@@ -18,7 +19,7 @@ DEPS := $(VENV)/.deps-stamp
 NEUTRAL := $(VENV)
 
 .PHONY: demo demo-sim test check install lint typecheck imports pytest proto clean vllm-venv vllm-install \
-	deploy-tools deploy-check
+	deploy-tools deploy-check buf-lint
 
 # Real vLLM (CPU build) lives in its own venv: it pins torch 2.13.0+cpu and
 # setuptools 78.1.1, and numba caps numpy, so it cannot share .venv's pins.
@@ -63,6 +64,17 @@ deploy-tools: $(DEPLOY_DEPS)
 deploy-check: $(DEPLOY_DEPS)
 	deploy/check.sh $(DEPLOY_VENV)/bin
 
+# buf from the npm registry, pinned by scripts/buf/package-lock.json (npm ci installs
+# exactly that); node and npm come from the system.
+BUF_DEPS := scripts/buf/node_modules/.deps-stamp
+
+$(BUF_DEPS): scripts/buf/package.json scripts/buf/package-lock.json
+	cd scripts/buf && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+buf-lint: $(BUF_DEPS)
+	scripts/buf/node_modules/.bin/buf lint
+
 # kvxfer itself, re-installed (no deps) on every run, as `install` does for .venv.
 vllm-install: $(VLLM_DEPS)
 	rm -rf build
@@ -96,7 +108,7 @@ imports: install
 pytest: install vllm-install
 	$(BIN)/pytest
 
-test: lint typecheck imports deploy-check pytest
+test: lint typecheck imports buf-lint deploy-check pytest
 
 check: test
 

@@ -34,12 +34,19 @@ import grpc.aio
 from kvxfer._exceptions import InvalidInputError, KvxferError, PeerUnavailableError
 from kvxfer.core.buffers import BufferHandle
 from kvxfer.core.layout import BlockSpan, EngineLayout
-from kvxfer.core.requests import EngineEvent, PullAccepted, TransferParams, check_address
+from kvxfer.core.requests import (
+    AbortState,
+    EngineEvent,
+    PullAccepted,
+    TransferParams,
+    check_address,
+)
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.errors import guarded, rpc_error
 from kvxfer.wire.layout import layout_to_proto, span_to_proto
 from kvxfer.wire.sidecar import (
+    abort_state_from_proto,
     event_from_proto,
     handle_to_proto,
     params_from_proto,
@@ -181,12 +188,12 @@ class EngineClient:
             descriptors=reply.descriptors,
         )
 
-    async def abort(self, request_id: str) -> str:
+    async def abort(self, request_id: str) -> AbortState:
         request = pb.AbortRequest(engine_id=self._engine(), request_id=request_id)
         reply = await self._call(
             "abort", lambda: self._stub.Abort(request, timeout=self._timeout_s)
         )
-        return reply.state
+        return abort_state_from_proto(reply.state, "AbortResponse.state")
 
     async def events(self) -> AsyncIterator[EngineEvent]:
         """This engine's events, as they happen, until the sidecar ends the stream."""
@@ -266,7 +273,7 @@ class SyncEngineClient:
     ) -> PullAccepted:
         return self._run(self._client.pull(params, local_spans, computed_tokens))
 
-    def abort(self, request_id: str) -> str:
+    def abort(self, request_id: str) -> AbortState:
         return self._run(self._client.abort(request_id))
 
     def unregister(self) -> tuple[int, int]:

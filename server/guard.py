@@ -29,7 +29,10 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
+from kvxfer._exceptions import InvalidInputError, LimitExceededError, PermissionDeniedError
+from kvxfer.server.metrics import Metrics
 from kvxfer.server.settings import Settings
+from kvxfer.server.status import abort_with
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +58,11 @@ if TYPE_CHECKING:  # the stubs' generic; not subscriptable at run time
 
 
 class _Refused:
-    """What the deserializer hands on instead of a message it would not decode."""
+    """What the deserializer hands on instead of a message it would not decode;
+    `kind` is the `kvxfer_refusals_total` reason (too_large, undecodable)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, kind: str, reason: str) -> None:
+        self.kind = kind
         self.reason = reason
 
 
@@ -68,11 +73,12 @@ def identity(context: Context) -> str:
 
 
 class PeerPortGuard(grpc.aio.ServerInterceptor):
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self._allowed = frozenset(settings.tls.allowed_peers)
         self._max_calls = settings.limits.max_calls_per_peer
         self._calls: dict[str, int] = {}
-        self._refusals = _Refusals()
+        self._metrics = metrics
+        self._refusals = _Refusals(metrics)
 
     async def intercept_service(
         self,
@@ -92,10 +98,13 @@ class PeerPortGuard(grpc.aio.ServerInterceptor):
             if who == ANONYMOUS:  # no certificate: count by the client's host instead
                 who = context.peer().rpartition(":")[0] or ANONYMOUS
             if self._calls.get(who, 0) >= self._max_calls:
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"limits.max_calls_per_peer: {self._max_calls} calls from {who} "
-                    "already running",
+                self._metrics.refusals.labels("too_many_calls").inc()
+                await abort_with(
+                    context,
+                    LimitExceededError(
+                        f"limits.max_calls_per_peer: {self._max_calls} calls from {who} "
+                        "already running"
+                    ),
                 )
             self._calls[who] = self._calls.get(who, 0) + 1
             try:
@@ -121,9 +130,12 @@ class PeerPortGuard(grpc.aio.ServerInterceptor):
                 for n in context.auth_context().get("x509_common_name", [])
             }
             if not names & self._allowed:
-                await context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"peer certificate {sorted(names) or ['none']} is not in tls.allowed_peers",
+                self._metrics.refusals.labels("not_allowed").inc()
+                await abort_with(
+                    context,
+                    PermissionDeniedError(
+                        f"peer certificate {sorted(names) or ['none']} is not in tls.allowed_peers"
+                    ),
                 )
         return who
 
@@ -134,8 +146,8 @@ class EngineSocketGuard(grpc.aio.ServerInterceptor):
     callers reach it (a 0600 unix socket), so there are no per-RPC caps beyond the
     server's message limit and no identities here (callers.py identifies engines)."""
 
-    def __init__(self) -> None:
-        self._refusals = _Refusals()
+    def __init__(self, metrics: Metrics) -> None:
+        self._refusals = _Refusals(metrics)
 
     async def intercept_service(
         self,
@@ -183,11 +195,13 @@ def _checked_decoder(handler: Handler, method: str, limit: int | None) -> Callab
 
     def deserialize(raw: bytes) -> Any:
         if limit is not None and len(raw) > limit:
-            return _Refused(f"{len(raw)} bytes exceed the {limit} a {method} request may use")
+            return _Refused(
+                "too_large", f"{len(raw)} bytes exceed the {limit} a {method} request may use"
+            )
         try:
             return decode(raw)
         except (DecodeError, ValueError, RuntimeError) as exc:
-            return _Refused(f"undecodable request body ({type(exc).__name__})")
+            return _Refused("undecodable", f"undecodable request body ({type(exc).__name__})")
 
     return deserialize
 
@@ -196,13 +210,15 @@ class _Refusals:
     """Aborts a refused request with INVALID_ARGUMENT, logging at most a line per
     `LOG_EVERY_S` (junk floods must not become log floods)."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
         self._last_log = -LOG_EVERY_S
         self._suppressed = 0
 
     async def check(self, request: Any, method: str, context: Context) -> None:
         if not isinstance(request, _Refused):
             return
+        self._metrics.refusals.labels(request.kind).inc()
         now = time.monotonic()
         if now - self._last_log < LOG_EVERY_S:
             self._suppressed += 1
@@ -210,4 +226,4 @@ class _Refusals:
             more = f" ({self._suppressed} more since the last line)" if self._suppressed else ""
             log.warning("refused a %s request: %s%s", method, request.reason, more)
             self._last_log, self._suppressed = now, 0
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {request.reason}")
+        await abort_with(context, InvalidInputError(method, request.reason))

@@ -27,7 +27,6 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kvxfer._exceptions import InvalidInputError, KvxferError
@@ -38,6 +37,7 @@ from kvxfer.dataplane.serving import ServingAgent
 from kvxfer.server.guard import PEER_SERVER_MAX_RECEIVE_BYTES, EngineSocketGuard, PeerPortGuard
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import server_options
+from kvxfer.server.reflection import enable_reflection
 from kvxfer.server.servicers import AdminServicer, EngineServicer, PeerServicer
 from kvxfer.server.settings import Settings, is_loopback, load_settings
 from kvxfer.server.sidecar import Sidecar
@@ -94,12 +94,12 @@ async def serve(settings: Settings) -> int:
         settings,
         [("peer", PeerServicer(sidecar)), ("admin", AdminServicer(sidecar))],
         max_receive_bytes=PEER_SERVER_MAX_RECEIVE_BYTES,
-        interceptors=[PeerPortGuard(settings)],
+        interceptors=[PeerPortGuard(settings, metrics)],
     )
     engine = _server(
         settings,
         [("engine", EngineServicer(sidecar)), ("admin", AdminServicer(sidecar))],
-        interceptors=[EngineSocketGuard()],
+        interceptors=[EngineSocketGuard(metrics)],
     )
     try:
         peer_port = _bind_peer(peer.server, settings, metrics)
@@ -185,8 +185,8 @@ def _server(
             pb_grpc.add_AdminServiceServicer_to_server(servicer, server)
             services.append(pb.DESCRIPTOR.services_by_name["AdminService"].full_name)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
-    reflection.enable_server_reflection([*names, *services], server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    enable_reflection([health_name, *services], server)
     return _Served(server, health, services)
 
 

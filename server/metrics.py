@@ -1,10 +1,14 @@
-"""The sidecar's Prometheus metrics (ARCHITECTURE.md section 8).
+"""The sidecar's Prometheus metrics (docs/architecture.md, Metrics).
 
-One registry per sidecar (no process-global state). Names carry their units;
-labels are bounded: `peer` (a peer sidecar's address, for the first
-`limits.max_peer_labels` peers a handshake succeeded with; every other
-address, and any that never answered, is `other`), `group_kind`,
-`direction` (`read`: this sidecar pulled), `result`. Never request ids.
+One registry per sidecar (no process-global state), with the process and
+platform collectors and `kvxfer_build_info` on it. Names carry their units;
+labels are bounded: `peer` (a peer sidecar's identity as its handshake gave it,
+its `sidecar_id`, so a series survives the peer's restart on a new address; for
+the first `limits.max_peer_labels` peers a handshake succeeded with, every other
+peer is `other`), `group_kind`, `direction` (`read`: this sidecar pulled),
+`result`, `reason`. Never request ids. Series whose label values are all known
+start at zero (`init_peer` for a new peer label; every `reason` and `service` at
+start), so `rate()` and `absent()` see them before the first event.
 
 Throughput is bytes over wall time: `kvxfer_transfer_active_seconds_total`
 grows only while at least one pull is in flight, whatever the overlap, so
@@ -14,14 +18,53 @@ is the real throughput, where summed per-pull durations would understate it.
 
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 import threading
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+)
 from prometheus_client.core import CounterMetricFamily
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from kvxfer.core.negotiation import PROTOCOL_VERSION
+from kvxfer.core.requests import PullStatus, ReleaseReason
+from kvxfer.dataplane.adapter import TransferStatus
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# Building a pull's descriptors takes tens to hundreds of microseconds: 5 us to 0.25 s.
+_POST_BUCKETS = (
+    5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
+)  # fmt: skip
+# Per pull: one 16-token block of a small model is tens of KiB; a 128k-token request of a
+# large one tens of GiB. Powers of 4 from 16 KiB to 64 GiB.
+_BYTES_BUCKETS = tuple(float(16 << 10 << (2 * i)) for i in range(12))
+# Descriptors per pull: 1 (contiguous runs) to millions (scattered 1-block runs).
+_DESCRIPTOR_BUCKETS = tuple(float(1 << (2 * i)) for i in range(12))
+# Label values known in advance: their series exist from the start, at zero.
+HANDSHAKE_RESULTS = ("ok", "refused", "error")
+# Why a port guard refused a call (kvxfer.server.guard).
+REFUSAL_REASONS = ("too_large", "undecodable", "not_allowed", "too_many_calls")
+SERVICES = ("peer", "engine", "metrics")
+
+
+def build_labels() -> dict[str, str]:
+    return {
+        "version": importlib.metadata.version("kvxfer"),
+        "protocol": str(PROTOCOL_VERSION),
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+    }
 
 
 class ActiveClock:
@@ -66,6 +109,13 @@ class ActiveClock:
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        self.build_info = Info(
+            "kvxfer_build", "The sidecar's version, protocol and runtime (value 1)", registry=r
+        )
+        self.build_info.info(build_labels())
         self.bytes_moved = Counter(
             "kvxfer_bytes_moved", "KV bytes moved", ["peer", "group_kind", "direction"], registry=r
         )
@@ -90,7 +140,21 @@ class Metrics:
             "kvxfer_post_duration_seconds",
             "Time to build a pull's descriptors before its first NIXL post",
             ["peer"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=_POST_BUCKETS,
+            registry=r,
+        )
+        self.transfer_bytes = Histogram(
+            "kvxfer_transfer_bytes",
+            "KV bytes moved by one pull that reached the data plane",
+            ["peer"],
+            buckets=_BYTES_BUCKETS,
+            registry=r,
+        )
+        self.transfer_descriptors = Histogram(
+            "kvxfer_transfer_descriptors",
+            "NIXL descriptors posted by one pull",
+            ["peer"],
+            buckets=_DESCRIPTOR_BUCKETS,
             registry=r,
         )
         self.descriptors = Counter(
@@ -177,5 +241,29 @@ class Metrics:
             ["service"],
             registry=r,
         )
+        self.refusals = Counter(
+            "kvxfer_refusals",
+            "Calls the port guards refused before any servicer ran, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.active = ActiveClock()
         r.register(self.active)
+        for release in ReleaseReason:
+            self.released_leases.labels(release.value)
+        for reason in REFUSAL_REASONS:
+            self.refusals.labels(reason)
+        for service in SERVICES:
+            self.insecure_listeners.labels(service)
+
+    def init_peer(self, peer: str) -> None:
+        """Every series of a new `peer` label at zero, for each result it can have."""
+        for pull in PullStatus:
+            self.requests.labels(peer, pull.value)
+        for chunk in TransferStatus:
+            self.chunks.labels(peer, chunk.value)
+        for result in HANDSHAKE_RESULTS:
+            self.handshakes.labels(peer, result)
+        for counter in (self.negotiation_failures, self.truncations, self.descriptors):
+            counter.labels(peer)
+        self.inflight_pulls.labels(peer)

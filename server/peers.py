@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _MAX_READ_TOKENS = 1 << 16
 OTHER_PEERS = "other"  # the metric label of peers beyond limits.max_peer_labels
+_MAX_LABEL_CHARS = 128  # a peer's identity as a label value: bounded like engine names
 
 
 # Keepalive: a peer whose host vanished (no FIN, no RST) is noticed within about
@@ -168,7 +169,8 @@ class PeerLinks:
         # waiting for another peer.
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._pending: dict[tuple[str, int], asyncio.Future[PeerLink]] = {}
-        self._labels: set[str] = set()  # addresses with a metric label of their own
+        self._labels: set[str] = set()  # peer identities with a metric label of their own
+        self._identities: dict[str, str] = {}  # address -> the identity its handshake gave
         self._nixl_peers: dict[str, tuple[int, str]] = {}  # address -> (epoch, agent name)
         # (address, rank, request id) -> the read token BeginRead returned; bounded, since
         # a read that ends without EndRead (its lease lost) leaves its token behind.
@@ -178,10 +180,13 @@ class PeerLinks:
         return list(self._links.values())
 
     def label(self, address: str) -> str:
-        """`address` as a metric label: its own for peers this sidecar handshook with (up
-        to limits.max_peer_labels), `other` for the rest, so params naming thousands of
-        addresses cannot grow the registry without bound."""
-        return address if address in self._labels else OTHER_PEERS
+        """The metric label of the peer at `address`: its identity (the `sidecar_id` its
+        last successful handshake gave, which survives a restart on another address) for
+        the first limits.max_peer_labels peers this sidecar linked with, `other` for the
+        rest and for addresses that never completed a handshake, so params naming
+        thousands of addresses cannot grow the registry without bound."""
+        identity = self._identities.get(address)
+        return identity if identity in self._labels else OTHER_PEERS
 
     async def link(
         self, address: str, engine_id: str, layout: EngineLayout, epoch: int, peer_engine: str
@@ -280,11 +285,18 @@ class PeerLinks:
             if old.epoch == hello.epoch and old.hello.engine_id == hello.engine_id:
                 link.agreements = old.agreements
         self._links[key] = link
-        if len(self._labels) < self._settings.limits.max_peer_labels:
-            self._labels.add(address)
+        self._name_peer(address, hello.sidecar_id)
         self._metrics.peers.set(len({a for a, _ in self._links}))
         self._metrics.peer_epoch.labels(self.label(address)).set(hello.epoch)
         return link
+
+    def _name_peer(self, address: str, sidecar_id: str) -> None:
+        identity = sidecar_id[:_MAX_LABEL_CHARS] or address  # a peer that gave none: its address
+        self._identities[address] = identity
+        if identity in self._labels or len(self._labels) >= self._settings.limits.max_peer_labels:
+            return
+        self._labels.add(identity)
+        self._metrics.init_peer(identity)
 
     async def _load_agent(self, address: str, hello: PeerHello) -> str:
         known = self._nixl_peers.get(address)

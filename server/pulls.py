@@ -135,6 +135,8 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
     peer = ctx.links.label(params.peer_address)
     ctx.metrics.post_duration.labels(peer).observe(result.bind_s)
     ctx.metrics.descriptors.labels(peer).inc(result.descriptors)
+    ctx.metrics.transfer_descriptors.labels(peer).observe(result.descriptors)
+    ctx.metrics.transfer_bytes.labels(peer).observe(done.bytes_moved)
     for status in result.chunk_statuses:
         ctx.metrics.chunks.labels(peer, status.value).inc()
     return done, True

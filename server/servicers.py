@@ -1,48 +1,31 @@
 """Thin gRPC servicers: decode the request, call the Sidecar, encode the answer.
 
-`STATUS_FOR` is the one table from kvxfer errors to gRPC status codes; the
-message always names the field or entity. Anything unexpected is logged and
-answered INTERNAL, and the sidecar keeps serving. A negotiation failure also
-carries its mismatches as JSON in the `kvxfer-mismatches` trailer, so clients
-can show them field by field.
+A kvxfer error ends the call through `kvxfer.server.status.abort_with`: the
+status code from its one table, a message naming the field or entity, and
+google.rpc rich details (a negotiation failure's mismatches field by field).
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict
 from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 
-from kvxfer._exceptions import (
-    DataPlaneError,
-    InvalidInputError,
-    KvxferError,
-    LeaseError,
-    LimitExceededError,
-    NegotiationError,
-    NotFoundError,
-    PeerDisconnectedError,
-    PeerUnavailableError,
-    PermissionDeniedError,
-    RegistrationError,
-    ShuttingDownError,
-)
+from kvxfer._exceptions import InvalidInputError, KvxferError
 from kvxfer.server.callers import claimed_pid
 from kvxfer.server.guard import identity
 from kvxfer.server.leases import LeaseState
 from kvxfer.server.sidecar import Sidecar
+from kvxfer.server.status import abort_with
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
-from kvxfer.wire.errors import ERROR_TRAILER, FIELD_TRAILER, MISMATCH_TRAILER
 from kvxfer.wire.layout import layout_from_proto, span_to_proto, spans_from_proto
 from kvxfer.wire.sidecar import (
+    abort_state_to_proto,
     event_to_proto,
     handles_from_proto,
     hello_to_proto,
@@ -51,27 +34,10 @@ from kvxfer.wire.sidecar import (
     release_reason_from_proto,
 )
 
-log = logging.getLogger(__name__)
-
 Context = grpc.aio.ServicerContext[Any, Any]
 S = TypeVar("S")
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
-
-# Most specific first: the first matching class wins.
-STATUS_FOR: tuple[tuple[type[KvxferError], grpc.StatusCode], ...] = (
-    (RegistrationError, grpc.StatusCode.FAILED_PRECONDITION),
-    (InvalidInputError, grpc.StatusCode.INVALID_ARGUMENT),
-    (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (NegotiationError, grpc.StatusCode.FAILED_PRECONDITION),
-    (LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
-    (NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
-    (ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
-    (PeerUnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (PeerDisconnectedError, grpc.StatusCode.UNAVAILABLE),
-    (DataPlaneError, grpc.StatusCode.INTERNAL),
-)
 
 _LEASE_STATE_TO_PB = {
     LeaseState.HELD: pb.LEASE_STATE_HELD,
@@ -79,36 +45,6 @@ _LEASE_STATE_TO_PB = {
     LeaseState.ABORTED: pb.LEASE_STATE_ABORTED,
     None: pb.LEASE_STATE_UNKNOWN,
 }
-
-
-def status_for(exc: KvxferError) -> grpc.StatusCode:
-    for cls, code in STATUS_FOR:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-def metadata_safe(text: str, limit: int = 1024) -> str:
-    """`text` as a metadata value gRPC accepts: printable ASCII only, the rest escaped
-    (a field path can hold a name from the wire: non-ASCII or a newline there made gRPC
-    fail the call with INTERNAL "Invalid metadata"), and bounded in length."""
-    out = "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode() for c in text)
-    return out[:limit]
-
-
-async def _abort(context: Context, exc: BaseException) -> None:
-    if isinstance(exc, KvxferError):
-        trailers = [(ERROR_TRAILER, type(exc).__name__)]
-        if isinstance(exc, InvalidInputError):
-            trailers.append((FIELD_TRAILER, metadata_safe(exc.field)))
-        if isinstance(exc, NegotiationError):
-            trailers.append((MISMATCH_TRAILER, json.dumps([asdict(m) for m in exc.mismatches])))
-        context.set_trailing_metadata(tuple(trailers))
-        await context.abort(status_for(exc), str(exc))
-    log.error("unexpected error serving an RPC", exc_info=exc)
-    await context.abort(
-        grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the sidecar log"
-    )
 
 
 def rpc(
@@ -123,8 +59,7 @@ def rpc(
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _abort(context, exc)
-            raise  # not reached: context.abort raises
+            await abort_with(context, exc)
 
     return wrapper
 
@@ -181,17 +116,17 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     @rpc
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         state = await self._sidecar.abort(request.engine_id, request.request_id)
-        return pb.AbortResponse(state=state)
+        return pb.AbortResponse(state=abort_state_to_proto(state))
 
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: Context
-    ) -> AsyncIterator[pb.EngineEvent]:
+    ) -> AsyncIterator[pb.WatchEventsResponse]:
         try:
             events = self._sidecar.watch(request.engine_id)
             async for event in events:
                 yield event_to_proto(event)
         except KvxferError as exc:
-            await _abort(context, exc)
+            await abort_with(context, exc)
 
     @rpc
     async def Unregister(

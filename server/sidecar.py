@@ -29,6 +29,7 @@ from kvxfer.core.negotiation import PROTOCOL_VERSION, SUPPORTED_PROTOCOLS
 from kvxfer.core.planner import check_span_ids, full_attention_bytes, plan_transfer
 from kvxfer.core.requests import (
     MAX_EPOCH,
+    AbortState,
     EngineEvent,
     LeaseExpired,
     PullAccepted,
@@ -418,19 +419,19 @@ class Sidecar:
                 f"limits.max_inflight_pulls_per_peer: {running} pulls from {address} in flight"
             )
 
-    async def abort(self, engine_id: str, request_id: str) -> str:
+    async def abort(self, engine_id: str, request_id: str) -> AbortState:
         engine = self.engine(engine_id)
         check_request_id(request_id)
         pull = self._pulls.get((engine_id, request_id))
         if pull is not None:
             pull.aborted = True
             pull.cancel.set()
-            return "pulling"
+            return AbortState.PULLING
         before, released = self._leases.abort(engine.engine_id, request_id)
         if released is not None:
             self._release(released, ReleaseReason.ABORTED, 0)
         self._lease_gauges()
-        return before.value
+        return AbortState(before.value)
 
     def watch(self, engine_id: str) -> AsyncIterator[EngineEvent]:
         return self.engine(engine_id).events.watch()

@@ -233,7 +233,11 @@ MONITORING = ROOT / "deploy" / "monitoring"
 
 def exported_series() -> set[str]:
     """Every series name the sidecar's registry can export (server/metrics.py)."""
-    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    suffixes = {
+        "counter": ("_total",),
+        "histogram": ("_bucket", "_sum", "_count"),
+        "info": ("_info",),
+    }
     names = set()
     for family in Metrics().registry.collect():
         names.update(family.name + s for s in suffixes.get(family.type, ("",)))

@@ -19,16 +19,17 @@ import grpc
 import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from sidecars import EngineSim, engine_link, spans, start_engine, start_sidecar
+from sidecars import EngineSim, engine_link, scrape, spans, start_engine, start_sidecar
 
 from kvxfer._exceptions import InvalidInputError
-from kvxfer.cli.fleet import BIN, Proc
+from kvxfer.cli.fleet import BIN, Proc, metric
 from kvxfer.core.requests import TransferParams
 from kvxfer.server.peers import channel_options, server_options
 from kvxfer.server.settings import load_settings
 from kvxfer.v1 import layout_pb2
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.errors import rpc_error
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -98,6 +99,8 @@ async def test_junk_bodies_are_invalid_argument_with_little_logging(
     log = prefill[0].log_text()
     assert "Traceback" not in log
     assert log.count("refused a /kvxfer") <= 3, "junk is logged at most once per 10 s"
+    refused = metric(scrape(prefill[0]), "kvxfer_refusals_total", reason="undecodable")
+    assert refused >= codes[grpc.StatusCode.INVALID_ARGUMENT] // 2, "refusals are counted"
 
 
 def _rss_bytes(pid: int) -> int:
@@ -122,6 +125,7 @@ async def test_sizes_and_counts_are_capped_per_rpc(
     error = await _raw(channel, METHODS[1], big)
     assert error is not None and error.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "BeginRead" in (error.details() or "")
+    assert metric(scrape(prefill[0]), "kvxfer_refusals_total", reason="too_large") >= 1
     peer = pb_grpc.PeerServiceStub(channel)
     many = pb.HeartbeatRequest(request_ids=["r"] * 5000, read_tokens=[""] * 5000)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -135,16 +139,17 @@ async def test_sizes_and_counts_are_capped_per_rpc(
     assert (refused.value.details() or "").startswith("layout.groups:")
 
 
-async def test_names_echoed_into_trailers_are_sanitized(channel: grpc.aio.Channel) -> None:
+async def test_names_echoed_into_errors_arrive_exactly(channel: grpc.aio.Channel) -> None:
+    """A name from the wire goes back in the binary rich-status trailer: gRPC once failed
+    such a call with INTERNAL "Invalid metadata" when it sat in an ASCII trailer."""
     peer = pb_grpc.PeerServiceStub(channel)
     for name in ("é\n", "a\r\nkvxfer-error: Forged", "\x00"):
         layout = layout_pb2.EngineLayout(regions=[layout_pb2.Region(name=name, buffer="")])
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await peer.Handshake(pb.HandshakeRequest(protocol_version=1, layout=layout))
         assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, refused.value
-        trailers = dict(refused.value.trailing_metadata() or ())
-        field = trailers["kvxfer-field"]
-        assert isinstance(field, str) and field.isascii() and field.isprintable()
+        error = rpc_error(refused.value, "handshake")
+        assert isinstance(error, InvalidInputError) and name in error.field, error
 
 
 async def test_pulling_from_itself_is_invalid_argument(prefill: tuple[Proc, EngineSim]) -> None:

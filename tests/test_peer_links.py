@@ -195,7 +195,9 @@ class FakeContext:
     def peer(self) -> str:
         return self._peer
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+    async def abort(
+        self, code: grpc.StatusCode, details: str, trailing_metadata: object = ()
+    ) -> None:
         raise AbortedError(code, details)
 
 
@@ -215,7 +217,7 @@ async def test_calls_per_client_are_bounded() -> None:
         return "done"
 
     settings = load_settings(["--limits.max-calls-per-peer", "2"], environ={})
-    guard = PeerPortGuard(settings)
+    guard = PeerPortGuard(settings, Metrics())
     method = "/kvxfer.v1.PeerService/BeginRead"
 
     async def continuation(details: object) -> grpc.RpcMethodHandler[Any, Any]:

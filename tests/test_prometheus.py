@@ -13,9 +13,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from sidecars import engine_link, free_port, scrape, spans, start_engine, start_sidecar
 
-from kvxfer.cli.fleet import metric
+from kvxfer.cli.fleet import Proc, Samples, metric
 from kvxfer.core.requests import PullDone, PullStatus
 
 pytestmark = [
@@ -120,3 +121,68 @@ async def test_prometheus_scrapes_what_the_sidecar_did(tmp_path: Path) -> None:
         log.close()
         for proc in (de, pe, d, p):
             proc.stop()
+
+
+def _samples(text: str) -> Samples:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def _exposition(sidecar: Proc) -> str:
+    address = sidecar.ready["metrics_address"]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool comes with prometheus")
+async def test_a_live_scrape_is_clean_and_complete(tmp_path: Path) -> None:
+    p = start_sidecar(tmp_path, "prefill-0")
+    d = start_sidecar(tmp_path, "decode-0")
+    pe = start_engine(tmp_path, p, "gpt-oss-20b", "prefill", num_blocks=64)
+    de = start_engine(tmp_path, d, "gpt-oss-20b", "decode", num_blocks=64)
+    try:
+        before = scrape(d)  # no pull yet: the series whose labels are known exist, at zero
+        async with engine_link(p, pe) as (pc, _), engine_link(d, de) as (dc, d_events):
+            params = await pc.publish("lint-0", 300, spans({0: range(20), 1: range(20)}))
+            await dc.pull(params, spans({0: range(30, 50), 1: range(30, 50)}), 0)
+            assert isinstance(await d_events.next(), PullDone)
+        text = _exposition(d)
+    finally:
+        for proc in (de, pe, d, p):
+            proc.stop()
+    lint = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    samples = _samples(text)
+    # The peer is named by its identity (its sidecar id), not its IP:port.
+    assert metric(samples, "kvxfer_requests_total", peer="prefill-0", result="ok") == 1
+    assert not any(
+        dict(labels).get("peer", "prefill-0") not in ("prefill-0", "other") for _, labels in samples
+    )
+    # A new peer label starts every result at zero; reasons exist before any event.
+    assert ("kvxfer_requests_total", (("peer", "prefill-0"), ("result", "failed"))) in samples
+    for reason in ("too_large", "undecodable", "not_allowed", "too_many_calls"):
+        assert ("kvxfer_refusals_total", (("reason", reason),)) in before
+    for reason in ("consumed", "aborted", "unregistered"):
+        assert ("kvxfer_released_leases_total", (("reason", reason),)) in before
+    assert metric(samples, "kvxfer_build_info", protocol="1") == 1
+    assert metric(samples, "process_resident_memory_bytes") > 0
+    assert metric(samples, "kvxfer_transfer_bytes_count") == 1
+    assert metric(samples, "kvxfer_transfer_bytes_sum") == metric(
+        samples, "kvxfer_bytes_moved_total"
+    )
+    assert metric(samples, "kvxfer_transfer_descriptors_sum") == metric(
+        samples, "kvxfer_descriptors_total"
+    )
+    # Building the descriptors took well under a millisecond: the buckets resolve it.
+    post = sorted(
+        (float(dict(labels)["le"]), value)
+        for (name, labels), value in samples.items()
+        if name == "kvxfer_post_duration_seconds_bucket"
+    )
+    assert sum(1 for le, _ in post if le < 0.001) >= 5
+    assert post[0][1] == 0, "the post took less than the first bucket: it resolves nothing"

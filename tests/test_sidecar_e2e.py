@@ -25,8 +25,9 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from oracle import oracle_blocks, oracle_valid_tokens
 from sidecars import (
     DecodeImage,
@@ -50,7 +51,14 @@ from kvxfer.client.engine import EngineClient, SyncEngineClient
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import Region
 from kvxfer.core.profiles import layout_for_model
-from kvxfer.core.requests import LeaseExpired, PullDone, PullStatus, Released, ReleaseReason
+from kvxfer.core.requests import (
+    AbortState,
+    LeaseExpired,
+    PullDone,
+    PullStatus,
+    Released,
+    ReleaseReason,
+)
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 
@@ -193,7 +201,7 @@ async def test_abort_before_pull_releases_and_fails_the_pull(fleet: Fleet) -> No
         engine_link(fleet.d, fleet.de) as (d, d_events),
     ):
         params = await p.publish(fleet.request_id("abort-before"), 400, fleet.src(count))
-        assert await p.abort(params.request_id) == "held"
+        assert await p.abort(params.request_id) is AbortState.HELD
         released = await p_events.next()
         assert isinstance(released, Released) and released.reason is ReleaseReason.ABORTED
         await d.pull(params, fleet.dst(count), 0)
@@ -214,7 +222,7 @@ async def test_abort_during_pull_from_decode_side(fleet: Fleet) -> None:
         params = await p.publish(fleet.request_id("abort-d"), 1024, fleet.src(count))
         await d.pull(params, fleet.dst(count, faulty=True), 0)
         await asyncio.sleep(0.3)  # chunks are stalling now (fault seam)
-        assert await d.abort(params.request_id) == "pulling"
+        assert await d.abort(params.request_id) is AbortState.PULLING
         done = await d_events.next()
         released = await p_events.next()
     assert isinstance(done, PullDone) and done.status is PullStatus.ABORTED
@@ -232,7 +240,7 @@ async def test_abort_during_pull_from_prefill_side(fleet: Fleet) -> None:
         params = await p.publish(fleet.request_id("abort-p"), 1024, fleet.src(count))
         await d.pull(params, fleet.dst(count, faulty=True), 0)
         await asyncio.sleep(0.3)
-        assert await p.abort(params.request_id) == "reading"
+        assert await p.abort(params.request_id) is AbortState.READING
         assert p_events.pending() == 0  # not released while the read is in flight
         done = await d_events.next()
         released = await p_events.next()
@@ -276,7 +284,7 @@ async def test_mismatched_layout_is_refused_on_a_real_pull(fleet: Fleet) -> None
             params = await p.publish(fleet.request_id("mismatch"), 100, fleet.src(7))
             with pytest.raises(NegotiationError) as refused:
                 await d.pull(params, spans({0: range(7), 1: range(7)}), 0)
-            assert await p.abort(params.request_id) == "held"
+            assert await p.abort(params.request_id) is AbortState.HELD
             await p_events.next()
     finally:
         dxe.stop()
@@ -363,15 +371,38 @@ async def test_engine_socket_is_private_and_health_and_reflection_answer(fleet: 
             health = health_pb2_grpc.HealthStub(channel)
             reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
-            request = reflection_pb2.ServerReflectionRequest(list_services="")
-            async for answer in reflect.ServerReflectionInfo(iter([request]), timeout=5):
-                names = {s.name for s in answer.list_services_response.service}
-                break
-        assert "kvxfer.v1.AdminService" in names
-        engine = address.startswith("unix:")
-        want = "kvxfer.v1.EngineService" if engine else "kvxfer.v1.PeerService"
-        assert want in names
+            for version in ("v1", "v1alpha"):
+                names, files = await _reflect(channel, version)
+                assert {"kvxfer.v1.AdminService", *REFLECTION} <= names, (version, names)
+                engine = address.startswith("unix:")
+                want = "kvxfer.v1.EngineService" if engine else "kvxfer.v1.PeerService"
+                assert want in names
+                # What `grpcurl describe` asks next: the file holding a service.
+                assert {"grpc/reflection/v1/reflection.proto", "kvxfer/v1/sidecar.proto"} <= files
+
+
+REFLECTION = {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"}
+
+
+async def _reflect(channel: grpc.aio.Channel, version: str) -> tuple[set[str], set[str]]:
+    """A reflection client of either version: the messages are the same bytes under
+    both package names, so v1alpha's generated classes encode and decode v1's."""
+    call = channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    requests = [reflection_pb2.ServerReflectionRequest(list_services="")] + [
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)
+        for symbol in ("grpc.reflection.v1.ServerReflection", "kvxfer.v1.AdminService")
+    ]
+    names: set[str] = set()
+    files: set[str] = set()
+    async for answer in call(iter(requests), timeout=5):
+        names |= {s.name for s in answer.list_services_response.service}
+        for raw in answer.file_descriptor_response.file_descriptor_proto:
+            files.add(descriptor_pb2.FileDescriptorProto.FromString(raw).name)
+    return names, files
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -471,7 +502,7 @@ def _delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
 async def test_metrics_count_what_this_test_did(fleet: Fleet) -> None:
     """Counters move by exactly what this test does (deltas around its own pulls), so
     the check holds whichever tests ran before it."""
-    peer = fleet.p.ready["peer_address"]
+    peer = fleet.p.ready["sidecar_id"]  # the peer label is its identity, not its address
     d0, p0, df0 = scrape(fleet.d), scrape(fleet.p), scrape(fleet.df)
     done, _, src, dst = await _pull_once(fleet, "metrics-ok", 600, 0)
     assert done.status is PullStatus.OK, done.reason
@@ -484,7 +515,7 @@ async def test_metrics_count_what_this_test_did(fleet: Fleet) -> None:
         engine_link(fleet.d, fleet.de) as (d, d_events),
     ):
         aborted = await p.publish(fleet.request_id("metrics-abort"), 100, fleet.src(count))
-        assert await p.abort(aborted.request_id) == "held"
+        assert await p.abort(aborted.request_id) is AbortState.HELD
         assert isinstance(await p_events.next(), Released)
         expired = await p.publish(fleet.request_id("metrics-expire"), 100, fleet.src(count))
         assert isinstance(await p_events.next(timeout_s=10), LeaseExpired)

@@ -46,7 +46,8 @@ async def test_prefill_restart_between_pulls(tmp_path: Path) -> None:
         old_epoch = p.ready["epoch"]
         pe.stop()
         assert p.stop() == 0
-        p = start_sidecar(tmp_path, "p2", peer_port=port)
+        # The same sidecar id, as a StatefulSet pod gets back its name (KVXFER_SIDECAR_ID).
+        p = start_sidecar(tmp_path, "p", peer_port=port)
         pe = start_engine(tmp_path, p, MODEL, "prefill", "--seed", "9", num_blocks=64)
         assert p.ready["epoch"] != old_epoch
         async with engine_link(p, pe) as (pc, _), engine_link(d, de) as (dc, d_events):
@@ -68,7 +69,7 @@ async def test_prefill_restart_between_pulls(tmp_path: Path) -> None:
             image.expect_pull(pe, spans(first), dst, 150, 0, {})
         image.check_all()
         samples = scrape(d)
-        peer = f"127.0.0.1:{port}"
+        peer = "p"  # one series across the restart: the label is the peer's identity
         assert metric(samples, "kvxfer_peer_epoch_changes_total", peer=peer) == 1
         assert metric(samples, "kvxfer_handshakes_total", peer=peer, result="ok") == 2
         assert metric(samples, "kvxfer_peer_epoch", peer=peer) == float(p.ready["epoch"])

@@ -65,6 +65,15 @@ class PullStatus(enum.StrEnum):
     ABORTED = "aborted"  # an engine aborted the request first
 
 
+class AbortState(enum.StrEnum):
+    """What an aborted request was doing when the abort arrived."""
+
+    HELD = "held"  # published, nobody reading: released at once
+    READING = "reading"  # a peer was reading it: released when that read ends
+    ABORTED = "aborted"  # already aborted while being read
+    PULLING = "pulling"  # this engine's own pull was in flight: cancelled
+
+
 class ReleaseReason(enum.StrEnum):
     CONSUMED = "consumed"
     ABORTED = "aborted"

@@ -9,6 +9,10 @@ The sidecar's services (ARCHITECTURE.md sections 2, 4, 7, 8).
 
 History:
   v1 (protocol 1): first version.
+  Within protocol 1, before any release (buf lint STANDARD; both sides ship
+  together): EngineEvent renamed WatchEventsResponse (same fields and numbers),
+  AbortResponse.state from a string to the AbortState enum (same number, a new
+  wire type: a sidecar and client of before and after this change do not mix).
 """
 
 from collections import abc as _abc
@@ -44,6 +48,36 @@ MEMORY_KIND_UNSPECIFIED: MemoryKind.ValueType  # 0
 MEMORY_KIND_DRAM: MemoryKind.ValueType  # 1
 MEMORY_KIND_VRAM: MemoryKind.ValueType  # 2
 Global___MemoryKind: _TypeAlias = MemoryKind  # noqa: Y015
+
+class _AbortState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _AbortStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AbortState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ABORT_STATE_UNSPECIFIED: _AbortState.ValueType  # 0
+    ABORT_STATE_HELD: _AbortState.ValueType  # 1
+    """published, nobody reading: released at once"""
+    ABORT_STATE_READING: _AbortState.ValueType  # 2
+    """a peer was reading it: released when that read ends"""
+    ABORT_STATE_ABORTED: _AbortState.ValueType  # 3
+    """already aborted while being read"""
+    ABORT_STATE_PULLING: _AbortState.ValueType  # 4
+    """this engine's own pull was in flight: cancelled"""
+
+class AbortState(_AbortState, metaclass=_AbortStateEnumTypeWrapper):
+    """What an aborted request was doing when the abort arrived."""
+
+ABORT_STATE_UNSPECIFIED: AbortState.ValueType  # 0
+ABORT_STATE_HELD: AbortState.ValueType  # 1
+"""published, nobody reading: released at once"""
+ABORT_STATE_READING: AbortState.ValueType  # 2
+"""a peer was reading it: released when that read ends"""
+ABORT_STATE_ABORTED: AbortState.ValueType  # 3
+"""already aborted while being read"""
+ABORT_STATE_PULLING: AbortState.ValueType  # 4
+"""this engine's own pull was in flight: cancelled"""
+Global___AbortState: _TypeAlias = AbortState  # noqa: Y015
 
 class _PullStatus:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -425,12 +459,11 @@ class AbortResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     STATE_FIELD_NUMBER: _builtins.int
-    state: _builtins.str
-    """What the request was doing when aborted: "published", "reading", "pulling"."""
+    state: Global___AbortState.ValueType
     def __init__(
         self,
         *,
-        state: _builtins.str = ...,
+        state: Global___AbortState.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -613,7 +646,9 @@ class LeaseExpired(_message.Message):
 Global___LeaseExpired: _TypeAlias = LeaseExpired  # noqa: Y015
 
 @_typing.final
-class EngineEvent(_message.Message):
+class WatchEventsResponse(_message.Message):
+    """One engine event (the stream of WatchEvents)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PULL_DONE_FIELD_NUMBER: _builtins.int
@@ -640,7 +675,7 @@ class EngineEvent(_message.Message):
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
-Global___EngineEvent: _TypeAlias = EngineEvent  # noqa: Y015
+Global___WatchEventsResponse: _TypeAlias = WatchEventsResponse  # noqa: Y015
 
 @_typing.final
 class HandshakeRequest(_message.Message):

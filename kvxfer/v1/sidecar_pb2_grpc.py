@@ -57,7 +57,7 @@ class EngineServiceStub:
         self.WatchEvents = channel.unary_stream(
                 '/kvxfer.v1.EngineService/WatchEvents',
                 request_serializer=kvxfer_dot_v1_dot_sidecar__pb2.WatchEventsRequest.SerializeToString,
-                response_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.EngineEvent.FromString,
+                response_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.WatchEventsResponse.FromString,
                 _registered_method=True)
         self.Unregister = channel.unary_unary(
                 '/kvxfer.v1.EngineService/Unregister',
@@ -131,7 +131,7 @@ def add_EngineServiceServicer_to_server(servicer, server):
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
                     request_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.WatchEventsRequest.FromString,
-                    response_serializer=kvxfer_dot_v1_dot_sidecar__pb2.EngineEvent.SerializeToString,
+                    response_serializer=kvxfer_dot_v1_dot_sidecar__pb2.WatchEventsResponse.SerializeToString,
             ),
             'Unregister': grpc.unary_unary_rpc_method_handler(
                     servicer.Unregister,
@@ -273,7 +273,7 @@ class EngineService:
             target,
             '/kvxfer.v1.EngineService/WatchEvents',
             kvxfer_dot_v1_dot_sidecar__pb2.WatchEventsRequest.SerializeToString,
-            kvxfer_dot_v1_dot_sidecar__pb2.EngineEvent.FromString,
+            kvxfer_dot_v1_dot_sidecar__pb2.WatchEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

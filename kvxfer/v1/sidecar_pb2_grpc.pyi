@@ -9,6 +9,10 @@ The sidecar's services (ARCHITECTURE.md sections 2, 4, 7, 8).
 
 History:
   v1 (protocol 1): first version.
+  Within protocol 1, before any release (buf lint STANDARD; both sides ship
+  together): EngineEvent renamed WatchEventsResponse (same fields and numbers),
+  AbortResponse.state from a string to the AbortState enum (same number, a new
+  wire type: a sidecar and client of before and after this change do not mix).
 """
 
 from collections import abc as _abc
@@ -43,7 +47,7 @@ class EngineServiceStub:
     Publish: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.PublishRequest, _sidecar_pb2.PublishResponse]
     Pull: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.PullRequest, _sidecar_pb2.PullResponse]
     Abort: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.AbortRequest, _sidecar_pb2.AbortResponse]
-    WatchEvents: _grpc.UnaryStreamMultiCallable[_sidecar_pb2.WatchEventsRequest, _sidecar_pb2.EngineEvent]
+    WatchEvents: _grpc.UnaryStreamMultiCallable[_sidecar_pb2.WatchEventsRequest, _sidecar_pb2.WatchEventsResponse]
     Unregister: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.UnregisterRequest, _sidecar_pb2.UnregisterResponse]
 
 @_typing.type_check_only
@@ -53,7 +57,7 @@ class EngineServiceAsyncStub(EngineServiceStub):
     Publish: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.PublishRequest, _sidecar_pb2.PublishResponse]  # type: ignore[assignment]
     Pull: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.PullRequest, _sidecar_pb2.PullResponse]  # type: ignore[assignment]
     Abort: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.AbortRequest, _sidecar_pb2.AbortResponse]  # type: ignore[assignment]
-    WatchEvents: _aio.UnaryStreamMultiCallable[_sidecar_pb2.WatchEventsRequest, _sidecar_pb2.EngineEvent]  # type: ignore[assignment]
+    WatchEvents: _aio.UnaryStreamMultiCallable[_sidecar_pb2.WatchEventsRequest, _sidecar_pb2.WatchEventsResponse]  # type: ignore[assignment]
     Unregister: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.UnregisterRequest, _sidecar_pb2.UnregisterResponse]  # type: ignore[assignment]
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -90,7 +94,7 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _sidecar_pb2.WatchEventsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_sidecar_pb2.EngineEvent], _abc.AsyncIterator[_sidecar_pb2.EngineEvent]]: ...
+    ) -> _typing.Union[_abc.Iterator[_sidecar_pb2.WatchEventsResponse], _abc.AsyncIterator[_sidecar_pb2.WatchEventsResponse]]: ...
 
     @_abc_1.abstractmethod
     def Unregister(

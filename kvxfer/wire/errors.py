@@ -1,19 +1,36 @@
-"""gRPC failures as kvxfer errors, on the calling side of every RPC.
+"""kvxfer errors as google.rpc rich status, both ways.
 
-The serving side maps kvxfer errors to status codes (`kvxfer.server.servicers`);
-this is the inverse, so engines and the CLI catch the same exception tree as
-library users. A negotiation failure comes back whole: its mismatches travel as
-JSON in the `kvxfer-mismatches` trailer.
+The serving side ends a failed call with a `google.rpc.Status` in the standard
+`grpc-status-details-bin` trailer (`error_status`), so grpcurl and clients in
+any language read it without kvxfer's code:
+
+- `ErrorInfo`: `reason` is the kvxfer exception class in UPPER_SNAKE
+  (`LAYOUT_ERROR`, `NEGOTIATION_ERROR`), `domain` is `DOMAIN`; `metadata` holds
+  `field` for input errors and, for a negotiation failure, `mismatches` (a JSON
+  list of {field, local, peer, hint}, so a client can rebuild them exactly).
+- `BadRequest`: one field violation (field path, what is wrong) for input errors.
+- `PreconditionFailure`: one `LAYOUT_MISMATCH` violation per mismatch (subject:
+  the layout field), for a negotiation failure.
+
+The calling side maps a failure back (`rpc_error`), so engines and the CLI catch
+the same exception, field and message as library users. A status without
+kvxfer's ErrorInfo (from gRPC itself: deadline, unreachable) is mapped by code.
+The old `kvxfer-*` trailers are gone: both sides ship together.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import asdict
 from typing import TypeVar
 
 import grpc
 import grpc.aio
+from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
+from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from kvxfer._exceptions import (
     DataPlaneError,
@@ -32,31 +49,74 @@ from kvxfer._exceptions import (
     RegistrationError,
     ShuttingDownError,
     TransferError,
+    UnsupportedModelError,
 )
 from kvxfer.core.negotiation import Mismatch
 
 T = TypeVar("T")
-MISMATCH_TRAILER = "kvxfer-mismatches"
-ERROR_TRAILER = "kvxfer-error"  # the kvxfer exception class the server raised
-FIELD_TRAILER = "kvxfer-field"  # its field, for InvalidInputError and subclasses
-_BY_NAME: dict[str, type[KvxferError]] = {
-    cls.__name__: cls
-    for cls in (
-        LimitExceededError,
-        NotFoundError,
-        LeaseError,
-        PeerUnavailableError,
-        ShuttingDownError,
-        DataPlaneError,
-        RegistrationError,
-        PeerDisconnectedError,
-        TransferError,
-        PermissionDeniedError,
-    )
-}
-_INPUT_BY_NAME: dict[str, type[InvalidInputError]] = {
-    cls.__name__: cls for cls in (InvalidInputError, LayoutError, PlanError, ProfileError)
-}
+DOMAIN = "kvxfer.dev"
+DETAILS_TRAILER = "grpc-status-details-bin"  # the standard key (grpcio-status's too)
+MISMATCH_TYPE = "LAYOUT_MISMATCH"  # PreconditionFailure.Violation.type of a mismatch
+_INPUT_CLASSES: tuple[type[InvalidInputError], ...] = (
+    InvalidInputError,
+    LayoutError,
+    PlanError,
+    ProfileError,
+    UnsupportedModelError,
+)
+_OTHER_CLASSES: tuple[type[KvxferError], ...] = (
+    LimitExceededError,
+    NotFoundError,
+    LeaseError,
+    PeerUnavailableError,
+    ShuttingDownError,
+    DataPlaneError,
+    RegistrationError,
+    PeerDisconnectedError,
+    TransferError,
+    PermissionDeniedError,
+)
+
+
+def reason(cls: type[BaseException]) -> str:
+    """`ErrorInfo.reason` of a kvxfer error class: `LayoutError` -> `LAYOUT_ERROR`."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).upper()
+
+
+_INPUT_BY_REASON = {reason(cls): cls for cls in _INPUT_CLASSES}
+_OTHER_BY_REASON = {reason(cls): cls for cls in _OTHER_CLASSES}
+
+
+def error_status(exc: KvxferError, code: grpc.StatusCode) -> status_pb2.Status:
+    """The rich status a servicer ends a call with when `exc` was raised."""
+    info = error_details_pb2.ErrorInfo(reason=reason(type(exc)), domain=DOMAIN)
+    details: list[error_details_pb2.BadRequest | error_details_pb2.PreconditionFailure] = []
+    if isinstance(exc, InvalidInputError):
+        info.metadata["field"] = exc.field
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=exc.field, description=exc.detail, reason=info.reason
+        )
+        details.append(error_details_pb2.BadRequest(field_violations=[violation]))
+    if isinstance(exc, NegotiationError):
+        info.metadata["mismatches"] = json.dumps([asdict(m) for m in exc.mismatches])
+        violations = [
+            error_details_pb2.PreconditionFailure.Violation(
+                type=MISMATCH_TYPE,
+                subject=m.field,
+                description=f"local {m.local}, peer {m.peer} ({m.hint})",
+            )
+            for m in exc.mismatches
+        ]
+        details.append(error_details_pb2.PreconditionFailure(violations=violations))
+    status = status_pb2.Status(code=code.value[0], message=str(exc))
+    for message in (info, *details):
+        status.details.add().Pack(message)
+    return status
+
+
+def trailers_for(status: status_pb2.Status) -> tuple[tuple[str, bytes], ...]:
+    """The trailing metadata that carries `status` (`context.abort(..., trailers)`)."""
+    return ((DETAILS_TRAILER, status.SerializeToString()),)
 
 
 async def guarded(what: str, rpc: Callable[[], Awaitable[T]]) -> T:
@@ -68,21 +128,15 @@ async def guarded(what: str, rpc: Callable[[], Awaitable[T]]) -> T:
 
 
 def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> KvxferError:
-    """A failed RPC as the kvxfer error its status code stands for; `what` says which
-    call against which address."""
+    """A failed RPC as the kvxfer error it carries (or its status code stands for);
+    `what` says which call against which address."""
     code, detail = exc.code(), exc.details() or ""
-    trailers = {
-        key: value for key, value in exc.trailing_metadata() or () if isinstance(value, str)
-    }
-    mismatches = _mismatches(trailers.get(MISMATCH_TRAILER))
-    if mismatches:
-        return NegotiationError(mismatches)
-    name = trailers.get(ERROR_TRAILER, "")
-    if name in _INPUT_BY_NAME:
-        field = trailers.get(FIELD_TRAILER, what)
-        return _INPUT_BY_NAME[name](field, detail.removeprefix(f"{field}: "))
-    if name in _BY_NAME:
-        return _BY_NAME[name](f"{what}: {detail}")
+    status = rich_status(exc.trailing_metadata() or ())
+    info = _error_info(status.details) if status is not None else None
+    if status is not None and info is not None:
+        error = _kvxfer_error(status, info, detail, what)
+        if error is not None:
+            return error
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return PeerUnavailableError(f"{what}: unreachable ({code.name}: {detail})")
     if code is grpc.StatusCode.PERMISSION_DENIED:
@@ -99,10 +153,55 @@ def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> KvxferError:
     return PeerUnavailableError(f"{what}: {code.name}: {detail}")
 
 
-def _mismatches(trailer: str | None) -> list[Mismatch]:
-    if not trailer:
-        return []
+def rich_status(trailers: Iterable[tuple[str, str | bytes]]) -> status_pb2.Status | None:
+    """The google.rpc.Status in `trailers`, if one is there and decodes."""
+    for key, value in trailers:
+        if key == DETAILS_TRAILER and isinstance(value, bytes):
+            try:
+                status = status_pb2.Status.FromString(value)
+            except DecodeError:
+                return None
+            return status if status.code != code_pb2.OK else None
+    return None
+
+
+def _error_info(details: Iterable[any_pb2.Any]) -> error_details_pb2.ErrorInfo | None:
+    for detail in details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info) and info.domain == DOMAIN:  # False for another type
+            return info
+    return None
+
+
+def _kvxfer_error(
+    status: status_pb2.Status, info: error_details_pb2.ErrorInfo, detail: str, what: str
+) -> KvxferError | None:
+    if info.reason == reason(NegotiationError):
+        mismatches = _mismatches(info.metadata.get("mismatches", ""))
+        return NegotiationError(mismatches) if mismatches else None
+    if info.reason in _INPUT_BY_REASON:
+        field = info.metadata.get("field", what)
+        message = _violation(status, field)
+        if message is None:
+            message = detail.removeprefix(f"{field}: ")
+        return _INPUT_BY_REASON[info.reason](field, message)
+    if info.reason in _OTHER_BY_REASON:
+        return _OTHER_BY_REASON[info.reason](f"{what}: {detail}")
+    return None
+
+
+def _violation(status: status_pb2.Status, field: str) -> str | None:
+    for detail in status.details:
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            for violation in bad.field_violations:
+                if violation.field == field:
+                    return violation.description
+    return None
+
+
+def _mismatches(text: str) -> list[Mismatch]:
     try:
-        return [Mismatch(**item) for item in json.loads(trailer)]
+        return [Mismatch(**item) for item in json.loads(text)]
     except (TypeError, ValueError):
         return []

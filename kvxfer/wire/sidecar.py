@@ -15,6 +15,7 @@ from kvxfer.core.buffers import BoundBuffer, BufferHandle, MemoryKind
 from kvxfer.core.layout import EngineLayout
 from kvxfer.core.negotiation import PROTOCOL_VERSION
 from kvxfer.core.requests import (
+    AbortState,
     EngineEvent,
     LeaseExpired,
     PullDone,
@@ -41,6 +42,13 @@ _REASON_TO_PB = {
     ReleaseReason.UNREGISTERED: pb.RELEASE_REASON_UNREGISTERED,
 }
 _REASON_FROM_PB = {v: k for k, v in _REASON_TO_PB.items()}
+_ABORT_TO_PB = {
+    AbortState.HELD: pb.ABORT_STATE_HELD,
+    AbortState.READING: pb.ABORT_STATE_READING,
+    AbortState.ABORTED: pb.ABORT_STATE_ABORTED,
+    AbortState.PULLING: pb.ABORT_STATE_PULLING,
+}
+_ABORT_FROM_PB = {v: k for k, v in _ABORT_TO_PB.items()}
 
 
 def memory_kind_from_proto(value: int, field: str) -> MemoryKind:
@@ -153,9 +161,20 @@ def failed_to_proto(failed: Mapping[int, tuple[int, ...]]) -> list[pb.GroupBlock
     ]
 
 
-def event_to_proto(event: EngineEvent) -> pb.EngineEvent:
+def abort_state_to_proto(state: AbortState) -> pb.AbortState.ValueType:
+    return _ABORT_TO_PB[state]
+
+
+def abort_state_from_proto(value: int, field: str = "state") -> AbortState:
+    state: AbortState | None = _ABORT_FROM_PB.get(value)  # type: ignore[call-overload]
+    if state is None:
+        raise InvalidInputError(field, f"unknown abort state {value}")
+    return state
+
+
+def event_to_proto(event: EngineEvent) -> pb.WatchEventsResponse:
     if isinstance(event, PullDone):
-        return pb.EngineEvent(
+        return pb.WatchEventsResponse(
             pull_done=pb.PullDone(
                 request_id=event.request_id,
                 status=_STATUS_TO_PB[event.status],
@@ -167,21 +186,21 @@ def event_to_proto(event: EngineEvent) -> pb.EngineEvent:
             )
         )
     if isinstance(event, Released):
-        return pb.EngineEvent(
+        return pb.WatchEventsResponse(
             released=pb.Released(
                 request_id=event.request_id,
                 reason=_REASON_TO_PB[event.reason],
                 bytes_read=event.bytes_read,
             )
         )
-    return pb.EngineEvent(
+    return pb.WatchEventsResponse(
         lease_expired=pb.LeaseExpired(
             request_id=event.request_id, held_ms=round(event.held_s * 1000)
         )
     )
 
 
-def event_from_proto(message: pb.EngineEvent) -> EngineEvent:
+def event_from_proto(message: pb.WatchEventsResponse) -> EngineEvent:
     which = message.WhichOneof("event")
     if which == "pull_done":
         done = message.pull_done
