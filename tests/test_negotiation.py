@@ -135,3 +135,40 @@ def test_chunked_groups_are_refused_as_not_yet_transferable() -> None:
     # Against a layout without the group, both the difference and the refusal are named.
     full = layout_for_model("llama-3.1-8b")
     assert "not yet transferable" in _fields(full, layout)["layout.groups[0].kind"].hint  # type: ignore[attr-defined]
+
+
+def _deepseek(**changes: object) -> EngineLayout:
+    from kvxfer.core.profiles import layout_from_config, load_config  # noqa: PLC0415
+
+    _, config = load_config("deepseek-v2-lite")
+    return layout_from_config(config | changes, name="deepseek-v2-lite")
+
+
+def test_mla_agreement_says_the_latent_is_replicated() -> None:
+    (group,) = negotiate(_deepseek(), _deepseek()).groups
+    assert (group.kind, group.replicated, group.num_layers) == ("mla", True, 27)
+    (full,) = negotiate(layout_for_model("llama-3.1-8b"), layout_for_model("llama-3.1-8b")).groups[
+        :1
+    ]
+    assert not full.replicated
+
+
+def test_mla_geometry_mismatch_names_the_latent() -> None:
+    """A different kv_lora_rank changes every layer's latent: one summary naming what to
+    compare; MLA against full attention is a kind mismatch, never a downgrade."""
+    m = _fields(_deepseek(), dataclasses.replace(_deepseek(kv_lora_rank=256), fingerprint="x"))
+    summary = m["layout.groups[0].tensors"]
+    assert "kv_lora_rank + qk_rope_head_dim" in summary.hint  # type: ignore[attr-defined]
+    assert "not split by TP" in summary.hint  # type: ignore[attr-defined]
+    one = _deepseek()
+    group = one.groups[0]
+    smaller = dataclasses.replace(
+        group,
+        tensors=(dataclasses.replace(group.tensors[0], bytes_per_block=64), *group.tensors[1:]),
+    )
+    field = "layout.groups[0].tensors['layer.0.latent'].bytes_per_block"
+    hint = _fields(one, dataclasses.replace(one, groups=(smaller,)))[field].hint  # type: ignore[attr-defined]
+    assert hint.startswith("per-block sizes differ: check kv_lora_rank")
+    llama = layout_for_model("llama-3.1-8b")
+    kind = _fields(one, llama)["layout.groups[0].kind"]
+    assert (kind.local, kind.peer) == ("mla", "full_attention")  # type: ignore[attr-defined]

@@ -102,6 +102,16 @@ SUPPORTED: tuple[Family, ...] = (
         model_types=("llama4", "llama4_text"),
     ),
     Family(
+        "DeepSeek-V2, DeepSeek-V3, Kimi-K2 (multi-head latent attention on every layer)",
+        "mla",
+        reads=frozenset(
+            {"kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"}
+            | {"num_nextn_predict_layers"}
+        ),
+        layer_kinds=frozenset({FULL}),
+        model_types=("deepseek_v2", "deepseek_v3", "kimi_k2"),
+    ),
+    Family(
         "Jamba (Mamba-1 + attention)",
         "jamba",
         reads=frozenset({"attn_layer_period", "attn_layer_offset", "mamba_"}),
@@ -134,10 +144,14 @@ REFUSED: Mapping[str, tuple[str, tuple[str, ...]]] = {
     "bamba": ("the Bamba Mamba-2 hybrid", ("attn_layer_indices",)),
     "lfm2": ("the short-convolution hybrid", ("layer_types",)),
     "lfm2_moe": ("the short-convolution hybrid", ("layer_types",)),
-    "deepseek_v2": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
-    "deepseek_v3": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
-    "deepseek_v32": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
-    "kimi_k2": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
+    "kimi_linear": (
+        "Kimi Delta Attention (linear) beside MLA",
+        ("linear_attn_config", "kv_lora_rank"),
+    ),
+    "deepseek_v32": (
+        "DeepSeek sparse attention (an indexer key cache beside the MLA latent)",
+        ("index_topk", "index_head_dim"),
+    ),
     "qwen3_5": ("linear attention with a declared state dtype", ("mamba_ssm_dtype", "layer_types")),
     "qwen3_5_moe": (
         "linear attention with a declared state dtype",
