@@ -13,11 +13,10 @@ any decode rank could read any prefill rank's copy, though a pull still goes
 rank r <- rank r until heterogeneous TP exists.
 
 Not supported yet, and refused with a message that says so: different block
-sizes, different tensor-parallel sizes, and pulling chunked_local groups
-(`NOT_YET_TRANSFERABLE`: the planner, the CLI
-and the sidecar's publish check size them exactly, but no pull of one has run
-end to end yet: the simulated engine has no chunked pool and the vLLM
-integration does not map vLLM's ChunkedLocalAttentionSpec).
+sizes and different tensor-parallel sizes. `NOT_YET_TRANSFERABLE` names group
+kinds the planner sizes but no pull has moved end to end; it is empty now that
+chunked_local and mla pulls are byte-checked between simulated engines (the
+demo and tests/test_sidecar_kinds.py).
 """
 
 from __future__ import annotations
@@ -30,13 +29,9 @@ from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup
 PROTOCOL_VERSION = 1
 SUPPORTED_PROTOCOLS = frozenset({1})
 
-# Group kinds the planner handles but no pull has moved end to end yet, and why.
-NOT_YET_TRANSFERABLE: dict[GroupKind, str] = {
-    GroupKind.CHUNKED_LOCAL: (
-        "chunked_local groups are planned exactly but not yet transferable by the sidecar "
-        "(no pull of one has been tested end to end)"
-    ),
-}
+# Group kinds the planner handles but no pull has moved end to end yet, and why. A new
+# kind is listed here until a byte-checked pull of it runs (kept as the seam for that).
+NOT_YET_TRANSFERABLE: dict[GroupKind, str] = {}
 
 
 @dataclass(frozen=True)
