@@ -40,18 +40,23 @@ REQUESTS = [(600, 0), (512, 0), (513, 0), (1000, 256), (1100, 1024), (300, 288)]
 
 
 @dataclass
+class Decode:
+    """One decode sidecar, its engine, what its memory must hold, its next free block."""
+
+    sidecar: Proc
+    engine: EngineSim
+    image: DecodeImage
+    next_block: int = 0
+
+
+@dataclass
 class KindFleet:
     model: str
     p: Proc
     pe: EngineSim
-    d: Proc
-    de: EngineSim
-    df: Proc
-    dfe: EngineSim
-    images: dict[str, DecodeImage]
+    sides: dict[str, Decode]
     ids: Iterator[int] = field(default_factory=itertools.count)
     p_next: Iterator[int] = field(default_factory=lambda: itertools.cycle(range(NUM_BLOCKS)))
-    d_next: dict[str, int] = field(default_factory=lambda: {"d": 0, "df": 0})
 
     def spans_for(self, side: str, tokens: int, computed: int) -> tuple[list, list]:
         """Source ids rotate through the prefill pool; destination ids are fresh on the
@@ -65,9 +70,10 @@ class KindFleet:
             if not needed:
                 continue
             firsts[group.group_id] = needed[0]
-            start = self.d_next[side]
+            decode = self.sides[side]
+            start = decode.next_block
             assert start + len(needed) <= NUM_BLOCKS, "the test fleet ran out of decode blocks"
-            self.d_next[side] += len(needed)
+            decode.next_block += len(needed)
             fresh = list(range(start, start + len(needed)))
             dst[group.group_id] = fresh[1::2] + fresh[0::2]
             src[group.group_id] = [next(self.p_next) for _ in needed]
@@ -97,8 +103,8 @@ def fleet(
         de = start_engine(tmp, d, model, "decode", num_blocks=NUM_BLOCKS)
         dfe = start_engine(tmp, df, model, "decode", "--seed", "2", num_blocks=NUM_BLOCKS)
         procs += [pe, de, dfe]
-        images = {"d": DecodeImage(de), "df": DecodeImage(dfe)}
-        yield KindFleet(model, p, pe, d, de, df, dfe, images)
+        sides = {"d": Decode(d, de, DecodeImage(de)), "df": Decode(df, dfe, DecodeImage(dfe))}
+        yield KindFleet(model, p, pe, sides)
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -106,11 +112,11 @@ def fleet(
 
 async def _pull(fleet: KindFleet, side: str, tokens: int, computed: int) -> tuple[PullDone, int]:
     """One publish -> pull -> PullDone -> Released; returns PullDone and verified bytes."""
-    decode, engine = (fleet.d, fleet.de) if side == "d" else (fleet.df, fleet.dfe)
+    decode = fleet.sides[side]
     src, dst = fleet.spans_for(side, tokens, computed)
     async with (
         engine_link(fleet.p, fleet.pe) as (p, p_events),
-        engine_link(decode, engine) as (
+        engine_link(decode.sidecar, decode.engine) as (
             d,
             d_events,
         ),
@@ -123,7 +129,7 @@ async def _pull(fleet: KindFleet, side: str, tokens: int, computed: int) -> tupl
     groups = fleet.pe.layout.groups
     exact = sum(len(oracle_blocks(g, tokens, computed, B)) * g.bytes_per_block for g in groups)
     assert accepted.bytes_planned == exact
-    moved = fleet.images[side].expect_pull(fleet.pe, src, dst, tokens, computed, done.failed_blocks)
+    moved = decode.image.expect_pull(fleet.pe, src, dst, tokens, computed, done.failed_blocks)
     assert done.bytes_moved == moved == released.bytes_read
     return done, exact
 
@@ -151,8 +157,8 @@ async def test_injected_failures_report_what_the_oracle_predicts(fleet: KindFlee
 
 
 def test_every_decode_byte_is_its_pattern_or_a_pulled_block(fleet: KindFleet) -> None:
-    for image in fleet.images.values():
-        image.check_all()
+    for decode in fleet.sides.values():
+        decode.image.check_all()
 
 
 def test_cli_handshake_names_the_kind_and_the_replicated_latent(fleet: KindFleet) -> None:
