@@ -44,18 +44,24 @@ class ShmKVCache:
         prefix: str = "kvxfer",
         num_state_blocks: int = 8,
         num_sliding_blocks: int | None = None,
+        num_chunked_blocks: int | None = None,
     ) -> None:
-        """`num_blocks` per full-attention group; `num_sliding_blocks` per sliding-window
-        group (default `num_blocks`; an engine that frees blocks leaving the window needs
-        far fewer); `num_state_blocks` per Mamba group (one state block per running
-        request, each often tens of MiB)."""
+        """`num_blocks` per full-attention or MLA group (one latent tensor per layer);
+        `num_sliding_blocks` per sliding-window group and `num_chunked_blocks` per
+        chunked-local group (default `num_blocks`; an engine that frees blocks leaving
+        the window or chunk needs far fewer); `num_state_blocks` per Mamba group (one
+        state block per running request, each often tens of MiB)."""
         check_int("num_blocks", num_blocks, 1, 1 << 32)
         check_int("num_state_blocks", num_state_blocks, 1, 1 << 32)
         sliding = num_blocks if num_sliding_blocks is None else num_sliding_blocks
         check_int("num_sliding_blocks", sliding, 1, 1 << 32)
+        chunked = num_blocks if num_chunked_blocks is None else num_chunked_blocks
+        check_int("num_chunked_blocks", chunked, 1, 1 << 32)
         counts = {
             GroupKind.FULL_ATTENTION: num_blocks,
+            GroupKind.MLA: num_blocks,
             GroupKind.SLIDING_WINDOW: sliding,
+            GroupKind.CHUNKED_LOCAL: chunked,
             GroupKind.MAMBA: num_state_blocks,
         }
         tag = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -164,8 +170,11 @@ def shm_kv_cache(
     prefix: str = "kvxfer",
     num_state_blocks: int = 8,
     num_sliding_blocks: int | None = None,
+    num_chunked_blocks: int | None = None,
 ) -> Iterator[ShmKVCache]:
-    cache = ShmKVCache(layout, num_blocks, prefix, num_state_blocks, num_sliding_blocks)
+    cache = ShmKVCache(
+        layout, num_blocks, prefix, num_state_blocks, num_sliding_blocks, num_chunked_blocks
+    )
     try:
         yield cache
     finally:

@@ -24,6 +24,10 @@ def attended_cached_positions(group: KVGroup, num_tokens: int) -> Sequence[int]:
         assert chunk is not None
         # Position N attends to the earlier positions of its own chunk, one at a time.
         return [p for p in range(num_tokens) if p // chunk == num_tokens // chunk]
+    if group.kind is GroupKind.MLA:
+        # An MLA layer's latent stands for K and V of every earlier position.
+        return list(range(num_tokens))
+    assert group.kind is GroupKind.FULL_ATTENTION, group.kind
     return range(num_tokens)
 
 
@@ -88,7 +92,7 @@ def oracle_valid_tokens(
             continue
         ok = True
         for group in groups:
-            if group.kind is GroupKind.FULL_ATTENTION:
+            if group.kind is GroupKind.FULL_ATTENTION or group.kind is GroupKind.MLA:
                 ok = invalid_in(group.group_id, 0, s) == 0
             elif group.kind is GroupKind.SLIDING_WINDOW:
                 assert group.sliding_window is not None

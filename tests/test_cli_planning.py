@@ -95,7 +95,7 @@ def test_layout_json_and_table() -> None:
         ),
         (["plan", "--model", "llama-3.1-8b", "--tokens", "0"], "--tokens: must be at least 1"),
         (["plan", "--model", "nope", "--tokens", "10"], "'nope' is neither a built-in profile"),
-        (["plan", "--model", "deepseek-v2-lite", "--tokens", "10"], "MLA"),
+        (["layout", "--model", "deepseek-v2-lite", "--block-size", "0"], "--block-size"),
         (["plan", "--model", "llama-3.1-8b", "--tokens", "ten"], "not an integer: 'ten'"),
         (["layout", "--model", "llama-3.1-8b", "--kv-dtype", "int2"], "unknown dtype 'int2'"),
         (["layout", "--model", "llama-3.1-8b", "--tp-size", "3"], "cannot be placed on tp_size 3"),
@@ -159,3 +159,20 @@ def test_llama4_layout_and_plan_show_the_chunk() -> None:
     assert (moved["first_block"], moved["last_block"], moved["chunk_size"]) == (7680, 8124, 8192)
     assert plan["total_bytes"] == 445 * 28 * 2 * 32 * 8 * 128
     assert plan["full_attention_bytes"] == 8125 * 28 * 2 * 32 * 8 * 128
+
+
+def test_mla_layout_and_plan_show_the_latent() -> None:
+    """DeepSeek-V2-Lite: 27 MLA layers of 576 bf16 elements per token (1152 bytes), the
+    same at TP 4; 1000 tokens move blocks 0..62 of every layer."""
+    report = json.loads(run("layout", "--model", "deepseek-v2-lite", "--json").stdout)
+    (group,) = report["groups"]
+    assert (group["kind"], group["num_layers"], group["num_tensors"]) == ("mla", 27, 27)
+    assert (group["bytes_per_token"], group["replicated_across_tp"]) == (27 * 1152, True)
+    text = run("layout", "--model", "deepseek-v2-lite", "--tp-size", "4").stdout
+    assert "mla(latent)" in text and "the same on every TP rank" in text
+    plan = json.loads(
+        run("plan", "--model", "deepseek-v2-lite", "--tokens", "1000", "--json").stdout
+    )
+    (moved,) = plan["groups"]
+    assert (moved["first_block"], moved["last_block"]) == (0, 62)
+    assert plan["total_bytes"] == plan["full_attention_bytes"] == 63 * 27 * 16 * 1152

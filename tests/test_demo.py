@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from oracle import oracle_valid_tokens
@@ -120,6 +121,38 @@ def test_demo_with_injected_failures_reports_what_the_recompute_rule_says(demos:
         else:  # the executor's rule: partial when something beyond the hit is usable
             assert row["status"] == ("partial" if want > row["computed_tokens"] else "failed")
         assert row["problems"] == []
+
+
+LLAMA4_CHUNK_256 = str(Path(__file__).parent / "data" / "llama4-text-chunk-256.json")
+
+
+@pytest.mark.parametrize(
+    ("model", "kinds"),
+    [("deepseek-v2-lite", ["mla"]), (LLAMA4_CHUNK_256, ["chunked_local", "full_attention"])],
+)
+def test_demo_pulls_mla_and_chunked_models_byte_for_byte(
+    demos: Demos, model: str, kinds: list[str]
+) -> None:
+    """The simulated demo on an MLA model and a chunked-local model: clean pulls move the
+    exact minimum (chunked: far less than full attention), and with chunk failures
+    injected every valid_tokens is the oracle's."""
+    common = ("--model", model, "--requests", "6", "--tokens-range", "200:3000",
+              "--prefix-hit-rate", "0.5")  # fmt: skip
+    report = json.loads(demos.run(*common).stdout)
+    assert [g["kind"] for g in report["per_group"]] == kinds
+    assert report["verified_requests"] == 6 and report["untouched_bytes_verified"] is True
+    assert report["bytes_moved"] == report["bytes_exact_minimum"] > 0
+    if "chunked_local" in kinds:
+        assert report["full_attention_bytes"] > 2 * report["bytes_moved"]
+    result = demos.run(*common, "--fail-rate", "0.3", "--seed", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["failed_blocks"] > 0 and report["verified_requests"] == 6
+    layout = layout_for_model(model)
+    for row in report["per_request"]:
+        failed = {int(g): blocks for g, blocks in row["failed_blocks"].items()}
+        want = oracle_valid_tokens(layout.groups, row["tokens"], row["computed_tokens"], 16, failed)
+        assert row["valid_tokens"] == want and row["problems"] == []
 
 
 def test_unexpected_failures_make_the_demo_exit_non_zero(demos: Demos) -> None:

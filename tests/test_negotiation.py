@@ -9,6 +9,7 @@ import pytest
 from strategies import PROFILES
 
 from kvxfer._exceptions import NegotiationError
+from kvxfer.core import negotiation
 from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup, TensorSpec
 from kvxfer.core.negotiation import find_mismatches, negotiate
 from kvxfer.core.profiles import layout_for_model
@@ -122,16 +123,63 @@ def test_chunk_size_difference_is_named() -> None:
     assert m["layout.groups[0].chunk_size"].peer == "4096"  # type: ignore[attr-defined]
 
 
-def test_chunked_groups_are_refused_as_not_yet_transferable() -> None:
-    """The planner plans chunked_local exactly, but no pull of one has run end to end yet:
-    negotiation refuses it by name, even between identical layouts."""
+def test_chunked_groups_agree_and_a_listed_kind_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """chunked_local pulls are byte-checked end to end now (tests/test_sidecar_kinds.py),
+    so identical Llama 4 layouts agree. A kind still listed in NOT_YET_TRANSFERABLE is
+    refused by name, even between identical layouts."""
     layout = layout_for_model(LLAMA4)
+    (group,) = negotiate(layout, layout_for_model(LLAMA4)).groups
+    assert (group.kind, group.chunk_size) == ("chunked_local", 8192)
+    assert not negotiation.NOT_YET_TRANSFERABLE
+    monkeypatch.setitem(negotiation.NOT_YET_TRANSFERABLE, GroupKind.CHUNKED_LOCAL, "not yet")
     with pytest.raises(NegotiationError) as info:
         negotiate(layout, layout_for_model(LLAMA4))
     (mismatch,) = info.value.mismatches
     assert mismatch.field == "layout.groups[0].kind"
-    assert (mismatch.local, mismatch.peer) == ("chunked_local", "chunked_local")
-    assert "not yet transferable" in mismatch.hint
+    assert (mismatch.local, mismatch.peer, mismatch.hint) == (
+        "chunked_local",
+        "chunked_local",
+        "not yet",
+    )
     # Against a layout without the group, both the difference and the refusal are named.
     full = layout_for_model("llama-3.1-8b")
-    assert "not yet transferable" in _fields(full, layout)["layout.groups[0].kind"].hint  # type: ignore[attr-defined]
+    assert _fields(full, layout)["layout.groups[0].kind"].hint == "not yet"  # type: ignore[attr-defined]
+
+
+def _deepseek(**changes: object) -> EngineLayout:
+    from kvxfer.core.profiles import layout_from_config, load_config  # noqa: PLC0415
+
+    _, config = load_config("deepseek-v2-lite")
+    return layout_from_config(config | changes, name="deepseek-v2-lite")
+
+
+def test_mla_agreement_says_the_latent_is_replicated() -> None:
+    (group,) = negotiate(_deepseek(), _deepseek()).groups
+    assert (group.kind, group.replicated, group.num_layers) == ("mla", True, 27)
+    (full,) = negotiate(layout_for_model("llama-3.1-8b"), layout_for_model("llama-3.1-8b")).groups[
+        :1
+    ]
+    assert not full.replicated
+
+
+def test_mla_geometry_mismatch_names_the_latent() -> None:
+    """A different kv_lora_rank changes every layer's latent: one summary naming what to
+    compare; MLA against full attention is a kind mismatch, never a downgrade."""
+    m = _fields(_deepseek(), dataclasses.replace(_deepseek(kv_lora_rank=256), fingerprint="x"))
+    summary = m["layout.groups[0].tensors"]
+    assert "kv_lora_rank + qk_rope_head_dim" in summary.hint  # type: ignore[attr-defined]
+    assert "not split by TP" in summary.hint  # type: ignore[attr-defined]
+    one = _deepseek()
+    group = one.groups[0]
+    smaller = dataclasses.replace(
+        group,
+        tensors=(dataclasses.replace(group.tensors[0], bytes_per_block=64), *group.tensors[1:]),
+    )
+    field = "layout.groups[0].tensors['layer.0.latent'].bytes_per_block"
+    hint = _fields(one, dataclasses.replace(one, groups=(smaller,)))[field].hint  # type: ignore[attr-defined]
+    assert hint.startswith("per-block sizes differ: check kv_lora_rank")
+    llama = layout_for_model("llama-3.1-8b")
+    kind = _fields(one, llama)["layout.groups[0].kind"]
+    assert (kind.local, kind.peer) == ("mla", "full_attention")  # type: ignore[attr-defined]

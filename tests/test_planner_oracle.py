@@ -11,9 +11,15 @@ from hypothesis import strategies as st
 from oracle import oracle_blocks, oracle_layer_blocks
 from strategies import PROFILES, layouts, requests
 
-from kvxfer._exceptions import PlanError
-from kvxfer.core.layout import EngineLayout, GroupId, GroupKind, KVGroup
-from kvxfer.core.planner import full_attention_bytes, needed_blocks, plan_blocks, pool_blocks
+from kvxfer._exceptions import LayoutError, PlanError
+from kvxfer.core.layout import EngineLayout, GroupId, GroupKind, KVGroup, TensorSpec
+from kvxfer.core.planner import (
+    full_attention_blocks,
+    full_attention_bytes,
+    needed_blocks,
+    plan_blocks,
+    pool_blocks,
+)
 from kvxfer.core.profiles import layout_for_model, layout_from_config
 
 
@@ -327,3 +333,61 @@ def test_per_kind_geometry_moves_exact_bytes(
     moved = {(t.layer, b) for p in plans for t in p.group.tensors for b in p.blocks}
     assert moved == reads
     assert sum(p.nbytes for p in plans) == sum(layer_bytes(layer) for layer, _ in reads)
+
+
+@st.composite
+def mla_layouts(draw: st.DrawFn) -> EngineLayout:
+    """An MLA group (drawn latent width and layer count) first, and sometimes a sliding,
+    chunked or Mamba group beside it, so the MLA rule is also exercised in combination."""
+    block_size = draw(st.sampled_from((1, 16, 64, 256)))
+    layers = draw(st.integers(1, 6))
+    latent = draw(st.integers(1, 1024))
+    groups = [
+        KVGroup(
+            GroupId(0),
+            GroupKind.MLA,
+            None,
+            tuple(range(layers)),
+            tuple(TensorSpec(f"layer.{i}.latent", i, block_size * latent) for i in range(layers)),
+        )
+    ]
+    extra = draw(st.sampled_from((None, GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL)))
+    if extra is not None:
+        size = draw(st.integers(1, 5000))
+        groups.append(
+            KVGroup(
+                GroupId(1),
+                extra,
+                size if extra is GroupKind.SLIDING_WINDOW else None,
+                (layers,),
+                (TensorSpec(f"layer.{layers}.k", layers, 8),),
+                chunk_size=size if extra is GroupKind.CHUNKED_LOCAL else None,
+            )
+        )
+    return EngineLayout("mla-drawn", "sha256:0", "bfloat16", block_size, 1, 0, tuple(groups))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_mla_plan_matches_token_oracle(data: st.DataObject) -> None:
+    layout = data.draw(mla_layouts())
+    num_tokens, computed = data.draw(requests(layout.block_size, max_tokens=40_000))
+    plans = plan_blocks(layout, num_tokens, computed)
+    for plan in plans:
+        expected = oracle_blocks(plan.group, num_tokens, computed, layout.block_size)
+        assert set(plan.blocks) == expected, plan.group.kind
+        assert plan.nbytes == len(expected) * plan.group.bytes_per_block
+    mla = plans[0]
+    assert (
+        mla.nbytes
+        == len(full_attention_blocks(mla.group, num_tokens, computed, layout.block_size))
+        * mla.group.bytes_per_block
+    )
+
+
+def test_mla_group_needs_one_latent_per_layer() -> None:
+    tensors = (TensorSpec("layer.0.latent", 0, 64), TensorSpec("layer.0.rope", 0, 64))
+    with pytest.raises(LayoutError, match=r"groups\[0\]\.tensors: an mla group holds exactly one"):
+        KVGroup(GroupId(0), GroupKind.MLA, None, (0,), tensors)
+    with pytest.raises(LayoutError, match=r"groups\[0\]\.tensors: an mla group"):
+        KVGroup(GroupId(0), GroupKind.MLA, None, (0, 1), tensors[:1])

@@ -80,11 +80,14 @@ def test_state_sizes_follow_the_readme() -> None:
     assert layout_for_model("jamba-mini-1.5", block_size=256).groups[0].tensors == jamba
 
 
-def test_mla_is_refused_with_a_reason() -> None:
-    with pytest.raises(
-        UnsupportedModelError, match=r"MLA\) is not supported \(field kv_lora_rank\)"
-    ):
-        layout_for_model("deepseek-v2-lite")
+def test_deepseek_v2_lite_is_one_mla_group() -> None:
+    """27 layers, one latent each: 16 tokens x (512 + 64) x 2 bytes = 18432 per block."""
+    (group,) = layout_for_model("deepseek-v2-lite").groups
+    assert (group.kind, group.layers) == (GroupKind.MLA, tuple(range(27)))
+    assert [(t.name, t.bytes_per_block) for t in group.tensors[:2]] == [
+        ("layer.0.latent", 18432),
+        ("layer.1.latent", 18432),
+    ]
 
 
 def test_config_path_and_text_config_nesting(tmp_path: Path) -> None:
@@ -225,7 +228,7 @@ def _attention_config(model_type: str | None, **extra: object) -> dict[str, obje
             "KV head",
         ),
         ("chatglm", {"multi_query_group_num": 2, "kv_channels": 128}, "kv_channels", "head dim"),
-        ("deepseek_v3", {"kv_lora_rank": 512}, "kv_lora_rank", "MLA"),
+        ("minicpm3", {"kv_lora_rank": 256}, "kv_lora_rank", "MLA"),
     ],
 )
 def test_published_features_are_refused_by_name(

@@ -140,6 +140,11 @@ SUPPORTED: dict[str, list[Expected]] = {
     "llama4-text-formomouse": [
         Expected("chunked_local", None, tuple(range(28)), _kv(8, 128), chunk=8192)
     ],
+    # MLA: one latent of kv_lora_rank 512 + qk_rope_head_dim 64 = 576 elements per token:
+    # 16 x 576 x 2 = 18432 bytes per block, every num_hidden_layers layer, no V.
+    "deepseek-v2-lite-chat": [Expected("mla", None, tuple(range(27)), (18432,))],
+    # DeepSeek-V3's one MTP layer (num_nextn_predict_layers) is not in the main engine.
+    "deepseek-v3-w8a8": [Expected("mla", None, tuple(range(61)), (18432,))],
 }
 
 # name -> (model_type, field named, words of the feature)
@@ -147,6 +152,7 @@ REFUSED: dict[str, tuple[str, str, str]] = {
     "zamba-7b-v1": ("zamba", "attn_layer_period", "no vLLM model"),
     # transformers reads layer_types (all full), vLLM no_rope_layers (all RoPE: chunked)
     "mobilellm-r1-950m": ("llama4_text", "layer_types", "disagreeing with no_rope_layers"),
+    "kimi-linear-48b-a3b-instruct": ("kimi_linear", "linear_attn_config", "Kimi Delta"),
 }
 
 # Keys a stored page was cut before, restored by the test from the file itself:
@@ -300,3 +306,67 @@ def test_llama4_moves_only_the_last_chunk() -> None:
     assert not plan.blocks
     (plan,) = plan_blocks(layout, 130000, 128000)  # C inside the last chunk
     assert plan.blocks == range(8000, 8125)
+
+
+# Kimi-K2's published MLA values (moonshotai/Kimi-K2-Instruct; no verbatim file stored).
+KIMI_K2 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "kimi_k2",
+    "num_hidden_layers": 61,
+    "hidden_size": 7168,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "num_nextn_predict_layers": 0,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 8])
+def test_mla_latent_is_whole_on_every_tp_rank(tp_size: int) -> None:
+    """Kimi-K2 at fp8, B = 64: 64 x 576 x 1 = 36864 bytes per layer per block, the
+    same at every TP size (the latent is replicated, not split by heads)."""
+    layout = layout_from_config(
+        KIMI_K2, name="kimi-k2", kv_dtype="float8_e4m3fn", block_size=64, tp_size=tp_size
+    )
+    (group,) = layout.groups
+    assert group.kind is GroupKind.MLA
+    assert group.layers == tuple(range(61))
+    assert [t.name for t in group.tensors[:2]] == ["layer.0.latent", "layer.1.latent"]
+    assert {t.bytes_per_block for t in group.tensors} == {36864}
+
+
+def test_mla_long_prompt_moves_every_cached_block() -> None:
+    """DeepSeek-V3, 100000 tokens with 32768 computed: blocks 2048..6249 of 16 on all
+    61 layers, 4202 x 61 x 18432 bytes; the oracle agrees block by block."""
+    layout = layout_for_model(_path("deepseek-v3-w8a8"), block_size=16)
+    (plan,) = plan_blocks(layout, 100000, 32768)
+    assert plan.blocks == range(2048, 6250)
+    assert plan.nbytes == 4202 * 61 * 18432
+    assert set(plan.blocks) == oracle_blocks(plan.group, 100000, 32768, 16)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"kv_lora_rank": None}, "kv_lora_rank"),
+        ({"qk_rope_head_dim": 0}, "qk_rope_head_dim"),
+        ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers"),
+    ],
+)
+def test_mla_geometry_errors_name_the_field(change: dict[str, object], field: str) -> None:
+    with pytest.raises((ProfileError, UnsupportedModelError)) as info:
+        layout_from_config(KIMI_K2 | change, name="kimi-k2")
+    assert info.value.field == field
+
+
+def test_deepseek_v32_sparse_attention_stays_refused_by_name() -> None:
+    config = KIMI_K2 | {"model_type": "deepseek_v32", "index_topk": 2048, "index_head_dim": 128}
+    with pytest.raises(UnsupportedModelError) as info:
+        layout_from_config(config, name="v32")
+    assert info.value.field == "index_topk"
+    assert "indexer key cache" in info.value.detail

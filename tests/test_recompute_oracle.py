@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import oracle_valid_tokens
 from strategies import layouts, requests
-from test_planner_oracle import llama4_layouts
+from test_planner_oracle import llama4_layouts, mla_layouts
 
 from kvxfer._exceptions import PlanError
 from kvxfer.core.layout import EngineLayout, GroupKind
@@ -104,3 +104,18 @@ def test_chunked_failure_resumes_inside_the_chunk() -> None:
     assert valid_tokens(layout.groups, 290, 0, 10, {0: {25}}) == 250
     assert valid_tokens(layout.groups, 290, 0, 10, {0: {20}}) == 200
     assert valid_tokens(layout.groups, 290, 0, 10, {0: {28}}) == 280
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_mla_valid_tokens_matches_simulation(data: st.DataObject) -> None:
+    """MLA groups (alone or beside a sliding or chunked group), failures anywhere."""
+    _check_against_simulation(data, data.draw(mla_layouts()), 30_000)
+
+
+def test_mla_failure_resumes_at_the_first_lost_latent() -> None:
+    """DeepSeek-V2-Lite, N = 1000, C = 320: blocks 20..62 move; a failed block 40 leaves
+    the latents of [0, 640) whole, so the engine resumes at 640."""
+    layout = layout_for_model("deepseek-v2-lite", block_size=16)
+    assert valid_tokens(layout.groups, 1000, 320, 16, {0: {40, 41}}) == 640
+    assert valid_tokens(layout.groups, 1000, 320, 16, {0: {20}}) == 320

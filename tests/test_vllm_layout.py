@@ -50,6 +50,11 @@ class MLAAttentionSpec(FullAttentionSpec):
     pass
 
 
+@dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    attention_chunk_size: int = 0
+
+
 @dataclass
 class KVCacheTensor:
     size: int
@@ -211,3 +216,31 @@ def test_unsupported_specs_are_refused_by_name() -> None:
     )
     with pytest.raises(LayoutError, match=r"model\.layers\.9\.x has no kv_cache_tensor"):
         layout_from_vllm(config, buffer="seg", base_offset=0, model="m")
+
+
+def test_chunked_local_spec_maps_to_chunked_local_with_its_chunk() -> None:
+    """Llama 4 under the hybrid manager: RoPE layers in a ChunkedLocalAttentionSpec group
+    (chunks of 8192), NoPE layers full. The chunked group plans only the last chunk; a
+    FullAttentionSpec merely carrying attention_chunk_size (hybrid manager off) keeps
+    every block, so it is full attention."""
+    config = gemma3_config()
+    chunked = ChunkedLocalAttentionSpec(128, 32768, attention_chunk_size=8192)
+    config.kv_cache_groups[0] = KVCacheGroupSpec([_name(0), _name(2)], chunked)
+    layout = layout_from_vllm(config, buffer="seg", base_offset=0, model="llama4")
+    first, second = layout.groups
+    assert (first.kind, first.chunk_size, first.sliding_window) == (
+        GroupKind.CHUNKED_LOCAL,
+        8192,
+        None,
+    )
+    assert (second.kind, second.chunk_size) == (GroupKind.FULL_ATTENTION, None)
+    moved, full = plan_blocks(layout, 10000, 0)
+    assert moved.blocks == range(8192 // 128, math.ceil(10000 / 128))
+    assert full.blocks == range(0, math.ceil(10000 / 128))
+    other = gemma3_config()
+    other.kv_cache_groups[0] = KVCacheGroupSpec(
+        [_name(0), _name(2)], ChunkedLocalAttentionSpec(128, 32768, attention_chunk_size=4096)
+    )
+    assert layout_from_vllm(other, buffer="seg", base_offset=0, model="llama4").fingerprint != (
+        layout.fingerprint
+    )

@@ -42,8 +42,8 @@ def test_bad_message_names_the_field() -> None:
     with pytest.raises(LayoutError, match=r"^layout.groups\[1\].kind: unknown group kind 0"):
         layout_from_proto(message)
     message = layout_to_proto(layout_for_model("gpt-oss-20b"))
-    message.groups[1].kind = pb.GROUP_KIND_MLA
-    with pytest.raises(LayoutError, match=r"^layout.groups\[1\].kind: MLA .* not supported yet"):
+    message.groups[1].kind = pb.GROUP_KIND_MLA  # K and V per layer: not one latent each
+    with pytest.raises(LayoutError, match=r"^layout.groups\[1\].tensors: an mla group holds"):
         layout_from_proto(message)
     message = layout_to_proto(layout_for_model("gpt-oss-20b"))
     message.block_size = 0

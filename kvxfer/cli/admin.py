@@ -134,11 +134,17 @@ def _handshake_text(address: str, report: dict[str, Any]) -> str:
         )
         for group in agreement["groups"]:
             window = f" W={group['sliding_window']}" if group["sliding_window"] else ""
+            chunk = f" S={group['chunk_size']}" if group["chunk_size"] else ""
             lines.append(
                 f"  group {group['local_group']} <- peer group {group['peer_group']}: "
-                f"{group['kind']}{window}, {group['num_layers']} layers, "
+                f"{group['kind']}{window}{chunk}, {group['num_layers']} layers, "
                 f"{human_bytes(group['bytes_per_block'])}/block"
             )
+            if group["replicated"]:
+                lines.append(
+                    "    latent replicated on every TP rank: any decode rank may read any "
+                    "prefill rank's copy (pulls still go rank r <- rank r)"
+                )
         return "\n".join(lines)
     lines.append(f"NOT compatible: {len(report['mismatches'])} mismatch(es)")
     for m in report["mismatches"]:

@@ -340,6 +340,7 @@ def _setup(model: str, sizes: Sequence[str]) -> _ModelSetup:
         "--block-size", str(BLOCK),
         "--num-blocks", str(pools[GroupKind.FULL_ATTENTION]),
         "--sliding-blocks", str(pools[GroupKind.SLIDING_WINDOW]),
+        "--chunked-blocks", str(pools[GroupKind.CHUNKED_LOCAL]),
         "--state-blocks", "1",
     )  # fmt: skip
     return _ModelSetup(model, keep, engine_args, skipped)

@@ -186,11 +186,13 @@ def _sizing(model: str, block_size: int, max_tokens: int) -> _Sizing:
 
     pools = pool_blocks(layout_for_model(model, block_size=block_size), max_tokens)
     full, sliding = pools[GroupKind.FULL_ATTENTION], pools[GroupKind.SLIDING_WINDOW]
+    chunked = pools[GroupKind.CHUNKED_LOCAL]
 
     def args(copies: int) -> tuple[str, ...]:
         return (
             "--num-blocks", str(full * copies),
             "--sliding-blocks", str(sliding * copies),
+            "--chunked-blocks", str(chunked * copies),
             "--state-blocks", str(copies),
         )  # fmt: skip
 

@@ -32,6 +32,7 @@ def run_engine_sim(args: argparse.Namespace) -> int:
         prefix=f"kvxfer-{args.role}",
         num_state_blocks=args.state_blocks,
         num_sliding_blocks=args.sliding_blocks,
+        num_chunked_blocks=args.chunked_blocks,
     ) as cache:
         for index, handle in enumerate(cache.buffers):
             fill(cache.view(handle.name), salt_for(args.role, args.seed, index))
@@ -60,6 +61,7 @@ async def _serve(args: argparse.Namespace, cache: ShmKVCache) -> int:
             "num_blocks": args.num_blocks,
             "state_blocks": args.state_blocks,
             "sliding_blocks": args.sliding_blocks or args.num_blocks,
+            "chunked_blocks": args.chunked_blocks or args.num_blocks,
             "pid": os.getpid(),
             "buffers": [dataclasses.asdict(h) | {"kind": h.kind.value} for h in cache.buffers],
             "regions": [dataclasses.asdict(r) for r in cache.layout.regions],

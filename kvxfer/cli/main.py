@@ -153,13 +153,22 @@ def _add_engine_sim(commands: Any) -> None:
     sim.add_argument("--role", required=True, choices=["prefill", "decode"])
     sim.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     sim.add_argument(
-        "--num-blocks", type=positive_int, default=1024, help="blocks per full-attention group"
+        "--num-blocks",
+        type=positive_int,
+        default=1024,
+        help="blocks per full-attention or MLA group",
     )
     sim.add_argument(
         "--sliding-blocks",
         type=positive_int,
         default=None,
         help="blocks per sliding-window group (default: --num-blocks)",
+    )
+    sim.add_argument(
+        "--chunked-blocks",
+        type=positive_int,
+        default=None,
+        help="blocks per chunked-local group (default: --num-blocks)",
     )
     sim.add_argument(
         "--state-blocks", type=positive_int, default=8, help="state blocks per Mamba group"

@@ -39,6 +39,7 @@ def layout_report(layout: EngineLayout) -> dict[str, Any]:
             "num_tensors": len(g.tensors),
             "bytes_per_token": _bytes_per_token(g, layout.block_size),
             "bytes_per_block": g.bytes_per_block,
+            "replicated_across_tp": g.kind is GroupKind.MLA,
         }
         for g in layout.groups
     ]
@@ -92,6 +93,8 @@ def _kind_label(group: dict[str, Any]) -> str:
         return f"{group['kind']}(W={group['sliding_window']})"
     if group["chunk_size"] is not None:
         return f"{group['kind']}(S={group['chunk_size']})"
+    if group["kind"] == GroupKind.MLA.value:
+        return "mla(latent)"
     return str(group["kind"])
 
 
@@ -123,6 +126,11 @@ def run_layout(args: argparse.Namespace) -> int:
         for g in report["groups"]
     ]
     print(_table(["group", "kind", "layers", "bytes/token", "bytes/block"], rows))
+    if any(g["replicated_across_tp"] for g in report["groups"]):
+        print(
+            "mla: one latent per layer (kv_lora_rank + qk_rope_head_dim per token), "
+            "the same on every TP rank"
+        )
     return 0
 
 

@@ -180,6 +180,16 @@ SUPPORTED: tuple[Family, ...] = (
         model_types=("llama4", "llama4_text"),
     ),
     Family(
+        "DeepSeek-V2, DeepSeek-V3, Kimi-K2 (multi-head latent attention on every layer)",
+        "mla",
+        reads=frozenset(
+            {"kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"}
+            | {"num_nextn_predict_layers"}
+        ),
+        layer_kinds=frozenset({FULL}),
+        model_types=("deepseek_v2", "deepseek_v3", "kimi_k2"),
+    ),
+    Family(
         "Jamba (Mamba-1 + attention)",
         "jamba",
         reads=frozenset({"attn_layer_period", "attn_layer_offset", "mamba_"}),
@@ -201,10 +211,14 @@ REFUSED: Mapping[str, tuple[str, tuple[str, ...]]] = {
         "the Mamba/shared-attention hybrid (no vLLM model to size it against)",
         ("layers_block_type", "attn_layer_period"),
     ),
-    "deepseek_v2": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
-    "deepseek_v3": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
-    "deepseek_v32": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
-    "kimi_k2": ("multi-head latent attention (MLA)", ("kv_lora_rank",)),
+    "kimi_linear": (
+        "Kimi Delta Attention (linear) beside MLA",
+        ("linear_attn_config", "kv_lora_rank"),
+    ),
+    "deepseek_v32": (
+        "DeepSeek sparse attention (an indexer key cache beside the MLA latent)",
+        ("index_topk", "index_head_dim"),
+    ),
 }
 
 # Keys known to change what a layer caches or reads. Keys ending in "_" are

@@ -33,6 +33,9 @@ class GroupKind(enum.StrEnum):
     SLIDING_WINDOW = "sliding_window"
     MAMBA = "mamba"
     CHUNKED_LOCAL = "chunked_local"
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): one latent tensor per layer
+    # instead of K and V, the same on every TP rank; read like full attention.
+    MLA = "mla"
 
 
 KV_DTYPE_BYTES: Mapping[str, int] = {
@@ -78,7 +81,8 @@ class TensorSpec:
 @dataclass(frozen=True)
 class KVGroup:
     """`sliding_window` is set only for a sliding_window group, `chunk_size` (tokens per
-    attention chunk, Llama 4) only for a chunked_local group.
+    attention chunk, Llama 4) only for a chunked_local group. An mla group holds one
+    latent tensor per layer (`kv_lora_rank + qk_rope_head_dim` elements per token).
 
     `block_size` is this group's own block size in tokens when it differs from the
     layout's (an engine such as vLLM's hybrid manager sizes groups separately, e.g.
@@ -121,6 +125,18 @@ class KVGroup:
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             raise LayoutError(f"{where}.tensors", "tensor names repeat within the group")
+        if self.kind is GroupKind.MLA:
+            self._check_one_latent_per_layer(where)
+
+    def _check_one_latent_per_layer(self, where: str) -> None:
+        """An MLA layer caches one latent tensor (no K/V split): exactly one per layer."""
+        owners = sorted(t.layer for t in self.tensors)
+        if owners != sorted(self.layers):
+            raise LayoutError(
+                f"{where}.tensors",
+                f"an mla group holds exactly one latent tensor per layer: layers "
+                f"{sorted(self.layers)[:8]}, tensors of layers {owners[:8]}",
+            )
 
     @property
     def bytes_per_block(self) -> int:

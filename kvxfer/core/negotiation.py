@@ -8,12 +8,15 @@ hint. Nothing is ever downgraded: a sliding-window or Mamba group is never
 treated as full attention, and a group that exists on one side only is a
 mismatch, not something to drop.
 
+An mla group's latent is the same on every TP rank (`GroupMapping.replicated`):
+any decode rank could read any prefill rank's copy, though a pull still goes
+rank r <- rank r until heterogeneous TP exists.
+
 Not supported yet, and refused with a message that says so: different block
-sizes, different tensor-parallel sizes, MLA (refused earlier, by the profiles),
-and pulling chunked_local groups (`NOT_YET_TRANSFERABLE`: the planner, the CLI
-and the sidecar's publish check size them exactly, but no pull of one has run
-end to end yet: the simulated engine has no chunked pool and the vLLM
-integration does not map vLLM's ChunkedLocalAttentionSpec).
+sizes and different tensor-parallel sizes. `NOT_YET_TRANSFERABLE` names group
+kinds the planner sizes but no pull has moved end to end; it is empty now that
+chunked_local and mla pulls are byte-checked between simulated engines (the
+demo and tests/test_sidecar_kinds.py).
 """
 
 from __future__ import annotations
@@ -26,13 +29,9 @@ from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup
 PROTOCOL_VERSION = 1
 SUPPORTED_PROTOCOLS = frozenset({1})
 
-# Group kinds the planner handles but no pull has moved end to end yet, and why.
-NOT_YET_TRANSFERABLE: dict[GroupKind, str] = {
-    GroupKind.CHUNKED_LOCAL: (
-        "chunked_local groups are planned exactly but not yet transferable by the sidecar "
-        "(no pull of one has been tested end to end)"
-    ),
-}
+# Group kinds the planner handles but no pull has moved end to end yet, and why. A new
+# kind is listed here until a byte-checked pull of it runs (kept as the seam for that).
+NOT_YET_TRANSFERABLE: dict[GroupKind, str] = {}
 
 
 @dataclass(frozen=True)
@@ -55,6 +54,9 @@ class GroupMapping:
     num_layers: int
     bytes_per_block: int
     chunk_size: int | None = None
+    # The group's tensors are identical on every TP rank (an mla latent): any decode
+    # rank may read any prefill rank's copy.
+    replicated: bool = False
 
 
 @dataclass(frozen=True)
@@ -253,8 +255,8 @@ def _group(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
                 f"{where}.kind",
                 a.kind.value,
                 b.kind.value,
-                "kvxfer never treats sliding-window or Mamba layers as full attention; "
-                "configure both engines' hybrid KV cache the same way",
+                "kvxfer never treats sliding-window, chunked, Mamba or latent (MLA) layers "
+                "as anything else; configure both engines' KV cache the same way",
             )
         )
     elif a.sliding_window != b.sliding_window:
@@ -303,10 +305,20 @@ def _tensors(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
             f"{where}.tensors",
             f"{len(a.tensors)} tensors",
             f"{len(b.tensors)} tensors",
-            f"{len(found)} tensors differ (e.g. {examples}); "
-            "check head counts, head size, layer placement and TP on both sides",
+            f"{len(found)} tensors differ (e.g. {examples}); {_geometry_advice(a, placement=True)}",
         )
     ]
+
+
+def _geometry_advice(group: KVGroup, placement: bool = False) -> str:
+    """What to compare when a group's tensor sizes differ between the sides."""
+    if group.kind is GroupKind.MLA:
+        return (
+            "check kv_lora_rank + qk_rope_head_dim (the latent per token) and the KV dtype "
+            "on both sides; the latent is not split by TP"
+        )
+    where = ", layer placement" if placement else ""
+    return f"check head counts, head size{where} and TP on both sides"
 
 
 def _tensor_differences(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
@@ -330,7 +342,7 @@ def _tensor_differences(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
                     f"{where}.tensors['{tensor.name}'].bytes_per_block",
                     str(tensor.bytes_per_block),
                     str(other.bytes_per_block),
-                    "per-block sizes differ: check head counts, head size and TP on both sides",
+                    f"per-block sizes differ: {_geometry_advice(a)}",
                 )
             )
     for tensor in b.tensors:
@@ -367,6 +379,7 @@ def _mapping(group: KVGroup) -> GroupMapping:
         num_layers=len(group.layers),
         bytes_per_block=group.bytes_per_block,
         chunk_size=group.chunk_size,
+        replicated=group.kind is GroupKind.MLA,
     )
 
 

@@ -4,6 +4,7 @@ The rules (ARCHITECTURE.md section 5), with N prompt tokens held by the
 source, C tokens the destination already holds, block size B, window W:
 
 - full_attention: tokens [C, N) -> logical blocks floor(C/B) .. ceil(N/B)-1
+- mla: as full attention (a latent layer reads every cached token)
 - sliding_window: the next decode step at position N attends to [N-W+1, N],
   so the cached tokens needed are [max(C, N-W+1, 0), N). Computed from N: a
   fixed cdiv(W, B) can miss a block, cdiv(W, B)+1 often moves one too many.
@@ -84,7 +85,7 @@ def needed_blocks(
     if kind is GroupKind.MAMBA:
         return range(1)
     end = -(-num_tokens // block_size)
-    if kind is GroupKind.FULL_ATTENTION:
+    if kind in (GroupKind.FULL_ATTENTION, GroupKind.MLA):
         return range(computed_tokens // block_size, end)
     if kind is GroupKind.CHUNKED_LOCAL:
         if chunk_size is None:
@@ -140,7 +141,7 @@ def full_attention_blocks(
     group: KVGroup, num_tokens: int, computed_tokens: int, block_size: int
 ) -> range:
     """The blocks of `group` a transfer treating it as full attention would move
-    (Mamba state stays one block)."""
+    (Mamba state stays one block; an mla group is read as full attention anyway)."""
     kind = GroupKind.MAMBA if group.kind is GroupKind.MAMBA else GroupKind.FULL_ATTENTION
     return needed_blocks(kind, None, num_tokens, computed_tokens, block_size)
 
@@ -174,6 +175,7 @@ def pool_blocks(layout: EngineLayout, max_tokens: int) -> dict[GroupKind, int]:
     )
     return {
         GroupKind.FULL_ATTENTION: full,
+        GroupKind.MLA: full,
         GroupKind.SLIDING_WINDOW: min(full, sliding),
         GroupKind.CHUNKED_LOCAL: min(full, chunked),
         GroupKind.MAMBA: 1,

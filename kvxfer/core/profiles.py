@@ -339,6 +339,8 @@ def _layer_tensors(family: Family, sizing: _Sizing, index: int) -> list[_LayerTe
         return _gemma3n(sizing, index)
     if family.reader == "mimo_v2":
         return [_mimo_v2(sizing, index)]
+    if family.reader == "mla":
+        return [_mla(sizing)]
     if layer_types is not None:
         return [_from_layer_type(layer_types, sizing, index)]
     if family.reader == "jamba":
@@ -447,6 +449,28 @@ def _mimo_v2(sizing: _Sizing, index: int) -> _LayerTensors:
         return _LayerTensors(GroupKind.FULL_ATTENTION, None, (("k", k), ("v", v)))
     return _LayerTensors(
         GroupKind.SLIDING_WINDOW, sizing.positive("sliding_window_size"), (("k", k), ("v", v))
+    )
+
+
+def _mla(sizing: _Sizing) -> _LayerTensors:
+    """Multi-head latent attention, as vLLM caches it (MLAAttentionSpec): one latent of
+    `kv_lora_rank + qk_rope_head_dim` elements per token in the KV dtype, no V, one KV
+    head, not split by TP (every rank holds the whole latent). Every one of the
+    `num_hidden_layers` layers is an MLA layer; the `num_nextn_predict_layers` MTP layers
+    are not: vLLM builds them only in a speculative-decoding draft model, whose KV the
+    main engine does not hold."""
+    if sizing.text.get("kv_lora_rank") is None:
+        raise refusal(
+            sizing.model_type,
+            "DeepSeek attention without kv_lora_rank (plain K/V, which vLLM runs without MLA)",
+            "kv_lora_rank",
+        )
+    mtp = sizing.text.get("num_nextn_predict_layers", 0)
+    if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+        raise ProfileError("num_nextn_predict_layers", f"must be an integer >= 0, got {mtp!r}")
+    latent = sizing.positive("kv_lora_rank") + sizing.positive("qk_rope_head_dim")
+    return _LayerTensors(
+        GroupKind.MLA, None, (("latent", sizing.block_size * latent * sizing.elem),)
     )
 
 

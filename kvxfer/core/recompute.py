@@ -3,7 +3,7 @@
 `valid_tokens` is the largest s with C <= s <= N such that, for every group
 at once, the KV the engine needs to continue from s is valid:
 
-- full_attention needs tokens [0, s);
+- full_attention and mla need tokens [0, s);
 - sliding_window needs tokens [max(0, s-W+1), s);
 - chunked_local needs tokens [floor(s/S)*S, s) (the tokens of s's own chunk);
 - mamba needs its state at exactly s: at C (held locally) or at N (moved, not failed).
@@ -50,7 +50,7 @@ def valid_tokens(
             continue
         size = group_block_size(group, block_size)
         valid = _valid(group, num_tokens, computed_tokens, size, failed.get(group.group_id))
-        if group.kind is GroupKind.FULL_ATTENTION:
+        if group.kind in (GroupKind.FULL_ATTENTION, GroupKind.MLA):
             resume = min(resume, _first_invalid(valid, num_tokens))
         else:
             local.append((group, valid))

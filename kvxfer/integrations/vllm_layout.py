@@ -12,8 +12,13 @@ What it maps, as vLLM 0.32 lays the cache out on CPU:
 - `FullAttentionSpec` -> full_attention (also with `sliding_window` set: that
   is a window layer run with the hybrid manager off, which keeps every block);
 - `SlidingWindowSpec` -> sliding_window with its window in tokens;
+- `ChunkedLocalAttentionSpec` -> chunked_local with its `attention_chunk_size`
+  (a `FullAttentionSpec` carrying `attention_chunk_size` is, like the window
+  case, the hybrid manager off: full_attention);
 - `MambaSpec` (Mamba, GDN, ...) -> mamba: one opaque state page per block;
-- MLA, chunked-local, cross-attention and anything else -> refused by name.
+- MLA (`MLAAttentionSpec`: kvxfer has the mla kind, but no vLLM run of an MLA
+  model has been checked through the connector here), cross-attention and
+  anything else -> refused by name.
 Each layer is one region: layer l of a `KVCacheTensor` starts at
 `offset + l * layer_stride` in the backing allocation, block b at
 `+ b * block_stride`, and a block moves the content of its page,
@@ -47,7 +52,7 @@ from kvxfer.core.layout import (
 )
 
 NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null block
-_REFUSED = ("MLAAttentionSpec", "ChunkedLocalAttentionSpec", "CrossAttentionSpec")
+_REFUSED = ("MLAAttentionSpec", "CrossAttentionSpec")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
@@ -60,6 +65,7 @@ class GroupShape:
     block_size: int
     page_bytes: int
     dtype: str
+    chunk: int | None = None
 
 
 def _class_names(spec: object) -> list[str]:
@@ -84,6 +90,9 @@ def group_shape(spec: Any, where: str) -> GroupShape:
     if "SlidingWindowSpec" in names:
         window = int(spec.sliding_window)
         return GroupShape(GroupKind.SLIDING_WINDOW, window, block_size, page, dtype)
+    if "ChunkedLocalAttentionSpec" in names:
+        chunk = int(spec.attention_chunk_size)
+        return GroupShape(GroupKind.CHUNKED_LOCAL, None, block_size, page, dtype, chunk)
     if "FullAttentionSpec" in names:
         return GroupShape(GroupKind.FULL_ATTENTION, None, block_size, page, dtype)
     raise LayoutError(where, f"unknown vLLM KV cache spec {names[0]}")
@@ -144,6 +153,7 @@ def layout_from_vllm(
                 layers=tuple(t.layer for t in tensors),
                 tensors=tuple(tensors),
                 block_size=shape.block_size,
+                chunk_size=shape.chunk,
             )
         )
     attention = [s for s in shapes if s.kind is not GroupKind.MAMBA]
@@ -167,11 +177,15 @@ def layout_from_vllm(
 def _fingerprint(model: str, shapes: Sequence[GroupShape], groups: Sequence[KVGroup]) -> str:
     """Same model and same cache shape on both sides -> same fingerprint."""
     described = [
-        [s.kind.value, s.window, s.block_size, s.page_bytes, s.dtype, [t.name for t in g.tensors]]
+        [s.kind.value, s.window, s.chunk, s.block_size, s.page_bytes, s.dtype, _names(g)]
         for s, g in zip(shapes, groups, strict=True)
     ]
     text = json.dumps([model, described], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _names(group: KVGroup) -> list[str]:
+    return [t.name for t in group.tensors]
 
 
 def group_kinds(kv_cache_config: Any) -> tuple[GroupKind, ...]:

@@ -40,7 +40,9 @@ class _GroupKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GroupKind.V
     GROUP_KIND_SLIDING_WINDOW: _GroupKind.ValueType  # 2
     GROUP_KIND_MAMBA: _GroupKind.ValueType  # 3
     GROUP_KIND_MLA: _GroupKind.ValueType  # 4
-    """Latent KV (DeepSeek MLA): named so it can be refused by name; not supported yet."""
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): one latent tensor per layer
+    (kv_lora_rank + qk_rope_head_dim elements per token), identical on every TP rank.
+    """
     GROUP_KIND_CHUNKED_LOCAL: _GroupKind.ValueType  # 5
     """Attention within chunks of chunk_size tokens (Llama 4 attention_chunk_size)."""
 
@@ -51,7 +53,9 @@ GROUP_KIND_FULL_ATTENTION: GroupKind.ValueType  # 1
 GROUP_KIND_SLIDING_WINDOW: GroupKind.ValueType  # 2
 GROUP_KIND_MAMBA: GroupKind.ValueType  # 3
 GROUP_KIND_MLA: GroupKind.ValueType  # 4
-"""Latent KV (DeepSeek MLA): named so it can be refused by name; not supported yet."""
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): one latent tensor per layer
+(kv_lora_rank + qk_rope_head_dim elements per token), identical on every TP rank.
+"""
 GROUP_KIND_CHUNKED_LOCAL: GroupKind.ValueType  # 5
 """Attention within chunks of chunk_size tokens (Llama 4 attention_chunk_size)."""
 Global___GroupKind: _TypeAlias = GroupKind  # noqa: Y015

@@ -27,6 +27,7 @@ _KIND_TO_PB = {
     GroupKind.SLIDING_WINDOW: pb.GROUP_KIND_SLIDING_WINDOW,
     GroupKind.MAMBA: pb.GROUP_KIND_MAMBA,
     GroupKind.CHUNKED_LOCAL: pb.GROUP_KIND_CHUNKED_LOCAL,
+    GroupKind.MLA: pb.GROUP_KIND_MLA,
 }
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 
@@ -111,12 +112,6 @@ def layout_from_proto(message: pb.EngineLayout, field: str = "layout") -> Engine
 
 
 def _group_from_proto(message: pb.KVGroup, index: int) -> KVGroup:
-    if message.kind == pb.GROUP_KIND_MLA:
-        raise LayoutError(
-            f"groups[{index}].kind",
-            "MLA (latent KV) groups are not supported yet; kvxfer refuses them rather than "
-            "move them as something else",
-        )
     kind = _KIND_FROM_PB.get(message.kind)
     if kind is None:
         raise LayoutError(f"groups[{index}].kind", f"unknown group kind {message.kind}")
