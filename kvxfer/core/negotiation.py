@@ -1,6 +1,6 @@
 """Negotiation: do two engine layouts agree, and if not, exactly where and why?
 
-A pure function of two layouts (ARCHITECTURE.md section 4). The result is an
+A pure function of two layouts (docs/sidecar.md, Negotiation). The result is an
 `Agreement` (which local group maps to which peer group, per-region block
 sizes, block-size ratio, TP mapping) or a `NegotiationError` whose
 `mismatches` each name the field path, the local value, the peer value and a

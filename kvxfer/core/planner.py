@@ -1,6 +1,6 @@
 """Which KV blocks a request must move, and the descriptors that move them.
 
-The rules (ARCHITECTURE.md section 5), with N prompt tokens held by the
+The rules (docs/planning.md, The rules), with N prompt tokens held by the
 source, C tokens the destination already holds, block size B, window W:
 
 - full_attention: tokens [C, N) -> logical blocks floor(C/B) .. ceil(N/B)-1

@@ -1,4 +1,4 @@
-"""Where an engine can resume after a partly failed pull (ARCHITECTURE.md section 6).
+"""Where an engine can resume after a partly failed pull (docs/planning.md, The rules).
 
 `valid_tokens` is the largest s with C <= s <= N such that, for every group
 at once, the KV the engine needs to continue from s is valid:

@@ -1,7 +1,7 @@
 """Requests and what happens to them: transfer params, pull outcomes, lease events.
 
-These are the domain objects the engine link speaks (ARCHITECTURE.md section
-2): `TransferParams` go from the prefill engine through the router to the
+These are the domain objects the engine link speaks (docs/architecture.md,
+"A request's life"): `TransferParams` go from the prefill engine through the router to the
 decode engine; `PullDone`, `Released` and `LeaseExpired` are the events an
 engine watches. All validate themselves, so a value decoded from the wire is
 either whole or a field-named error.

@@ -1,4 +1,4 @@
-"""vLLM's own KV cache description -> kvxfer's `EngineLayout` (ARCHITECTURE.md section 9).
+"""vLLM's own KV cache description -> kvxfer's `EngineLayout` (docs/vllm.md).
 
 The engine is the source of truth: this reads vLLM's `KVCacheConfig` (the
 groups, their specs and block sizes, and `kv_cache_tensors`, which place
