@@ -1,4 +1,4 @@
-"""One pull, from accepted to PullDone (the decode side of docs/architecture.md, "A request's life").
+"""One pull, from accepted to PullDone (decode side; docs/architecture.md, "A request's life").
 
 `run_pull` is the background half of `Pull`: begin the read at the serving
 sidecar (which checks the lease and is authoritative for the published
