@@ -20,7 +20,6 @@ import json
 import tomllib
 import typing
 from collections.abc import Iterator, Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource
 
 from kvxfer._exceptions import InvalidInputError
+from kvxfer._version import version
 
 PREFIX = "KVXFER_"
 DELIMITER = "__"
@@ -164,13 +164,6 @@ def read_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InvalidInputError("config", f"{str(path)!r} must hold an object (a mapping)")
     return data
-
-
-def version() -> str:
-    try:
-        return metadata.version("kvxfer")
-    except metadata.PackageNotFoundError:  # running from a source tree
-        return "unknown"
 
 
 def cli_source(settings_cls: type[BaseSettings], prog: str, epilog: str) -> CliSettingsSource[Any]:

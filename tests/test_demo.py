@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from oracle import oracle_valid_tokens
@@ -161,16 +162,30 @@ def test_a_killed_engine_fails_the_demo_with_a_clear_message(demos: Demos) -> No
     assert "engine-sim decode" in stderr and "exited unexpectedly" in stderr, stderr[-2000:]
 
 
-def test_ctrl_c_stops_everything(demos: Demos) -> None:
-    demo = demos.start("--requests", "400", "--tokens", "4000")
+@pytest.mark.parametrize("to", ["group", "demo"])
+def test_ctrl_c_stops_everything_with_one_line(demos: Demos, to: str, tmp_path: Path) -> None:
+    """SIGINT to the demo's process group (Ctrl-C in a terminal: sidecars and engines get
+    it too) or to the demo alone: exit 130, one line, nothing left running or on disk."""
+    demo = demos.start("--requests", "4000", "--tokens", "4000", env={"TMPDIR": str(tmp_path)})
+    assert demo.stderr is not None
     try:
-        _wait_for_engines(demo)
-        os.killpg(demo.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        _, stderr = demo.communicate(timeout=90)
+        seen = []
+        while not seen or "running 4000 requests" not in seen[-1]:  # the readiness marker
+            line = demo.stderr.readline()
+            assert line, f"the demo ended before running requests: {seen}"
+            seen.append(line)
+        assert list(tmp_path.glob("kvxfer-demo-*")), "the demo's directory is not in TMPDIR"
+        if to == "group":
+            os.killpg(demo.pid, signal.SIGINT)
+        else:
+            os.kill(demo.pid, signal.SIGINT)
+        _, rest = demo.communicate(timeout=90)
     finally:
         _kill(demo)
-    assert demo.returncode == 130, stderr[-2000:]
-    assert "interrupted" in stderr
+    assert demo.returncode == 130, rest[-3000:]
+    after = [line for line in rest.splitlines() if not line.startswith("demo [")]  # progress
+    assert after == ["kvxfer-cli: interrupted"], rest[-3000:]
+    assert not list(tmp_path.glob("kvxfer-demo-*")), "the demo's directory was left behind"
 
 
 def test_bench_reports_every_method_side_by_side() -> None:

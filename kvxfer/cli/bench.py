@@ -23,9 +23,7 @@ import asyncio
 import json
 import mmap
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -37,7 +35,7 @@ import numpy.typing as npt
 
 from kvxfer._exceptions import KvxferError
 from kvxfer.cli.admin import fetch_hello
-from kvxfer.cli.fleet import EngineView, Fleet, Proc
+from kvxfer.cli.fleet import EngineView, Fleet, Proc, local_fleet, run_until_interrupted
 from kvxfer.cli.main import EXIT_OK
 from kvxfer.cli.progress import Progress
 from kvxfer.client.engine import EngineClient
@@ -258,13 +256,8 @@ def run_bench(args: argparse.Namespace) -> int:
     models = args.models or list(MODELS)
     sizes = args.sizes or (["1k", "16k"] if args.quick else list(SIZES))
     repeat = args.repeat or (2 if args.quick else 5)
-    workdir = Path(tempfile.mkdtemp(prefix="kvxfer-bench-"))
-    fleet = Fleet(workdir)
-    try:
-        report = asyncio.run(_bench(models, sizes, repeat, fleet, not args.json))
-    finally:
-        fleet.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+    with local_fleet("kvxfer-bench-", "kvxfer-cli bench") as fleet:
+        report = run_until_interrupted(_bench(models, sizes, repeat, fleet, not args.json))
     if args.json:
         print(json.dumps(report))
     else:

@@ -18,21 +18,25 @@ import contextlib
 import json
 import math
 import random
-import shutil
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer._exceptions import InvalidInputError
-from kvxfer.cli.fleet import EngineView, Fleet, metric, rss_excluding_shm_bytes, scrape
+from kvxfer.cli.fleet import (
+    EngineView,
+    Fleet,
+    local_fleet,
+    metric,
+    rss_excluding_shm_bytes,
+    run_until_interrupted,
+    scrape,
+)
 from kvxfer.cli.main import EXIT_FAILED, EXIT_OK
 from kvxfer.cli.planning import human_bytes
 from kvxfer.cli.progress import Progress
@@ -105,20 +109,10 @@ def run_demo(args: argparse.Namespace) -> int:
         raise InvalidInputError(
             "--prefix-hit-rate", f"must be in [0, 1], got {args.prefix_hit_rate}"
         )
-    workdir = Path(tempfile.mkdtemp(prefix="kvxfer-demo-"))
-    fleet = Fleet(workdir)
-    ok = False
-    try:
-        report = asyncio.run(_demo(args, fleet))
+    with local_fleet("kvxfer-demo-", "kvxfer-cli demo") as fleet:
+        report = run_until_interrupted(_demo(args, fleet))
         ok = report["exit_code"] == EXIT_OK
-    finally:
-        leftovers = fleet.close()
-        if leftovers:
-            print(f"kvxfer-cli demo: removed leftover shared memory {leftovers}", file=sys.stderr)
-        if ok:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            print(f"kvxfer-cli demo: logs kept in {workdir}", file=sys.stderr)
+        fleet.keep_logs = not ok
     report.pop("exit_code")
     if args.json:
         print(json.dumps(report))
@@ -147,6 +141,7 @@ async def _demo(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
         ),
     )
     runner = _Runner(args, fleet, pe, de, sizing, progress)
+    progress.note(f"running {len(requests)} requests")  # tests wait for this line
     async with (
         EngineClient(p.ready["engine_address"], engine_id=pe.engine_id) as p_client,
         EngineClient(d.ready["engine_address"], engine_id=de.engine_id) as d_client,
@@ -248,8 +243,11 @@ class _Runner:
                 self.fleet.check_alive()
             outcomes = work.result()
         finally:
-            for task in (*pumps, watchdog):
+            # Cancelled (Ctrl-C) or done: stop everything and collect each outcome, so
+            # that no task is left pending or with an exception nobody retrieved.
+            for task in (work, *pumps, watchdog):
                 task.cancel()
+            await asyncio.gather(work, *pumps, watchdog, return_exceptions=True)
         return outcomes
 
     async def _watch_children(self) -> None:
