@@ -245,9 +245,10 @@ class _Runner:
         finally:
             # Cancelled (Ctrl-C) or done: stop everything and collect each outcome, so
             # that no task is left pending or with an exception nobody retrieved.
-            for task in (work, *pumps, watchdog):
-                task.cancel()
-            await asyncio.gather(work, *pumps, watchdog, return_exceptions=True)
+            everything: list[asyncio.Future[Any]] = [work, *pumps, watchdog]
+            for future in everything:
+                future.cancel()
+            await asyncio.gather(*everything, return_exceptions=True)
         return outcomes
 
     async def _watch_children(self) -> None:
