@@ -105,7 +105,9 @@ class LimitSettings(_Group):
 
 class NixlSettings(_Group):
     backends: tuple[str, ...] = Field(("UCX",), min_length=1, description="NIXL backends")
-    num_threads: int = Field(0, ge=0, le=256, description="NIXL/UCX worker threads (0: default)")
+    num_threads: int = Field(
+        0, ge=0, le=256, description="NIXL/UCX worker threads (0: NIXL's own choice)"
+    )
     enable_prog_thread: bool = Field(
         False,
         description="NIXL's own progress thread: it spins a core even when idle; the "

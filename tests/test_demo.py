@@ -183,7 +183,7 @@ def test_ctrl_c_stops_everything_with_one_line(demos: Demos, to: str, tmp_path: 
     finally:
         _kill(demo)
     assert demo.returncode == 130, rest[-3000:]
-    after = [line for line in rest.splitlines() if not line.startswith("demo [")]  # progress
+    after = [line for line in rest.splitlines() if not line.startswith("demo: ")]  # progress
     assert after == ["kvxfer-cli: interrupted"], rest[-3000:]
     assert not list(tmp_path.glob("kvxfer-demo-*")), "the demo's directory was left behind"
 
