@@ -266,7 +266,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Flags come first, from the CliSettingsSource load_settings passes in.
-        load = _LOADING.get()
+        load = _LOADING.get() or _Load(os.environ, None)
         return (init_settings, EnvSource(settings_cls, load.environ), _FileSource(load.path))
 
 
@@ -301,7 +301,8 @@ class _Load:
     path: Path | None
 
 
-_LOADING: ContextVar[_Load] = ContextVar("kvxfer_settings_loading")
+# What load_settings is reading from; Settings(...) built directly reads os.environ.
+_LOADING: ContextVar[_Load | None] = ContextVar("kvxfer_settings_loading", default=None)
 
 
 class _FileSource(PydanticBaseSettingsSource):
