@@ -204,3 +204,48 @@ def test_bench_reports_every_method_side_by_side() -> None:
     assert "overhead_ms_p50" in case
     rounds = case["kvxfer_vs_raw_rounds"]
     assert 0 < rounds["min"] <= rounds["median"] <= rounds["max"]
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that name `text` (a demo's own directory)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and proc.name != str(os.getpid()):
+            try:
+                argv = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in argv:
+                found.append(argv)
+    return found
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_ctrl_c_stops_the_vllm_demo_with_one_line(tmp_path: Path) -> None:
+    """The vLLM path: SIGINT to the demo's process group once a vLLM engine is loading.
+    Its workers run in sessions of their own (out of the session watch's sight), so
+    they are found by the demo directory their command lines name."""
+    demo = subprocess.Popen(
+        [CLI, "demo", "--engine", "vllm", "--model", "gemma3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        logs: list[Path] = []
+        while not any(log.stat().st_size for log in logs):  # a vLLM engine is starting
+            assert demo.poll() is None, demo.communicate()
+            assert time.monotonic() < deadline, "no vLLM engine started within 300 s"
+            logs = list(tmp_path.glob("kvxfer-demo-vllm-*/reference.log"))
+            time.sleep(0.5)
+        (workdir,) = {log.parent for log in logs}
+        assert _processes_mentioning(str(workdir)), "no process runs in the demo's directory"
+        os.killpg(demo.pid, signal.SIGINT)
+        _, stderr = demo.communicate(timeout=240)
+    finally:
+        _kill(demo)
+    assert demo.returncode == 130, stderr[-3000:]
+    assert stderr.splitlines() == ["kvxfer-cli: interrupted"], stderr[-3000:]
+    assert not workdir.exists(), "the demo's directory was left behind"
+    assert not _processes_mentioning(str(workdir)), "a vLLM worker was left running"
