@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from oracle import oracle_valid_tokens
-from session_watch import SessionWatch
+from session_watch import SessionWatch, cmdline
 
 from kvxfer.cli.fleet import BIN
 from kvxfer.core.profiles import layout_for_model
@@ -208,16 +208,8 @@ def test_bench_reports_every_method_side_by_side() -> None:
 
 def _processes_mentioning(text: str) -> list[str]:
     """Command lines of live processes that name `text` (a demo's own directory)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and proc.name != str(os.getpid()):
-            try:
-                argv = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if text in argv:
-                found.append(argv)
-    return found
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    return [argv for pid in pids if pid != os.getpid() and text in (argv := cmdline(pid))]
 
 
 @pytest.mark.vllm
