@@ -12,8 +12,10 @@ ARG GPU=false
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY deploy/image ./deploy/image
+# kvxfer/v1/*.proto link to proto/kvxfer/v1/ (shipped in the wheel).
+COPY proto ./proto
 COPY kvxfer ./kvxfer
 COPY server ./server
 COPY client ./client

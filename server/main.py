@@ -51,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(sys.argv[1:] if argv is None else argv)
     except InvalidInputError as exc:
-        print(f"kvxfer-server: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():  # one line per field
+            print(f"kvxfer-server: {line}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=settings.log_level,

@@ -2,19 +2,21 @@
 
 Every setting comes from, highest priority first: command-line flags
 (`--peer-address`, `--lease.ttl-s`), `KVXFER_*` environment variables
-(`KVXFER_PEER_ADDRESS`, `KVXFER_LEASE__TTL_S`), a JSON or TOML file named by
-`--config` / `KVXFER_CONFIG`, then the defaults below. Unknown keys are errors
-everywhere (`extra="forbid"`): a misspelt setting never falls back silently.
+(`KVXFER_PEER_ADDRESS`, `KVXFER_LEASE__TTL_S`), a JSON, TOML or YAML file named by
+`--config` / `KVXFER_CONFIG`, then the defaults below. Lists are comma lists in flags
+and variables (`KVXFER_NIXL__BACKENDS=UCX,GDS`). Unknown keys are errors everywhere
+(`extra="forbid"`, and unknown `KVXFER_*` variables): a misspelt setting never falls
+back silently. The sources and the error format are server/settings_sources.py.
 Built once in `main()` and passed down; nothing reads it at import time.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
-import tomllib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +26,20 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.core.planner import DEFAULT_CHUNK_BLOCKS
 from kvxfer.core.requests import check_address
+from kvxfer.server.settings_sources import (
+    PREFIX,
+    EnvSource,
+    cli_source,
+    problems,
+    read_file,
+    unknown_env_names,
+)
 
 CONFIG_ENV = "KVXFER_CONFIG"
 
@@ -94,7 +105,9 @@ class LimitSettings(_Group):
 
 class NixlSettings(_Group):
     backends: tuple[str, ...] = Field(("UCX",), min_length=1, description="NIXL backends")
-    num_threads: int = Field(0, ge=0, le=256, description="NIXL/UCX worker threads (0: default)")
+    num_threads: int = Field(
+        0, ge=0, le=256, description="NIXL/UCX worker threads (0: NIXL's own choice)"
+    )
     enable_prog_thread: bool = Field(
         False,
         description="NIXL's own progress thread: it spins a core even when idle; the "
@@ -145,6 +158,8 @@ class FaultSettings(_Group):
 
 
 class Settings(BaseSettings):
+    """kvxfer-server: the KV-cache transfer sidecar of one prefill or decode engine."""
+
     model_config = SettingsConfigDict(
         env_prefix="KVXFER_",
         env_nested_delimiter="__",
@@ -156,12 +171,10 @@ class Settings(BaseSettings):
         cli_avoid_json=True,
     )
 
-    config: Path | None = Field(
-        None, description=f"JSON or TOML settings file (also ${CONFIG_ENV})"
-    )
+    config: Path | None = Field(None, description="settings file: .json, .toml, .yaml or .yml")
     peer_address: str = Field("127.0.0.1:7500", description="HOST:PORT peers dial (PeerService)")
     advertise_address: str | None = Field(
-        None, description="HOST:PORT peers are told to dial (default: --peer-address)"
+        None, description="HOST:PORT peers are told to dial; unset: the bound --peer-address"
     )
     engine_address: str = Field(
         "unix:/tmp/kvxfer-engine.sock", description="unix:PATH or HOST:PORT for engines"
@@ -173,7 +186,7 @@ class Settings(BaseSettings):
         "register memory and read published KV. Use unix:PATH",
     )
     metrics_address: str = Field("127.0.0.1:9400", description="HOST:PORT of /metrics")
-    sidecar_id: str = Field("", description="name in logs and peers' views (default: hostname)")
+    sidecar_id: str = Field("", description="name in logs and peers' views; unset: the hostname")
     shutdown_grace_s: float = Field(10.0, ge=0, le=600, description="SIGTERM grace period")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     insecure_peer_port: bool = Field(
@@ -252,7 +265,9 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _FileSource(settings_cls))
+        # Flags come first, from the CliSettingsSource load_settings passes in.
+        load = _LOADING.get() or _Load(os.environ, None)
+        return (init_settings, EnvSource(settings_cls, load.environ), _FileSource(load.path))
 
 
 def is_loopback(host: str) -> bool:
@@ -267,49 +282,88 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class SettingsInvalidError(InvalidInputError):
+    """Settings that cannot be used; `problems` holds one (field, message) per field,
+    and the message is one line for each."""
+
+    def __init__(self, problems: Sequence[tuple[str, str]]) -> None:
+        super().__init__(problems[0][0], problems[0][1])
+        self.problems = tuple(problems)
+        self.args = ("\n".join(f"{field}: {message}" for field, message in problems),)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class _Load:
+    environ: Mapping[str, str]
+    path: Path | None
+
+
+# What load_settings is reading from; Settings(...) built directly reads os.environ.
+_LOADING: ContextVar[_Load | None] = ContextVar("kvxfer_settings_loading", default=None)
+
+
 class _FileSource(PydanticBaseSettingsSource):
     """The `--config` file; its path is found before the other sources are read."""
 
-    path: Path | None = None
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        if _FileSource.path is None:
-            return {}
-        return _read_file(_FileSource.path)
+        return {} if self.path is None else read_file(self.path)
 
 
-def _read_file(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise InvalidInputError("config", f"cannot read {str(path)!r}: {exc.strerror}") from exc
-    try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidInputError("config", f"{str(path)!r} is not valid: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidInputError("config", f"{str(path)!r} must hold an object")
-    return data
+EPILOG = """\
+Each setting is also read from its KVXFER_* variable (shown in brackets) and from the
+--config file (.json, .toml, .yaml or .yml); flags win over variables, variables over
+the file. Lists are comma lists (--nixl.backends UCX,GDS; KVXFER_TLS__ALLOWED_PEERS=a,b).
+Reference: docs/configuration.md.
+
+exit codes: 0 stopped cleanly; 1 failed while serving (a port could not be bound, ...);
+2 bad settings (one line per field) or usage."""
 
 
-def load_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -> Settings:
-    """Build Settings from flags, environment and file; InvalidInputError names the field."""
+def load_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Settings:
+    """Build Settings from flags, environment and file; SettingsInvalidError names each
+    field that is wrong, and `--help`/`--version`/bad flags exit (SystemExit) as argparse
+    does."""
     env = os.environ if environ is None else environ
-    _FileSource.path = _config_path(argv, env)
+    unknown = unknown_env_names(Settings, env)
+    if unknown:
+        raise SettingsInvalidError(unknown)
+    cli = cli_source(Settings, "kvxfer-server", EPILOG)
+    token = _LOADING.set(_Load(env, _config_path(argv, env)))
     try:
-        return Settings(_cli_parse_args=list(argv))
+        return Settings(_cli_settings_source=cli(args=list(argv)))
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "settings"
-        raise InvalidInputError(field, first["msg"].removeprefix("Value error, ")) from exc
+        raise SettingsInvalidError(problems(exc, Settings)) from exc
+    except SettingsError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, InvalidInputError):
+            raise SettingsInvalidError([(cause.field, cause.detail)]) from exc
+        raise SettingsInvalidError([_env_error(str(exc))]) from exc
     finally:
-        _FileSource.path = None
+        _LOADING.reset(token)
 
 
-def _config_path(argv: Sequence[str], env: Any) -> Path | None:
+def _env_error(message: str) -> tuple[str, str]:
+    """pydantic-settings' 'error parsing value for field "nixl" from source ...' as the
+    variables to fix."""
+    field = message.split('"')[1] if message.count('"') >= 2 else ""
+    if not field:
+        return "settings", message
+    return (
+        f"{field} ({PREFIX}{field.upper()}*)",
+        'not valid: lists are A,B or JSON ["A","B"], a whole group a JSON object',
+    )
+
+
+def _config_path(argv: Sequence[str], env: Mapping[str, str]) -> Path | None:
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
             return Path(argv[i + 1])

@@ -113,7 +113,7 @@ def test_bad_input_is_one_line_without_traceback(args: list[str], needle: str) -
 def test_state_dtype_flag_sizes_the_state_a_config_leaves_open() -> None:
     config = str(Path(__file__).parent / "data/configs/qwen3-next-tiny-test.json")
     refused = run("layout", "--model", config, "--json")
-    assert refused.returncode != 0 and "state_dtype" in refused.stderr
+    assert refused.returncode != 0 and "state_dtype" in json.loads(refused.stdout)["error"]
     sizes = {}
     for dtype in ("bfloat16", "float32"):
         report = json.loads(
@@ -127,7 +127,7 @@ def test_malformed_config_file(tmp_path: Path) -> None:
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     result = run("plan", "--model", str(bad), "--tokens", "10")
-    assert result.returncode == 1 and "is not valid JSON" in result.stderr
+    assert result.returncode == 2 and "is not valid JSON" in result.stderr
 
 
 def test_planning_commands_import_neither_torch_nor_nixl() -> None:

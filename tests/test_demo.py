@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from oracle import oracle_valid_tokens
-from session_watch import SessionWatch
+from session_watch import SessionWatch, cmdline
 
 from kvxfer.cli.fleet import BIN
 from kvxfer.core.profiles import layout_for_model
@@ -194,16 +194,30 @@ def test_a_killed_engine_fails_the_demo_with_a_clear_message(demos: Demos) -> No
     assert "engine-sim decode" in stderr and "exited unexpectedly" in stderr, stderr[-2000:]
 
 
-def test_ctrl_c_stops_everything(demos: Demos) -> None:
-    demo = demos.start("--requests", "400", "--tokens", "4000")
+@pytest.mark.parametrize("to", ["group", "demo"])
+def test_ctrl_c_stops_everything_with_one_line(demos: Demos, to: str, tmp_path: Path) -> None:
+    """SIGINT to the demo's process group (Ctrl-C in a terminal: sidecars and engines get
+    it too) or to the demo alone: exit 130, one line, nothing left running or on disk."""
+    demo = demos.start("--requests", "4000", "--tokens", "4000", env={"TMPDIR": str(tmp_path)})
+    assert demo.stderr is not None
     try:
-        _wait_for_engines(demo)
-        os.killpg(demo.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        _, stderr = demo.communicate(timeout=90)
+        seen = []
+        while not seen or "running 4000 requests" not in seen[-1]:  # the readiness marker
+            line = demo.stderr.readline()
+            assert line, f"the demo ended before running requests: {seen}"
+            seen.append(line)
+        assert list(tmp_path.glob("kvxfer-demo-*")), "the demo's directory is not in TMPDIR"
+        if to == "group":
+            os.killpg(demo.pid, signal.SIGINT)
+        else:
+            os.kill(demo.pid, signal.SIGINT)
+        _, rest = demo.communicate(timeout=90)
     finally:
         _kill(demo)
-    assert demo.returncode == 130, stderr[-2000:]
-    assert "interrupted" in stderr
+    assert demo.returncode == 130, rest[-3000:]
+    after = [line for line in rest.splitlines() if not line.startswith("demo: ")]  # progress
+    assert after == ["kvxfer-cli: interrupted"], rest[-3000:]
+    assert not list(tmp_path.glob("kvxfer-demo-*")), "the demo's directory was left behind"
 
 
 def test_bench_reports_every_method_side_by_side() -> None:
@@ -222,3 +236,40 @@ def test_bench_reports_every_method_side_by_side() -> None:
     assert "overhead_ms_p50" in case
     rounds = case["kvxfer_vs_raw_rounds"]
     assert 0 < rounds["min"] <= rounds["median"] <= rounds["max"]
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that name `text` (a demo's own directory)."""
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    return [argv for pid in pids if pid != os.getpid() and text in (argv := cmdline(pid))]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_ctrl_c_stops_the_vllm_demo_with_one_line(tmp_path: Path) -> None:
+    """The vLLM path: SIGINT to the demo's process group once a vLLM engine is loading.
+    Its workers run in sessions of their own (out of the session watch's sight), so
+    they are found by the demo directory their command lines name."""
+    demo = subprocess.Popen(
+        [CLI, "demo", "--engine", "vllm", "--model", "gemma3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        logs: list[Path] = []
+        while not any(log.stat().st_size for log in logs):  # a vLLM engine is starting
+            assert demo.poll() is None, demo.communicate()
+            assert time.monotonic() < deadline, "no vLLM engine started within 300 s"
+            logs = list(tmp_path.glob("kvxfer-demo-vllm-*/reference.log"))
+            time.sleep(0.5)
+        (workdir,) = {log.parent for log in logs}
+        assert _processes_mentioning(str(workdir)), "no process runs in the demo's directory"
+        os.killpg(demo.pid, signal.SIGINT)
+        _, stderr = demo.communicate(timeout=240)
+    finally:
+        _kill(demo)
+    assert demo.returncode == 130, stderr[-3000:]
+    assert stderr.splitlines() == ["kvxfer-cli: interrupted"], stderr[-3000:]
+    assert not workdir.exists(), "the demo's directory was left behind"
+    assert not _processes_mentioning(str(workdir)), "a vLLM worker was left running"

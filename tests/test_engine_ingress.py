@@ -40,7 +40,7 @@ from kvxfer.wire.sidecar import handle_to_proto
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 MODEL = "llama-3.1-8b"  # one full-attention group
-CYCLES = int(os.environ.get("KVXFER_INGRESS_CYCLES", "3"))  # kill/restart cycles
+CYCLES = int(os.environ.get("KVXFER_TEST_INGRESS_CYCLES", "3"))  # kill/restart cycles
 B = 16
 ME = (("kvxfer-engine-pid", str(os.getpid())),)
 
@@ -291,7 +291,7 @@ def test_an_engine_the_sidecar_cannot_see_is_replaced_by_its_restart(tmp_path: P
 async def test_kill_restart_cycles_leave_no_lease_mapping_or_registration(
     tmp_path: Path,
 ) -> None:
-    """SIGKILL the engine CYCLES times (KVXFER_INGRESS_CYCLES for a longer run), each time
+    """SIGKILL the engine CYCLES times (KVXFER_TEST_INGRESS_CYCLES for a longer run), each time
     with requests published, every other time with one of them being read: the dead
     engine's memory stays mapped until the read ends, every restart registers, and the
     sidecar keeps no lease, mapping or engine of the dead processes."""

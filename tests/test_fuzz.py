@@ -14,9 +14,9 @@ peer port through a unix-socket forwarder (tests/unix_forward.py).
 
 Each (RPC, address, kind of body) is its own test, so that today's failure on
 undecodable bodies does not hide what generated, well-formed ones find.
-Budget: KVXFER_FUZZ_EXAMPLES bodies per test (default 150: 42 tests, about a
+Budget: KVXFER_TEST_FUZZ_EXAMPLES bodies per test (default 150: 42 tests, about a
 minute in all). The longer documented run (docs/reliability.md):
-    KVXFER_FUZZ_EXAMPLES=2000 .venv/bin/pytest tests/test_fuzz.py
+    KVXFER_TEST_FUZZ_EXAMPLES=2000 .venv/bin/pytest tests/test_fuzz.py
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.wire.layout import layout_to_proto, span_to_proto
 from kvxfer.wire.sidecar import params_to_proto
 
-EXAMPLES = int(os.environ.get("KVXFER_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("KVXFER_TEST_FUZZ_EXAMPLES", "150"))
 MODEL = "gpt-oss-20b"
 B = 16
 NUM_BLOCKS = 256

@@ -42,8 +42,8 @@ METHODS = [
     "/kvxfer.v1.AdminService/GetStatus",
     "/kvxfer.v1.AdminService/ListPeers",
 ]
-# 200 in the suite; the longer run in docs/reliability.md sets KVXFER_JUNK_PER_METHOD.
-JUNK_PER_METHOD = int(os.environ.get("KVXFER_JUNK_PER_METHOD", "200"))
+# 200 in the suite; the longer run in docs/reliability.md sets KVXFER_TEST_JUNK_PER_METHOD.
+JUNK_PER_METHOD = int(os.environ.get("KVXFER_TEST_JUNK_PER_METHOD", "200"))
 # What a refused call may answer; UNKNOWN and INTERNAL mean the server did not cope.
 REFUSALS = {
     grpc.StatusCode.OK,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -86,3 +88,157 @@ def test_non_loopback_peer_port_is_refused_without_tls(
     assert s.insecure_peer_port
     monkeypatch.setenv("KVXFER_INSECURE_PEER_PORT", "true")
     assert load_settings(["--peer-address", f"{host}:7500"]).insecure_peer_port
+
+
+def test_list_settings_take_comma_lists_from_env_and_flags() -> None:
+    env = {"KVXFER_NIXL__BACKENDS": "UCX", "KVXFER_TLS__ALLOWED_PEERS": "decode-0, decode-1"}
+    s = load_settings([], environ=env)
+    assert s.nixl.backends == ("UCX",) and s.tls.allowed_peers == ("decode-0", "decode-1")
+    s = load_settings(["--tls.allowed-peers", "a,b", "--nixl.backends", "UCX,GDS"], environ=env)
+    assert s.tls.allowed_peers == ("a", "b") and s.nixl.backends == ("UCX", "GDS")
+    assert load_settings([], environ={"KVXFER_NIXL__BACKENDS": '["GDS"]'}).nixl.backends == (
+        "GDS",
+    )  # JSON still reads
+    params = {"KVXFER_NIXL__BACKEND_PARAMS": "num_workers=2, x=y"}
+    assert load_settings([], environ=params).nixl.backend_params == {"num_workers": "2", "x": "y"}
+    one = {"KVXFER_NIXL__BACKEND_PARAMS__NUM_WORKERS": "4"}
+    assert load_settings([], environ=one).nixl.backend_params == {"num_workers": "4"}
+    with pytest.raises(InvalidInputError, match="KVXFER_NIXL__BACKEND_PARAMS: expected KEY=VALUE"):
+        load_settings([], environ={"KVXFER_NIXL__BACKEND_PARAMS": "num_workers"})
+
+
+def test_environment_is_the_one_given() -> None:
+    """load_settings(environ=...) reads that mapping, not the process environment."""
+    s = load_settings([], environ={"KVXFER_LEASE__TTL_S": "45"})
+    assert s.lease.ttl_s == 45
+
+
+@pytest.mark.parametrize(
+    ("name", "closest"),
+    [
+        ("KVXFER_PEER_ADRESS", "KVXFER_PEER_ADDRESS"),
+        ("KVXFER_LEASE__TTL", "KVXFER_LEASE__TTL_S"),
+        ("kvxfer_log_levl", "KVXFER_LOG_LEVEL"),
+        ("KVXFER_NIXL_BACKENDS", "KVXFER_NIXL__BACKENDS"),
+    ],
+)
+def test_unknown_kvxfer_variables_are_refused_naming_the_closest(name: str, closest: str) -> None:
+    with pytest.raises(InvalidInputError) as err:
+        load_settings([], environ={name: "1"})
+    assert str(err.value) == (
+        f"{name}: no such setting; did you mean {closest}? (docs/configuration.md lists them)"
+    )
+
+
+def test_variables_that_are_not_settings_are_let_through() -> None:
+    env = {
+        "KVXFER_TEST_FUZZ_EXAMPLES": "9",  # the test suite's knobs
+        "KVXFER_HARNESS_ALLOW_AMX": "1",  # the vLLM harness's
+        "KVXFER_LEASE": '{"ttl_s": 50}',  # a whole group, as JSON
+        "OTHER_PEER_ADRESS": "x",
+    }
+    assert load_settings([], environ=env).lease.ttl_s == 50
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml"])
+def test_config_file_is_read_as_its_extension_says(tmp_path: Path, suffix: str) -> None:
+    config = tmp_path / f"kvxfer{suffix}"
+    config.write_text("lease:\n  ttl_s: 40\nnixl:\n  backends: [UCX, GDS]\n")
+    s = load_settings(["--config", str(config)], environ={})
+    assert s.lease.ttl_s == 40 and s.nixl.backends == ("UCX", "GDS")
+    config.write_text("lease: [\n")
+    with pytest.raises(InvalidInputError, match=r"^config: .* is not valid YAML"):
+        load_settings(["--config", str(config)], environ={})
+    config.write_text("- a list\n")
+    with pytest.raises(InvalidInputError, match="must hold an object"):
+        load_settings([], environ={"KVXFER_CONFIG": str(config)})
+
+
+@pytest.mark.parametrize("name", ["kvxfer.ini", "kvxfer.conf", "kvxfer"])
+def test_config_file_of_another_extension_is_refused(tmp_path: Path, name: str) -> None:
+    config = tmp_path / name
+    config.write_text('{"lease": {"ttl_s": 40}}')
+    with pytest.raises(InvalidInputError, match=r"unknown extension .*\.json, \.toml, \.yaml"):
+        load_settings(["--config", str(config)], environ={})
+
+
+def server(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """kvxfer-server with only PATH and `env` in its environment."""
+    environ = {"PATH": "/usr/bin:/bin", **(env or {})}
+    return subprocess.run(
+        [str(BIN / "kvxfer-server"), *argv],
+        capture_output=True, text=True, timeout=60, check=False, env=environ,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "lines"),
+    [
+        (
+            ["--lease.ttl-s", "0", "--faults.fail-rate", "3"],
+            {},
+            [
+                "lease.ttl_s (--lease.ttl-s, KVXFER_LEASE__TTL_S): Input should be greater "
+                "than 0, got '0'",
+                "faults.fail_rate (--faults.fail-rate, KVXFER_FAULTS__FAIL_RATE): Input "
+                "should be less than or equal to 1, got '3'",
+            ],
+        ),
+        (
+            [],
+            {"KVXFER_PEER_ADRESS": "127.0.0.1:1"},
+            [
+                "KVXFER_PEER_ADRESS: no such setting; did you mean KVXFER_PEER_ADDRESS? "
+                "(docs/configuration.md lists them)"
+            ],
+        ),
+        (
+            [],
+            {"KVXFER_NIXL__BACKENDS": "[UCX"},
+            [
+                'nixl (KVXFER_NIXL*): not valid: lists are A,B or JSON ["A","B"], a whole '
+                "group a JSON object"
+            ],
+        ),
+        (
+            [],
+            {"KVXFER_PEER_ADDRESS": "nohost"},
+            [
+                "peer_address (--peer-address, KVXFER_PEER_ADDRESS): must be HOST:PORT "
+                "with a port in 0-65535, got 'nohost'"
+            ],
+        ),
+    ],
+)
+def test_server_names_each_bad_setting_on_its_own_line(
+    argv: list[str], env: dict[str, str], lines: list[str]
+) -> None:
+    result = server(*argv, env=env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [f"kvxfer-server: {line}" for line in lines]
+
+
+def test_server_serves_with_comma_list_variables(tmp_path: Path) -> None:
+    """The variables that crashed the server with a 44-line SettingsError start it."""
+    env = {
+        **os.environ,
+        "KVXFER_NIXL__BACKENDS": "UCX",
+        "KVXFER_TLS__ALLOWED_PEERS": "decode-0,decode-1",
+    }
+    argv = [
+        str(BIN / "kvxfer-server"),
+        "--peer-address", "127.0.0.1:0",
+        "--engine-address", f"unix:{tmp_path}/e.sock",
+        "--metrics-address", "127.0.0.1:0",
+    ]  # fmt: skip
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as proc:
+        assert proc.stdout is not None
+        try:
+            ready = json.loads(proc.stdout.readline() or "null")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=60)
+    assert ready and ready["peer_address"].startswith("127.0.0.1:"), stderr[-2000:]
+    assert proc.returncode == 0, stderr[-2000:]

@@ -470,7 +470,7 @@ def test_cli_handshake_names_each_mismatch(fleet: Fleet, variant: str, field: st
 
 def test_cli_handshake_unreachable_peer_names_the_address() -> None:
     result = _cli("handshake", "--peer", "127.0.0.1:9", "--layout", MODEL)
-    assert result.returncode == 1
+    assert result.returncode == 3  # unreachable (docs/cli.md), not incompatible (1)
     assert "127.0.0.1:9" in result.stderr and "unreachable" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 

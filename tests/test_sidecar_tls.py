@@ -69,7 +69,7 @@ async def test_mtls_allow_list(tmp_path: Path) -> None:
         cli = [str(BIN / "kvxfer-cli"), "handshake", "--peer", p.ready["peer_address"],
                "--layout", MODEL]  # fmt: skip
         plain = subprocess.run(cli, capture_output=True, text=True, timeout=60, check=False)
-        assert plain.returncode == 1 and "unreachable" in plain.stderr
+        assert plain.returncode == 3 and "unreachable" in plain.stderr  # docs/cli.md
         with_cert = [
             *cli,
             "--tls-cert", str(tmp_path / "kvxfer-d.pem"),

@@ -63,7 +63,7 @@ def test_cli_tiny_model_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
         [str(CLI), "tiny-model", "--family", "llama", "--out", str(out), "--sliding-window", "8"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
-    assert bad_window.returncode == 1
+    assert bad_window.returncode == 2  # bad input (docs/cli.md)
     assert bad_window.stderr.strip() == (
         "kvxfer-cli: error: sliding_window: family 'llama' has no sliding window"
     )

@@ -3,8 +3,8 @@
 `handshake` is a dry run: it asks the peer sidecar for its registered
 engine's layout (no NIXL metadata is handed out and no agent is added) and
 negotiates locally, as a decode engine with the given model would. Exit 0
-when compatible; 1 with each mismatch (or one line naming the unreachable
-address) otherwise.
+when compatible, 1 with each mismatch, 3 with one line naming an unreachable
+address (docs/cli.md).
 """
 
 from __future__ import annotations

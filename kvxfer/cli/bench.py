@@ -23,9 +23,7 @@ import asyncio
 import json
 import mmap
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -37,9 +35,9 @@ import numpy.typing as npt
 
 from kvxfer._exceptions import KvxferError
 from kvxfer.cli.admin import fetch_hello
-from kvxfer.cli.fleet import EngineView, Fleet, Proc
+from kvxfer.cli.fleet import EngineView, Fleet, Proc, local_fleet, run_until_interrupted
 from kvxfer.cli.main import EXIT_OK
-from kvxfer.cli.progress import Progress
+from kvxfer.cli.render import Column, Progress, table
 from kvxfer.client.engine import EngineClient
 from kvxfer.core.buffers import BoundBuffer, BufferHandle, MemoryKind
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
@@ -258,13 +256,8 @@ def run_bench(args: argparse.Namespace) -> int:
     models = args.models or list(MODELS)
     sizes = args.sizes or (["1k", "16k"] if args.quick else list(SIZES))
     repeat = args.repeat or (2 if args.quick else 5)
-    workdir = Path(tempfile.mkdtemp(prefix="kvxfer-bench-"))
-    fleet = Fleet(workdir)
-    try:
-        report = asyncio.run(_bench(models, sizes, repeat, fleet, not args.json))
-    finally:
-        fleet.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+    with local_fleet("kvxfer-bench-", "kvxfer-cli bench") as fleet:
+        report = run_until_interrupted(_bench(models, sizes, repeat, fleet, not args.json))
     if args.json:
         print(json.dumps(report))
     else:
@@ -277,7 +270,13 @@ async def _bench(
 ) -> dict[str, Any]:
     setups = [_setup(m, sizes) for m in models]
     total = sum(len(s.sizes) for s in setups)
-    progress = Progress("bench", total, enabled=show)
+    with Progress("bench", total, enabled=show) as progress:
+        return await _measure(setups, fleet, progress, repeat)
+
+
+async def _measure(
+    setups: Sequence[_ModelSetup], fleet: Fleet, progress: Progress, repeat: int
+) -> dict[str, Any]:
     progress.note("starting 2 sidecars")
     p, d = await asyncio.gather(
         asyncio.to_thread(fleet.sidecar, "p"), asyncio.to_thread(fleet.sidecar, "d")
@@ -313,7 +312,6 @@ async def _bench(
                 )
     finally:
         await agent.close()
-        progress.done()
     return report
 
 
@@ -480,26 +478,35 @@ class _Case:
         return elapsed
 
 
+_BENCH_COLUMNS = [
+    Column("model"),
+    *(
+        Column(name, "right")
+        for name in ("tokens", "MiB", "memcpy", "raw", "per-blk", "kvxfer", "kvx/raw")
+    ),
+    Column("per round (min-max)", "right"),
+    Column("overhead", "right"),
+    Column("vs full attn", "right"),
+]
+
+
 def _table(report: dict[str, Any]) -> str:
+    rows = []
+    for c in report["cases"]:
+        saved = 1 - c["bytes"] / c["full_attention_bytes"] if c["full_attention_bytes"] else 0
+        rows.append([
+            c["model"], str(c["tokens"]), f"{c['bytes'] / 2**20:.1f}",
+            f"{c['memcpy_gbps']:.2f}", f"{c['raw_nixl_gbps']:.2f}", f"{c['per_block_gbps']:.2f}",
+            f"{c['kvxfer_gbps']:.2f}", f"{c['kvxfer_vs_raw']:.3f}", rounds_text(c),
+            f"{c['overhead_ms_p50']:+.2f}ms", f"{saved:.1%}",
+        ])  # fmt: skip
     lines = [
         f"host memcpy {report['memcpy_gbps']:.2f} GB/s (one core, 256 MiB)",
         "",
-        f"{'model':<20} {'tokens':>7} {'MiB':>8} {'memcpy':>7} {'raw':>6} {'per-blk':>7} "
-        f"{'kvxfer':>7} {'kvx/raw':>7} {'per round (min-max)':>19} {'overhead':>9} "
-        f"{'vs full attn':>12}",
-    ]
-    for c in report["cases"]:
-        saved = 1 - c["bytes"] / c["full_attention_bytes"] if c["full_attention_bytes"] else 0
-        lines.append(
-            f"{c['model']:<20} {c['tokens']:>7} {c['bytes'] / 2**20:>8.1f} "
-            f"{c['memcpy_gbps']:>7.2f} {c['raw_nixl_gbps']:>6.2f} {c['per_block_gbps']:>7.2f} "
-            f"{c['kvxfer_gbps']:>7.2f} {c['kvxfer_vs_raw']:>7.3f} {rounds_text(c):>19} "
-            f"{c['overhead_ms_p50']:>+7.2f}ms {saved:>11.1%}"
-        )
-    lines.append(
+        table(_BENCH_COLUMNS, rows),
         "(GB/s of planned bytes over wall time; kvx/raw of the medians, and per round: "
-        "median (min-max); overhead = kvxfer p50 - raw p50)"
-    )
+        "median (min-max); overhead = kvxfer p50 - raw p50)",
+    ]
     for s in report["skipped"]:
         lines.append(f"skipped {s['model']} {s['tokens']}: {s['reason']}")
     return "\n".join(lines)

@@ -18,24 +18,28 @@ import contextlib
 import json
 import math
 import random
-import shutil
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer._exceptions import InvalidInputError
-from kvxfer.cli.fleet import EngineView, Fleet, metric, rss_excluding_shm_bytes, scrape
+from kvxfer.cli.fleet import (
+    EngineView,
+    Fleet,
+    local_fleet,
+    metric,
+    rss_excluding_shm_bytes,
+    run_until_interrupted,
+    scrape,
+)
 from kvxfer.cli.main import EXIT_FAILED, EXIT_OK
 from kvxfer.cli.planning import human_bytes
-from kvxfer.cli.progress import Progress
+from kvxfer.cli.render import Column, Progress, table
 from kvxfer.client.engine import EngineClient
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
 from kvxfer.core.planner import (
@@ -105,20 +109,10 @@ def run_demo(args: argparse.Namespace) -> int:
         raise InvalidInputError(
             "--prefix-hit-rate", f"must be in [0, 1], got {args.prefix_hit_rate}"
         )
-    workdir = Path(tempfile.mkdtemp(prefix="kvxfer-demo-"))
-    fleet = Fleet(workdir)
-    ok = False
-    try:
-        report = asyncio.run(_demo(args, fleet))
+    with local_fleet("kvxfer-demo-", "kvxfer-cli demo") as fleet:
+        report = run_until_interrupted(_demo(args, fleet))
         ok = report["exit_code"] == EXIT_OK
-    finally:
-        leftovers = fleet.close()
-        if leftovers:
-            print(f"kvxfer-cli demo: removed leftover shared memory {leftovers}", file=sys.stderr)
-        if ok:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            print(f"kvxfer-cli demo: logs kept in {workdir}", file=sys.stderr)
+        fleet.keep_logs = not ok
     report.pop("exit_code")
     if args.json:
         print(json.dumps(report))
@@ -128,11 +122,31 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 async def _demo(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
-    layout_args = ("--block-size", str(args.block_size))
     requests = workload(args, args.block_size)
     sizing = _sizing(args.model, args.block_size, max(r.tokens for r in requests))
-    progress = Progress("demo", len(requests), enabled=not args.json)
+    with Progress("demo", len(requests), enabled=not args.json) as progress:
+        runner, outcomes, d_metrics = await _run(args, fleet, requests, sizing, progress)
+    handshake_ms = _handshake_ms(d_metrics)
+    whole_ok = runner.check_untouched()
+    report = _report(args, runner.layout, outcomes, _busy_s(outcomes), handshake_ms, whole_ok)
+    report["sidecar_peak_rss_mib"] = {
+        name.removeprefix("sidecar "): round(rss / 2**20, 1)
+        for name, rss in sorted(runner.peak_rss.items())
+    }
+    return report
+
+
+async def _run(
+    args: argparse.Namespace,
+    fleet: Fleet,
+    requests: Sequence[Request],
+    sizing: _Sizing,
+    progress: Progress,
+) -> tuple[_Runner, list[Outcome], str]:
+    """Start two sidecars and two engines, then run every request through them; also
+    returns the decode sidecar's metrics address."""
     progress.note("starting 2 sidecars and 2 engines")
+    layout_args = ("--block-size", str(args.block_size))
     faults: tuple[str, ...] = ()
     if args.fail_rate:
         faults = ("--faults.fail-rate", str(args.fail_rate), "--faults.seed", str(args.seed),
@@ -147,20 +161,13 @@ async def _demo(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
         ),
     )
     runner = _Runner(args, fleet, pe, de, sizing, progress)
+    progress.note(f"running {len(requests)} requests")  # tests wait for this line
     async with (
         EngineClient(p.ready["engine_address"], engine_id=pe.engine_id) as p_client,
         EngineClient(d.ready["engine_address"], engine_id=de.engine_id) as d_client,
     ):
         outcomes = await runner.run(requests, p_client, d_client)
-    progress.done()
-    handshake_ms = _handshake_ms(d.ready["metrics_address"])
-    whole_ok = runner.check_untouched()
-    report = _report(args, pe.layout, outcomes, _busy_s(outcomes), handshake_ms, whole_ok)
-    report["sidecar_peak_rss_mib"] = {
-        name.removeprefix("sidecar "): round(rss / 2**20, 1)
-        for name, rss in sorted(runner.peak_rss.items())
-    }
-    return report
+    return runner, outcomes, d.ready["metrics_address"]
 
 
 def _busy_s(outcomes: Sequence[Outcome]) -> float:
@@ -250,8 +257,12 @@ class _Runner:
                 self.fleet.check_alive()
             outcomes = work.result()
         finally:
-            for task in (*pumps, watchdog):
-                task.cancel()
+            # Cancelled (Ctrl-C) or done: stop everything and collect each outcome, so
+            # that no task is left pending or with an exception nobody retrieved.
+            everything: list[asyncio.Future[Any]] = [work, *pumps, watchdog]
+            for future in everything:
+                future.cancel()
+            await asyncio.gather(*everything, return_exceptions=True)
         return outcomes
 
     async def _watch_children(self) -> None:
@@ -458,15 +469,18 @@ def _summary(report: dict[str, Any], args: argparse.Namespace) -> str:
         f"kvxfer demo: {report['requests']} requests of {report['model']} through 2 sidecars "
         "(NIXL over shared memory, every byte checked)",
         "",
-        f"{'group':<28} {'blocks moved':>12} {'bytes moved':>12} {'full attn':>12}",
     ]
+    rows = []
     for row in report["per_group"]:
         window = f" W={row['sliding_window']}" if row["sliding_window"] else ""
-        name = f"{row['group']} {row['kind']}{window}"
-        lines.append(
-            f"{name:<28} {row['blocks_moved']:>12} {human_bytes(row['bytes_moved']):>12} "
-            f"{human_bytes(row['full_attention_bytes']):>12}"
-        )
+        rows.append([
+            f"{row['group']} {row['kind']}{window}", str(row["blocks_moved"]),
+            human_bytes(row["bytes_moved"]), human_bytes(row["full_attention_bytes"]),
+        ])  # fmt: skip
+    columns = [Column("group"), Column("blocks moved", "right")]
+    lines.append(
+        table([*columns, Column("bytes moved", "right"), Column("full attn", "right")], rows)
+    )
     moved, exact, full = (
         report["bytes_moved"], report["bytes_exact_minimum"], report["full_attention_bytes"]
     )  # fmt: skip

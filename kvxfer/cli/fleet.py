@@ -5,25 +5,32 @@ for each one's JSON ready line, watches that none of them dies, and on close
 (also after Ctrl-C or a failure) stops them all with SIGTERM, then SIGKILL,
 and unlinks any shared-memory segment an engine left behind. `EngineView`
 maps an engine's segments read-only so a driver can check bytes.
+
+`local_fleet` gives a Fleet its own /tmp directory and cleans both up, also on
+Ctrl-C; `run_until_interrupted` is asyncio.run where Ctrl-C cancels the run and
+surfaces as one KeyboardInterrupt (the CLI prints one line and exits 130).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
 import mmap
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +41,7 @@ from kvxfer.client.patterns import pattern, salt_for
 from kvxfer.core.layout import EngineLayout, Region
 from kvxfer.core.profiles import layout_for_model
 
+T = TypeVar("T")
 BIN = Path(sys.executable).parent
 READY_TIMEOUT_S = 90.0
 SHM_DIR = Path("/dev/shm")
@@ -240,6 +248,7 @@ class Fleet:
         self.workdir = workdir
         self.procs: list[Proc] = []
         self.engines: list[EngineView] = []
+        self.keep_logs = False  # local_fleet keeps workdir (and says where) when set
 
     def sidecar(self, name: str, *args: str, peer_port: int = 0) -> Proc:
         argv = [
@@ -301,3 +310,69 @@ class Fleet:
         self.procs.clear()
         self.engines.clear()
         return leftovers
+
+
+@contextlib.contextmanager
+def local_fleet(prefix: str, label: str) -> Iterator[Fleet]:
+    """A Fleet in a fresh /tmp/PREFIX* directory. On the way out every process is stopped
+    (SIGINT is ignored meanwhile: a second Ctrl-C cannot cut the cleanup short) and the
+    directory removed, unless the run failed (an error, or `fleet.keep_logs` set): then
+    its logs are kept and `label` names where. Ctrl-C is not a failure."""
+    fleet = Fleet(Path(tempfile.mkdtemp(prefix=prefix)))
+    failed = False
+    try:
+        yield fleet
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        with _sigint_ignored():
+            leftovers = fleet.close()
+            if leftovers:
+                print(f"{label}: removed leftover shared memory {leftovers}", file=sys.stderr)
+            if failed or fleet.keep_logs:
+                print(f"{label}: logs kept in {fleet.workdir}", file=sys.stderr)
+            else:
+                shutil.rmtree(fleet.workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def run_until_interrupted(main: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run(main), where SIGINT cancels `main` and, once it has unwound, raises
+    KeyboardInterrupt whatever error the cancellation caused on the way (on a terminal
+    the fleet's sidecars get the same SIGINT and may refuse requests before `main` hears
+    of it)."""
+    interrupted = False
+
+    async def interruptible() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+
+        def on_sigint() -> None:
+            nonlocal interrupted
+            interrupted = True
+            task.cancel()
+
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        try:
+            return await main
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+
+    try:
+        return asyncio.run(interruptible())
+    except BaseException:
+        if interrupted:
+            raise KeyboardInterrupt from None
+        raise

@@ -2,31 +2,78 @@
 
 Each sub-command lives in its own module and is imported only when run, so
 commands that move no data (`layout`, `plan`) never import torch or nixl.
-Bad input exits non-zero with one line naming the problem, never a traceback.
+Bad input exits non-zero with one line naming the problem, never a traceback;
+with `--json` that line is a JSON object on stdout instead. Exit codes
+(docs/cli.md): see EPILOG.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvxfer._exceptions import KvxferError
+from kvxfer._exceptions import InvalidInputError, KvxferError, PeerUnavailableError
+from kvxfer._version import version
 
 if TYPE_CHECKING:
     from kvxfer.core.layout import EngineLayout
 
 EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
+EXIT_FAILED = 1  # it ran and the answer is no: incompatible, refused, a check failed
+EXIT_USAGE = 2  # bad arguments or input: nothing was tried
+EXIT_UNREACHABLE = 3  # a sidecar or peer did not answer (unreachable, or timed out)
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+
+EPILOG = """\
+exit codes:
+  0    ok (handshake: compatible; demo/bench: every check passed)
+  1    failed: layouts not compatible, the sidecar refused, a check failed
+  2    usage or bad input (a flag, a model config, an address), nothing tried
+  3    a sidecar or peer is unreachable or did not answer in time
+  130  interrupted (Ctrl-C); everything started is stopped and removed
+
+With --json, stdout carries exactly one JSON object: the result, or on any
+error {"error": MESSAGE, "field": FIELD or null, "code": EXIT_CODE, "type": KIND}.
+Progress goes to stderr, as plain lines when stderr is not a terminal.
+Reference: docs/cli.md."""
+
+
+class UsageError(Exception):
+    """A command line argparse refused; `main` reports it (plainly or as JSON)."""
 
 
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line, without the usage dump."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+def exit_code(exc: BaseException) -> int:
+    """The documented exit code of an error that stopped a command."""
+    if isinstance(exc, UsageError | InvalidInputError):
+        return EXIT_USAGE
+    if isinstance(exc, PeerUnavailableError):
+        return EXIT_UNREACHABLE
+    return EXIT_FAILED
+
+
+def report_error(exc: BaseException, as_json: bool) -> int:
+    """Print `exc` as one line (stderr) or, with --json, one JSON object (stdout)."""
+    code = exit_code(exc)
+    if as_json:
+        kind = "usage" if isinstance(exc, UsageError) else type(exc).__name__
+        field = exc.field if isinstance(exc, InvalidInputError) else None
+        message = str(exc).removeprefix("kvxfer-cli: error: ")
+        print(json.dumps({"error": message, "field": field, "code": code, "type": kind}))
+    elif isinstance(exc, UsageError):
+        print(exc, file=sys.stderr)
+    else:
+        print(f"kvxfer-cli: error: {exc}", file=sys.stderr)
+    return code
 
 
 def positive_int(text: str) -> int:
@@ -103,8 +150,16 @@ def layout_from_args(args: argparse.Namespace, model: str) -> EngineLayout:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvxfer-cli", description="kvxfer: KV-cache transfer for P/D serving")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = _Parser(
+        prog="kvxfer-cli",
+        description="kvxfer: KV-cache transfer for P/D serving",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=_Parser, title="commands"
+    )
 
     layout = commands.add_parser("layout", help="KV groups and sizes of a model")
     add_layout_args(layout)
@@ -263,15 +318,23 @@ def _lazy(module: str, function: str) -> Callable[[argparse.Namespace], int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    as_json = "--json" in argv
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        return report_error(exc, as_json)
+    if args.command is None:  # bare `kvxfer-cli`: what can it do?
+        print(parser.format_help(), end="", file=sys.stderr)
+        return EXIT_USAGE
     try:
         code: int = args.run(args)
     except KvxferError as exc:
-        print(f"kvxfer-cli: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return report_error(exc, as_json)
     except KeyboardInterrupt:
         print("kvxfer-cli: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     return code
 
 

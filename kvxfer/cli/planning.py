@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from kvxfer.cli.render import Column, table
 from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup
 from kvxfer.core.planner import full_attention_bytes, plan_blocks
 from kvxfer.core.profiles import layout_for_model
@@ -98,14 +99,6 @@ def _kind_label(group: dict[str, Any]) -> str:
     return str(group["kind"])
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in [header, *rows]
-    ]
-    return "\n".join(line.rstrip() for line in lines)
-
-
 def run_layout(args: argparse.Namespace) -> int:
     report = layout_report(_layout(args, args.tp_size))
     if args.json:
@@ -125,7 +118,9 @@ def run_layout(args: argparse.Namespace) -> int:
         ]
         for g in report["groups"]
     ]
-    print(_table(["group", "kind", "layers", "bytes/token", "bytes/block"], rows))
+    columns = [Column("group"), Column("kind"), Column("layers", "right")]
+    columns += [Column("bytes/token", "right"), Column("bytes/block", "right")]
+    print(table(columns, rows))
     if any(g["replicated_across_tp"] for g in report["groups"]):
         print(
             "mla: one latent per layer (kv_lora_rank + qk_rope_head_dim per token), "
@@ -154,7 +149,8 @@ def run_plan(args: argparse.Namespace) -> int:
         ]
         for i, g in enumerate(report["groups"])
     ]
-    print(_table(["group", "kind", "layers", "blocks", "count", "bytes"], rows))
+    columns = [Column("group"), Column("kind"), Column("layers", "right"), Column("blocks")]
+    print(table([*columns, Column("count", "right"), Column("bytes", "right")], rows))
     total, full = report["total_bytes"], report["full_attention_bytes"]
     saved = 1 - total / full if full else 0.0
     print(f"total {human_bytes(total)}; as full attention {human_bytes(full)} ({saved:.1%} saved)")

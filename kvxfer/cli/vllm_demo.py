@@ -10,16 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
-from kvxfer.cli.fleet import Fleet
+from kvxfer.cli.fleet import local_fleet
+from kvxfer.cli.main import EXIT_FAILED, EXIT_OK
 from kvxfer.integrations.vllm_demo import DemoOptions, run_vllm_demo
-
-EXIT_OK, EXIT_FAILED = 0, 1
 
 
 def run_vllm(args: argparse.Namespace) -> int:
@@ -32,18 +27,12 @@ def run_vllm(args: argparse.Namespace) -> int:
         fail_rate=args.fail_rate,
         seed=args.seed,
     )
-    workdir = Path(tempfile.mkdtemp(prefix="kvxfer-demo-vllm-"))
-    fleet = Fleet(workdir)
-    ok = False
-    try:
-        report = run_vllm_demo(options, workdir, fleet)
+    with local_fleet("kvxfer-demo-vllm-", "kvxfer-cli demo") as fleet:
+        # Synchronous: Ctrl-C raises KeyboardInterrupt here, and the vLLM workers (in
+        # sessions of their own, out of the terminal's reach) are closed as it unwinds.
+        report = run_vllm_demo(options, fleet.workdir, fleet)
         ok = passed(report, options)
-    finally:
-        fleet.close()
-        if ok:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            print(f"kvxfer-cli demo: logs kept in {workdir}", file=sys.stderr)
+        fleet.keep_logs = not ok
     print(json.dumps(report) if args.json else summary(report))
     return EXIT_OK if ok else EXIT_FAILED
 

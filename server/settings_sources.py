@@ -1,0 +1,245 @@
+"""Where `Settings` values come from, and how their errors read (server/settings.py).
+
+- `EnvSource`: `KVXFER_*` variables of a given environment. List settings also take
+  comma lists (`KVXFER_NIXL__BACKENDS=UCX,GDS`), map settings `KEY=VALUE` lists
+  (`KVXFER_NIXL__BACKEND_PARAMS=num_workers=2`); JSON (`["UCX"]`) is still read.
+- `unknown_env_names`: `KVXFER_*` names no setting has, each with the closest valid one.
+- `read_file`: the `--config` file, by extension: `.json`, `.toml`, `.yaml`/`.yml`.
+- `cli_source`: the flags, on an argparse root with `--version`, readable metavars
+  (`SECONDS`, `HOST:PORT`) and each default and variable named once.
+- `problems`: a pydantic ValidationError as one (field, message) per failing field.
+
+Everything here takes the settings class as an argument: it never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import tomllib
+import typing
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource
+
+from kvxfer._exceptions import InvalidInputError
+from kvxfer._version import version
+
+PREFIX = "KVXFER_"
+DELIMITER = "__"
+# Variables that are not sidecar settings: knobs of the test suite and the vLLM harness.
+# A sidecar started by a test inherits them and must not refuse them.
+NOT_SETTINGS = ("KVXFER_TEST_", "KVXFER_HARNESS_")
+FILE_READERS = {".json": "JSON", ".toml": "TOML", ".yaml": "YAML", ".yml": "YAML"}
+# Metavars the type alone does not tell (see _metavar for the rest).
+_METAVARS = {
+    "engine_address": "unix:PATH|HOST:PORT",
+    "log_level": "LEVEL",
+    "sidecar_id": "NAME",
+    "backends": "NAME[,NAME...]",
+    "allowed_peers": "CN[,CN...]",
+    "backend_params": "KEY=VALUE[,KEY=VALUE...]",
+}
+
+
+def leaf_paths(model: type[BaseModel], path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """("peer_address",), ("lease", "ttl_s"), ...: every setting, groups unfolded."""
+    for name, field in model.model_fields.items():
+        if _is_group(field.annotation):
+            yield from leaf_paths(field.annotation, (*path, name))
+        else:
+            yield (*path, name)
+
+
+def flag(path: tuple[str, ...]) -> str:
+    return "--" + ".".join(p.replace("_", "-") for p in path)
+
+
+def env_name(path: tuple[str, ...]) -> str:
+    return PREFIX + DELIMITER.join(p.upper() for p in path)
+
+
+def _is_group(annotation: Any) -> typing.TypeGuard[type[BaseModel]]:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _field(model: type[BaseModel], path: tuple[str, ...]) -> FieldInfo | None:
+    """The FieldInfo at `path`, or None where the path leaves the model."""
+    field = None
+    for name in path:
+        if not _is_group(model) or name not in model.model_fields:
+            return None
+        field = model.model_fields[name]
+        model = field.annotation  # type: ignore[assignment]
+    return field
+
+
+class EnvSource(EnvSettingsSource):
+    """`KVXFER_*` variables read from `environ` (not necessarily os.environ)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        # Settings are case-insensitive (pydantic-settings' default): keys are lowered.
+        return {k if self.case_sensitive else k.lower(): v for k, v in self._environ.items()}
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        text = value.strip() if isinstance(value, str) else None
+        origin = typing.get_origin(field.annotation) if field is not None else None
+        if text is None or text.startswith(("[", "{")) or origin not in (tuple, list, dict):
+            return super().decode_complex_value(field_name, field, value)
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if origin is not dict:
+            return items
+        pairs = {}
+        for item in items:
+            key, sep, val = item.partition("=")
+            if not sep or not key.strip():
+                names = [env_name(p) for p in leaf_paths(self.settings_cls) if p[-1] == field_name]
+                raise InvalidInputError(
+                    " / ".join(names) or field_name,
+                    f"expected KEY=VALUE[,KEY=VALUE...], got {item!r}",
+                )
+            pairs[key.strip()] = val.strip()
+        return pairs
+
+
+def unknown_env_names(model: type[BaseModel], environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(name, message) for each `KVXFER_*` variable that names no setting."""
+    leaves = [env_name(p) for p in leaf_paths(model)]
+    groups = [env_name((n,)) for n, f in model.model_fields.items() if _is_group(f.annotation)]
+    maps = [
+        env_name(p) + DELIMITER
+        for p in leaf_paths(model)
+        if typing.get_origin(_annotation(model, p)) is dict
+    ]
+    found = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(PREFIX) or upper.startswith(NOT_SETTINGS):
+            continue
+        if upper in leaves or upper in groups or upper.startswith(tuple(maps)):
+            continue
+        close = difflib.get_close_matches(upper, leaves, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        found.append((name, f"no such setting{hint} (docs/configuration.md lists them)"))
+    return found
+
+
+def _annotation(model: type[BaseModel], path: tuple[str, ...]) -> Any:
+    field = _field(model, path)
+    return None if field is None else field.annotation
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """The settings in a `--config` file, read as its extension says."""
+    kind = FILE_READERS.get(path.suffix.lower())
+    if kind is None:
+        known = ", ".join(FILE_READERS)
+        raise InvalidInputError(
+            "config", f"{str(path)!r}: unknown extension {path.suffix!r}; use one of {known}"
+        )
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InvalidInputError("config", f"cannot read {str(path)!r}: {exc.strerror}") from exc
+    try:
+        if kind == "YAML":
+            data = yaml.safe_load(text)
+        elif kind == "TOML":
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
+        why = " ".join(str(exc).split())
+        raise InvalidInputError("config", f"{str(path)!r} is not valid {kind}: {why}") from exc
+    if not isinstance(data, dict):
+        raise InvalidInputError("config", f"{str(path)!r} must hold an object (a mapping)")
+    return data
+
+
+def cli_source(settings_cls: type[BaseSettings], prog: str, epilog: str) -> CliSettingsSource[Any]:
+    """The flags of `prog`: one per setting, plus `--version`."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=(settings_cls.__doc__ or "").strip() or None,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # --lease.ttl is not --lease.ttl-s
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    source: CliSettingsSource[Any] = CliSettingsSource(settings_cls, root_parser=parser)
+    for action in parser._actions:
+        path = tuple(action.dest.split("."))
+        field = _field(settings_cls, path)
+        if field is None or _is_group(field.annotation) or not action.option_strings:
+            continue
+        if action.nargs != 0:  # boolean flags take no value
+            action.metavar = _metavar(path[-1], field.annotation)
+        action.help = _help(field, path)
+    return source
+
+
+def _metavar(name: str, annotation: Any) -> str:
+    if name in _METAVARS:
+        return _METAVARS[name]
+    args = set(typing.get_args(annotation)) or {annotation}
+    if Path in args:
+        return "FILE"
+    if name.endswith("_address"):
+        return "HOST:PORT"
+    if name.endswith("_s"):
+        return "SECONDS"
+    if name.endswith("_bytes"):
+        return "BYTES"
+    if name.endswith("_rate"):
+        return "FRACTION"
+    if int in args:
+        return "N"
+    return "VALUE"
+
+
+def _help(field: FieldInfo, path: tuple[str, ...]) -> str:
+    value = field.get_default(call_default_factory=True)
+    shown = ""
+    if isinstance(value, tuple):
+        shown = ",".join(value)
+    elif isinstance(value, bool):
+        shown = "on" if value else ""
+    elif value is not None and not isinstance(value, dict):
+        shown = str(value)
+    default = f" (default: {shown})" if shown else ""
+    text = f"{field.description or ''}{default} [{env_name(path)}]"
+    return text.replace("%", "%%")
+
+
+def problems(exc: ValidationError, model: type[BaseModel]) -> list[tuple[str, str]]:
+    """One (field, message) per error; a leaf field is named with its flag and variable,
+    an unknown key with the closest known one."""
+    out = []
+    for error in exc.errors():
+        path = tuple(str(p) for p in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        for named in (".".join(path), path[-1] if path else ""):  # check_address names it too
+            message = message.removeprefix(f"{named}: ") if named else message
+        if error["type"] == "extra_forbidden":
+            known = [".".join(p) for p in leaf_paths(model)]
+            close = difflib.get_close_matches(".".join(path), known, n=1, cutoff=0.6)
+            message = "no such setting" + (f"; did you mean {close[0]}?" if close else "")
+        elif _field(model, path) is not None and not _is_group(_annotation(model, path)):
+            given = error.get("input")
+            if isinstance(given, str | int | float) and "got" not in message:
+                message += f", got {given!r}"
+        name = ".".join(path) or "settings"
+        if _field(model, path) is not None and not _is_group(_annotation(model, path)):
+            name += f" ({flag(path)}, {env_name(path)})"
+        out.append((name, message))
+    return out

@@ -1,0 +1,210 @@
+"""How kvxfer-cli and kvxfer-server behave as commands: versions, help, exit codes,
+errors under --json, plain or terminal output, and cleanup on Ctrl-C (the demo's
+real SIGINT test is in test_demo.py). docs/cli.md documents what is checked here."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from kvxfer.cli.fleet import BIN, Fleet, local_fleet
+
+CLI = str(BIN / "kvxfer-cli")
+SERVER = str(BIN / "kvxfer-server")
+
+
+def run(*argv: str, tty: bool = False) -> subprocess.CompletedProcess[str]:
+    """A console script; with `tty`, its stdout is a pseudo-terminal (read back here)."""
+    if not tty:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    leader, follower = os.openpty()
+    try:
+        done = subprocess.run(
+            argv, stdout=follower, stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+            env={**os.environ, "COLUMNS": "120"},
+        )  # fmt: skip
+        os.close(follower)
+        follower = -1
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the writer is gone and everything was read
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    return subprocess.CompletedProcess(
+        argv, done.returncode, b"".join(chunks).decode(), done.stderr
+    )
+
+
+@pytest.mark.parametrize("binary", [CLI, SERVER])
+def test_version_comes_from_the_package_metadata(binary: str) -> None:
+    result = run(binary, "--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{Path(binary).name} {metadata.version('kvxfer')}\n"
+
+
+def test_bare_cli_prints_its_usage_and_exits_2() -> None:
+    result = run(CLI)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("usage: kvxfer-cli")
+    for command in ("layout", "plan", "handshake", "status", "demo", "bench"):
+        assert re.search(rf"^\s+{command}\s", result.stderr, re.M), command
+    assert "exit codes:" in result.stderr
+
+
+def test_server_help_has_readable_metavars_and_each_default_once() -> None:
+    result = run(SERVER, "--help")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    for python_type in ("{Path,None}", "{str,None}", "tuple[str", "dict[str", " float", " int "):
+        assert python_type not in text, python_type
+    for flag_metavar in (
+        "--peer-address HOST:PORT",
+        "--lease.ttl-s SECONDS",
+        "--limits.max-message-bytes BYTES",
+        "--nixl.backends NAME[,NAME...]",
+        "--tls.cert-file FILE",
+    ):
+        assert flag_metavar in text, flag_metavar
+    options = re.split(r"\n  (?=--)", text)
+    for option in options:
+        assert option.count("(default:") <= 1, option
+        assert option.count("default") <= 1, option
+    assert "[KVXFER_LEASE__TTL_S]" in text and "exit codes:" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "field"),
+    [
+        (["plan", "--model", "llama-3.1-8b", "--tokens", "0"], 2, None),  # argparse
+        (["plan", "--model", "nope", "--tokens", "10"], 2, "model"),  # bad input
+        (["status", "--sidecar", "nohost"], 2, "--sidecar"),
+        (["plan", "--model", "llama-3.1-8b"], 2, None),  # a required flag missing
+    ],
+)
+def test_bad_input_exits_2_and_is_json_under_json(
+    argv: list[str], code: int, field: str | None
+) -> None:
+    plain = run(CLI, *argv)
+    assert plain.returncode == code and plain.stdout == ""
+    assert len(plain.stderr.splitlines()) == 1 and "Traceback" not in plain.stderr
+    as_json = run(CLI, *argv, "--json")
+    assert as_json.returncode == code and as_json.stderr == ""
+    error = json.loads(as_json.stdout)
+    assert set(error) == {"error", "field", "code", "type"}
+    assert error["code"] == code and error["field"] == field
+    assert error["error"] in plain.stderr
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A loopback port that accepts connections and never says a word."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        yield int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("port", ["closed_port", "silent_port"])
+@pytest.mark.parametrize("command", ["status", "peers", "handshake"])
+def test_unreachable_or_silent_sidecar_exits_3(
+    port: str, command: str, request: pytest.FixtureRequest
+) -> None:
+    address = f"127.0.0.1:{request.getfixturevalue(port)}"
+    target = (
+        ["--peer", address, "--layout", "llama-3.1-8b"]
+        if command == "handshake"
+        else ["--sidecar", address]
+    )
+    argv = [command, *target, "--timeout", "1"]
+    plain = run(CLI, *argv)
+    assert plain.returncode == 3, plain.stderr
+    assert plain.stderr.startswith("kvxfer-cli: error: ") and address in plain.stderr
+    assert len(plain.stderr.splitlines()) == 1
+    error = json.loads(run(CLI, *argv, "--json").stdout)
+    assert error["code"] == 3 and error["type"] == "PeerUnavailableError"
+
+
+@pytest.mark.e2e
+def test_handshake_exit_codes_against_a_real_sidecar(tmp_path: Path) -> None:
+    """0 compatible, 1 incompatible (with --json: the report, not an error)."""
+    fleet = Fleet(tmp_path)
+    try:
+        sidecar = fleet.sidecar("p")
+        fleet.engine(sidecar, "llama-3.1-8b", "prefill", "--num-blocks", "16")
+        peer = sidecar.ready["peer_address"]
+        same = run(CLI, "handshake", "--peer", peer, "--layout", "llama-3.1-8b")
+        assert same.returncode == 0, same.stderr
+        assert "compatible" in same.stdout
+        other = run(CLI, "handshake", "--peer", peer, "--layout", "gemma-3-4b-it", "--json")
+        assert other.returncode == 1, other.stderr
+        report = json.loads(other.stdout)
+        assert report["compatible"] is False and report["mismatches"]
+    finally:
+        fleet.close()
+
+
+def test_tables_are_plain_columns_off_a_terminal() -> None:
+    result = run(CLI, "plan", "--model", "gemma-3-4b-it", "--tokens", "32768")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = lines.index("group  kind                    layers  blocks      count       bytes")
+    rows = [re.split(r"\s{2,}", line.strip()) for line in lines[header + 1 : header + 3]]
+    assert rows == [
+        ["0", "sliding_window(W=1024)", "29", "1984..2047", "64", "116.00 MiB"],
+        ["1", "full_attention", "5", "0..2047", "2048", "640.00 MiB"],
+    ]
+    assert "\x1b[" not in result.stdout and "─" not in result.stdout
+
+
+def test_tables_are_drawn_on_a_terminal() -> None:
+    result = run(CLI, "layout", "--model", "gpt-oss-20b", tty=True)
+    assert result.returncode == 0, result.stderr
+    assert "─" in result.stdout  # rich's rule under the header
+    assert "sliding_window(W=128)" in result.stdout
+
+
+@pytest.mark.e2e
+def test_local_fleet_cleans_up_on_ctrl_c_and_keeps_logs_on_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the sim demo, the vLLM demo and the bench share: Ctrl-C (KeyboardInterrupt)
+    stops every process and removes the directory; a failure keeps it, saying where."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile  # noqa: PLC0415 (tempfile caches TMPDIR on first use)
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    with pytest.raises(KeyboardInterrupt), local_fleet("kvxfer-demo-", "test") as fleet:
+        sidecar = fleet.sidecar("p")
+        workdir = fleet.workdir
+        raise KeyboardInterrupt
+    assert sidecar.popen.poll() is not None
+    assert workdir.parent == tmp_path and not workdir.exists()
+    with pytest.raises(RuntimeError), local_fleet("kvxfer-demo-", "test") as fleet:
+        sidecar = fleet.sidecar("p")
+        raise RuntimeError("a check failed")
+    assert sidecar.popen.poll() is not None
+    assert (fleet.workdir / "p.log").exists()
