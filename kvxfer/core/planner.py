@@ -18,6 +18,11 @@ descriptor per region (when both regions are contiguous). Every span and id
 is validated against the regions before any descriptor exists. The planner
 is address-free: descriptors carry buffer names and byte offsets, and the
 data plane binds them to registered memory.
+
+When the two sides' block sizes differ (kvxfer/core/reblock.py), the plan's
+blocks are the destination's, the moved tokens of each attention group are a
+token range (`GroupPlan.tokens`), and runs are made of token slices of
+gcd(Bs, Bd) tokens, so whole blocks still coalesce where boundaries line up.
 """
 
 from __future__ import annotations
@@ -38,12 +43,12 @@ from kvxfer.core.layout import (
 )
 from kvxfer.core.reblock import (
     BlockMapping,
+    check_sliceable,
     mapping_of,
     moved_tokens,
     slice_region,
     slice_span,
     slice_tokens,
-    slicing_problem,
 )
 
 DEFAULT_CHUNK_BLOCKS = 1024  # 16k tokens at B=16; see docs/dataplane.md "Chunks"
@@ -400,30 +405,13 @@ def _check_same_shape(src: EngineLayout, dst: EngineLayout) -> None:
                 f"dst is {b.kind.value} (window {b.sliding_window}, chunk {b.chunk_size})",
             )
         if mapping_of(dst, b, src, a) is BlockMapping.TOKENS:
-            _check_sliceable(src, a, dst, b, where)
+            check_sliceable(src, a, dst, b, where)
         elif [(t.name, t.bytes_per_block) for t in a.tensors] != [
             (t.name, t.bytes_per_block) for t in b.tensors
         ]:
             raise PlanError(f"{where}.tensors", "tensor names or sizes differ between src and dst")
     if not src.regions or not dst.regions:
         raise PlanError("regions", "both layouts must have registered regions to plan a transfer")
-
-
-def _check_sliceable(
-    src: EngineLayout, a: KVGroup, dst: EngineLayout, b: KVGroup, where: str
-) -> None:
-    """Different block sizes: both sides sliceable by tokens, equal bytes per token."""
-    for side, layout, group in (("src", src, a), ("dst", dst, b)):
-        problem = slicing_problem(layout, group)
-        if problem is not None:
-            raise PlanError(f"{where}.block_size", f"{side}: {problem}")
-    size_a, size_b = src.block_size_of(a), dst.block_size_of(b)
-    if [(t.name, t.bytes_per_block // size_a) for t in a.tensors] != [
-        (t.name, t.bytes_per_block // size_b) for t in b.tensors
-    ]:
-        raise PlanError(
-            f"{where}.tensors", "tensor names or bytes per token differ between src and dst"
-        )
 
 
 def _spans_by_group(spans: Sequence[BlockSpan], name: str, num_groups: int) -> dict[int, BlockSpan]:

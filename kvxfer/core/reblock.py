@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import math
 
+from kvxfer._exceptions import PlanError
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupKind, KVGroup, Region
 
 
@@ -63,6 +64,23 @@ def slicing_problem(layout: EngineLayout, group: KVGroup) -> str | None:
                     f"blocks of {region.block_bytes}): its token slices are not one array"
                 )
     return None
+
+
+def check_sliceable(
+    src: EngineLayout, a: KVGroup, dst: EngineLayout, b: KVGroup, where: str
+) -> None:
+    """Different block sizes: both sides sliceable by tokens, equal bytes per token."""
+    for side, layout, group in (("src", src, a), ("dst", dst, b)):
+        problem = slicing_problem(layout, group)
+        if problem is not None:
+            raise PlanError(f"{where}.block_size", f"{side}: {problem}")
+    size_a, size_b = src.block_size_of(a), dst.block_size_of(b)
+    if [(t.name, t.bytes_per_block // size_a) for t in a.tensors] != [
+        (t.name, t.bytes_per_block // size_b) for t in b.tensors
+    ]:
+        raise PlanError(
+            f"{where}.tensors", "tensor names or bytes per token differ between src and dst"
+        )
 
 
 def moved_tokens(needed: range, num_tokens: int, src_block: int, dst_block: int) -> range:
