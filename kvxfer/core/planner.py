@@ -252,7 +252,7 @@ class Chunk:
     @property
     def units(self) -> int:
         """Blocks the runs cover (token slices when the block sizes differ, see
-        `slice_regions`); `len(blocks)` when they are the same."""
+        `reblock.slice_region`); `len(blocks)` when they are the same."""
         return sum(run.count for run in self.runs)
 
     @property
