@@ -9,6 +9,7 @@ back into tokens and compared with the oracle's copies, one token at a time.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -93,7 +94,7 @@ def cases(draw: st.DrawFn, profiles: tuple[str, ...] = HETERO_PROFILES) -> Case:
     model = draw(st.sampled_from([p for p in profiles if p in PROFILES]))
     src_size, dst_size = draw(st.sampled_from(SIZES)), draw(st.sampled_from(SIZES))
     src, dst = (layout_for_model(model, block_size=b) for b in (src_size, dst_size))
-    window = draw(st.one_of(st.none(), st.integers(1, 400)))
+    window = draw(st.one_of(st.none(), st.integers(1, 48), st.integers(1, 400)))
     trimmed = []
     for layout in (src, dst):
         groups = tuple(
@@ -179,6 +180,21 @@ def _dst_token(case: Case, group: KVGroup, copy: Copy) -> int:
     return logical * case.dst.block_size + within // copy[3]
 
 
+def _check_coalesced(case: Case, group: KVGroup, chunk: Chunk, copies: list[Copy]) -> None:
+    """One descriptor per tensor per stretch of consecutive tokens that is contiguous
+    on both sides: never split where it need not be, never merged where it must not."""
+    descriptors = list(chunk.descriptors())
+    for tensor in group.tensors:
+        mine = sorted(
+            (c for c in copies if c[0] == tensor.name), key=lambda c: _dst_token(case, group, c)
+        )
+        breaks = sum(
+            1 for a, b in itertools.pairwise(mine) if (b[1], b[2]) != (a[1] + a[3], a[2] + a[3])
+        )
+        count = sum(1 for d in descriptors if d.src_buffer == f"s:{tensor.name}")
+        assert count == (breaks + 1 if mine else 0), tensor.name
+
+
 @settings(max_examples=150, deadline=None)
 @given(cases(), st.integers(1, 6))
 def test_every_moved_byte_matches_the_token_oracle(case: Case, chunk_blocks: int) -> None:
@@ -196,6 +212,7 @@ def test_every_moved_byte_matches_the_token_oracle(case: Case, chunk_blocks: int
             if group.kind is not GroupKind.MAMBA:  # a failed chunk loses its own blocks only
                 tokens = {_dst_token(case, group, c) // size for c in copies}
                 assert tokens <= set(chunk.blocks)
+                _check_coalesced(case, group, chunk, copies)
             planned += copies
         assert len(planned) == len(set(planned)), "a byte range moves twice"
         assert set(planned) == expected
