@@ -252,12 +252,13 @@ def _all_failed(pull: Pull, status: PullStatus, reason: str) -> PullDone:
 def _observe(pull: Pull, done: PullDone, metrics: Metrics, peer: str) -> None:
     moved_by_kind: dict[str, int] = {}
     failed = {g: set(b) for g, b in done.failed_blocks.items()}
+    kinds = {g.group.group_id: g.group.kind.value for g in pull.plan.groups}
+    for chunk in pull.plan.chunks:  # a chunk arrives or fails whole (one NIXL handle)
+        if not failed.get(chunk.group_id, set()) & set(chunk.blocks):
+            kind = kinds[chunk.group_id]
+            moved_by_kind[kind] = moved_by_kind.get(kind, 0) + chunk.nbytes
     for group_plan in pull.plan.groups:
         group = group_plan.group
-        ok = len([b for b in group_plan.blocks if b not in failed.get(group.group_id, ())])
-        moved_by_kind[group.kind.value] = (
-            moved_by_kind.get(group.kind.value, 0) + ok * group.bytes_per_block
-        )
         if group.group_id in failed:
             metrics.failed_blocks.labels(peer, group.kind.value).inc(len(failed[group.group_id]))
     for kind, nbytes in moved_by_kind.items():

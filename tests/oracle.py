@@ -128,3 +128,61 @@ def oracle_layer_blocks(
             if kind == "full" or (window is not None and num_tokens - p < window):
                 reads.add((cache_of[layer], p // block_size))
     return reads
+
+
+def oracle_moved_tokens(
+    group: KVGroup, num_tokens: int, computed: int, src_block: int, dst_block: int
+) -> set[int]:
+    """Tokens a transfer between block sizes src_block and dst_block moves, token by token:
+    a token moves when its source block and its destination block each hold a token the
+    destination needs (tokens past N-1 ride along inside the last blocks)."""
+    if computed == num_tokens:
+        return set()
+    needed = [p for p in attended_cached_positions(group, num_tokens) if p >= computed]
+    src_needed = {p // src_block for p in needed}
+    dst_needed = {p // dst_block for p in needed}
+    end = num_tokens + max(src_block, dst_block)
+    return {t for t in range(end) if t // src_block in src_needed and t // dst_block in dst_needed}
+
+
+def oracle_valid_tokens_moved(
+    groups: Sequence[KVGroup],
+    num_tokens: int,
+    computed: int,
+    block_size: int,
+    failed: Mapping[int, Collection[int]],
+    moved: Mapping[int, Collection[int]],
+) -> int:
+    """`oracle_valid_tokens` when exactly the tokens `moved[g]` arrived in group g's
+    (destination) blocks that did not fail: a token is valid when the destination held
+    it before or it moved in a block that did not fail. Tries every s from N down."""
+    has_mamba = any(g.kind is GroupKind.MAMBA for g in groups)
+    mamba_ok = not any(failed.get(g.group_id) for g in groups if g.kind is GroupKind.MAMBA)
+    valid: dict[int, set[int]] = {}
+    for group in groups:
+        if group.kind is GroupKind.MAMBA:
+            continue
+        size = own_block_size(group, block_size)
+        lost = set(failed.get(group.group_id, ()))
+        held = set(attended_cached_positions(group, computed))
+        arrived = {t for t in moved.get(group.group_id, ()) if t // size not in lost}
+        valid[group.group_id] = held | arrived
+    prefix = {
+        gid: [0, *accumulate(int(t not in ok) for t in range(num_tokens))]
+        for gid, ok in valid.items()
+    }
+
+    def whole(group: KVGroup, s: int) -> bool:
+        """Every position the step at s reads in `group` is valid."""
+        positions = attended_cached_positions(group, s)
+        if isinstance(positions, range) and positions.step == 1:
+            counts = prefix[group.group_id]
+            return counts[positions.stop] == counts[positions.start]
+        return all(p in valid[group.group_id] for p in positions)
+
+    for s in range(num_tokens, computed, -1):
+        if has_mamba and not (s == num_tokens and mamba_ok):
+            continue
+        if all(whole(g, s) for g in groups if g.kind is not GroupKind.MAMBA):
+            return s
+    return computed

@@ -138,7 +138,17 @@ def test_group_block_size_survives_the_wire_and_is_negotiated() -> None:
         layout,
         groups=(layout.groups[0], dataclasses.replace(layout.groups[1], block_size=512)),
     )
+    # A state group holds one state per request whatever its block size: it maps whole.
+    assert negotiate(layout, other).groups[1].block_mapping == "state"
+    wider = dataclasses.replace(
+        other,
+        groups=(
+            other.groups[0],
+            dataclasses.replace(other.groups[1], tensors=(TensorSpec("layer.1", 1, 128),)),
+        ),
+    )
     with pytest.raises(NegotiationError) as caught:
-        negotiate(layout, other)
-    assert [m.field for m in caught.value.mismatches] == ["layout.groups[1].block_size"]
-    negotiate(layout, layout)
+        negotiate(layout, wider)  # ... and its state bytes must be equal
+    assert [m.field for m in caught.value.mismatches] == [
+        "layout.groups[1].tensors['layer.1'].bytes_per_block"
+    ]

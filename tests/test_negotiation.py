@@ -23,7 +23,7 @@ def test_a_profile_agrees_with_itself(model: str) -> None:
     assert [(g.local_group, g.peer_group) for g in agreement.groups] == [
         (g.group_id, g.group_id) for g in layout.groups
     ]
-    assert agreement.block_size_ratio == 1 and agreement.tp_rank == layout.tp_rank
+    assert agreement.peer_block_size == layout.block_size and agreement.tp_rank == layout.tp_rank
 
 
 def _fields(local: object, peer: object, **kw: int) -> dict[str, object]:
@@ -33,7 +33,6 @@ def _fields(local: object, peer: object, **kw: int) -> dict[str, object]:
 def test_dtype_block_size_and_tp_are_named() -> None:
     base = layout_for_model("gpt-oss-20b")
     assert "layout.kv_dtype" in _fields(base, layout_for_model("gpt-oss-20b", kv_dtype="float16"))
-    assert "layout.block_size" in _fields(base, layout_for_model("gpt-oss-20b", block_size=32))
     tp = _fields(base, layout_for_model("gpt-oss-20b", tp_size=2))
     assert "not supported yet" in tp["layout.tp_size"].hint  # type: ignore[attr-defined]
     rank = _fields(
@@ -41,6 +40,21 @@ def test_dtype_block_size_and_tp_are_named() -> None:
         layout_for_model("gpt-oss-20b", tp_size=2, tp_rank=1),
     )
     assert set(rank) == {"layout.tp_rank"}
+
+
+def test_different_block_sizes_map_by_tokens_or_are_refused_with_the_reason() -> None:
+    small, large = layout_for_model("gpt-oss-20b"), layout_for_model("gpt-oss-20b", block_size=32)
+    agreement = negotiate(large, small)
+    assert (agreement.block_size, agreement.peer_block_size) == (32, 16)
+    assert {(g.block_mapping, g.local_block_size, g.peer_block_size, g.slice_tokens)
+            for g in agreement.groups} == {("tokens", 32, 16, 16)}  # fmt: skip
+    fused = dataclasses.replace(small, token_major=False)
+    refused = _fields(large, fused)
+    assert set(refused) == {"layout.groups[0].block_size", "layout.groups[1].block_size"}
+    assert "not token-major" in refused["layout.groups[0].block_size"].hint  # type: ignore[attr-defined]
+    assert negotiate(fused, fused).groups[0].block_mapping == "same"
+    odd = layout_for_model("gpt-oss-20b", block_size=24)
+    assert {g.slice_tokens for g in negotiate(odd, large).groups} == {8}
 
 
 def test_window_and_kind_differences_are_never_downgraded() -> None:

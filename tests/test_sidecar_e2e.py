@@ -441,7 +441,6 @@ def test_cli_handshake_dry_run(fleet: Fleet) -> None:
     [
         ("model", "layout.fingerprint"),
         ("dtype", "layout.kv_dtype"),
-        ("block-size", "layout.block_size"),
         ("window", "layout.groups[0].sliding_window"),
         ("missing-group", "layout.groups[1]"),
     ],
@@ -452,8 +451,6 @@ def test_cli_handshake_names_each_mismatch(fleet: Fleet, variant: str, field: st
         args = ["--layout", "gemma-3-4b-it"]
     elif variant == "dtype":
         args += ["--kv-dtype", "float8_e4m3fn"]
-    elif variant == "block-size":
-        args += ["--block-size", "32"]
     elif variant == "window":
         args = ["--layout", _config_variant(fleet.tmp, "w256", sliding_window=256)]
     else:
@@ -466,6 +463,21 @@ def test_cli_handshake_names_each_mismatch(fleet: Fleet, variant: str, field: st
     assert field in by_field, sorted(by_field)
     assert all(m["hint"] for m in report["mismatches"])
     assert by_field[field]["local"] != by_field[field]["peer"]
+
+
+def test_cli_handshake_shows_the_block_size_mapping(fleet: Fleet) -> None:
+    """A decode layout of 48-token blocks against the prefill's 16: agreed, by tokens."""
+    peer = fleet.p.ready["peer_address"]
+    result = _cli("handshake", "--peer", peer, "--layout", MODEL, "--block-size", "48", "--json")
+    assert result.returncode == 0, result.stderr
+    agreement = json.loads(result.stdout)["agreement"]
+    assert (agreement["block_size"], agreement["peer_block_size"]) == (48, 16)
+    assert {(g["block_mapping"], g["slice_tokens"]) for g in agreement["groups"]} == {
+        ("tokens", 16)
+    }
+    text = _cli("handshake", "--peer", peer, "--layout", MODEL, "--block-size", "48").stdout
+    assert "block size 48 <- peer's 16" in text
+    assert "48-token blocks <- peer's 16-token blocks by token ranges" in text
 
 
 def test_cli_handshake_unreachable_peer_names_the_address() -> None:

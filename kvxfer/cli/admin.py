@@ -127,10 +127,12 @@ def _handshake_text(address: str, report: dict[str, Any]) -> str:
     ]
     if report["compatible"]:
         agreement = report["agreement"]
+        sizes = f"block size {agreement['block_size']}"
+        if agreement["peer_block_size"] != agreement["block_size"]:
+            sizes += f" <- peer's {agreement['peer_block_size']}"
         lines.append(
-            f"compatible: {agreement['model']}, {agreement['kv_dtype']}, block size "
-            f"{agreement['block_size']}, TP {agreement['tp_size']} (rank "
-            f"{agreement['tp_rank']} <- rank {agreement['tp_rank']})"
+            f"compatible: {agreement['model']}, {agreement['kv_dtype']}, {sizes}, TP "
+            f"{agreement['tp_size']} (rank {agreement['tp_rank']} <- rank {agreement['tp_rank']})"
         )
         for group in agreement["groups"]:
             window = f" W={group['sliding_window']}" if group["sliding_window"] else ""
@@ -138,7 +140,7 @@ def _handshake_text(address: str, report: dict[str, Any]) -> str:
             lines.append(
                 f"  group {group['local_group']} <- peer group {group['peer_group']}: "
                 f"{group['kind']}{window}{chunk}, {group['num_layers']} layers, "
-                f"{human_bytes(group['bytes_per_block'])}/block"
+                f"{human_bytes(group['bytes_per_block'])}/block; {_block_mapping(group)}"
             )
             if group["replicated"]:
                 lines.append(
@@ -151,6 +153,21 @@ def _handshake_text(address: str, report: dict[str, Any]) -> str:
         lines.append(f"  {m['field']}: local {m['local']}, peer {m['peer']}")
         lines.append(f"    hint: {m['hint']}")
     return "\n".join(lines)
+
+
+def _block_mapping(group: dict[str, Any]) -> str:
+    """How this group's blocks map to the peer's (docs/sidecar.md, Negotiation)."""
+    mine, theirs = group["local_block_size"], group["peer_block_size"]
+    if group["block_mapping"] == "state":
+        return "state block moves whole"
+    if group["block_mapping"] == "same":
+        return f"block i <- peer block i ({mine} tokens)"
+    unit = group["slice_tokens"]
+    how = "whole blocks where they align, " if unit in (mine, theirs) else ""
+    return (
+        f"{mine}-token blocks <- peer's {theirs}-token blocks by token ranges "
+        f"({how}slices of {unit} tokens)"
+    )
 
 
 def _admin(args: argparse.Namespace, what: str, method: str, request: Message) -> Any:

@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer._exceptions import InvalidInputError
+from kvxfer.cli.demo_reblock import check_token_ranges, source_blocks
 from kvxfer.cli.fleet import (
     EngineView,
     Fleet,
@@ -46,6 +47,7 @@ from kvxfer.core.planner import (
     GroupPlan,
     full_attention_blocks,
     full_attention_bytes,
+    plan_between,
     plan_blocks,
     pool_blocks,
 )
@@ -73,6 +75,7 @@ class Outcome:
     exact_bytes: int
     verified: bool
     problems: list[str] = field(default_factory=list)
+    moved_by_group: dict[int, int] = field(default_factory=dict)  # bytes verified per group
 
     @property
     def latency_s(self) -> float:
@@ -122,18 +125,25 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 async def _demo(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
-    requests = workload(args, args.block_size)
-    sizing = _sizing(args.model, args.block_size, max(r.tokens for r in requests))
+    p_block, d_block = _block_sizes(args)
+    requests = workload(args, d_block)  # a prefix hit is whole decode blocks
+    sizing = _sizing(args.model, (p_block, d_block), max(r.tokens for r in requests))
     with Progress("demo", len(requests), enabled=not args.json) as progress:
         runner, outcomes, d_metrics = await _run(args, fleet, requests, sizing, progress)
     handshake_ms = _handshake_ms(d_metrics)
     whole_ok = runner.check_untouched()
-    report = _report(args, runner.layout, outcomes, _busy_s(outcomes), handshake_ms, whole_ok)
+    report = _report(args, runner.de.layout, outcomes, _busy_s(outcomes), handshake_ms, whole_ok)
+    report["block_sizes"] = {"prefill": p_block, "decode": d_block}
     report["sidecar_peak_rss_mib"] = {
         name.removeprefix("sidecar "): round(rss / 2**20, 1)
         for name, rss in sorted(runner.peak_rss.items())
     }
     return report
+
+
+def _block_sizes(args: argparse.Namespace) -> tuple[int, int]:
+    """The prefill and decode engines' block sizes (each defaults to --block-size)."""
+    return (args.prefill_block_size or args.block_size, args.decode_block_size or args.block_size)
 
 
 async def _run(
@@ -145,8 +155,8 @@ async def _run(
 ) -> tuple[_Runner, list[Outcome], str]:
     """Start two sidecars and two engines, then run every request through them; also
     returns the decode sidecar's metrics address."""
+    p_block, d_block = _block_sizes(args)
     progress.note("starting 2 sidecars and 2 engines")
-    layout_args = ("--block-size", str(args.block_size))
     faults: tuple[str, ...] = ()
     if args.fail_rate:
         faults = ("--faults.fail-rate", str(args.fail_rate), "--faults.seed", str(args.seed),
@@ -154,11 +164,11 @@ async def _run(
     p, d = await asyncio.gather(
         asyncio.to_thread(fleet.sidecar, "p"), asyncio.to_thread(fleet.sidecar, "d", *faults)
     )
+    p_args = ("--block-size", str(p_block), *sizing.p_args)
+    d_args = ("--block-size", str(d_block), *sizing.d_args, "--seed", "1")
     pe, de = await asyncio.gather(
-        asyncio.to_thread(fleet.engine, p, args.model, "prefill", *layout_args, *sizing.p_args),
-        asyncio.to_thread(
-            fleet.engine, d, args.model, "decode", *layout_args, *sizing.d_args, "--seed", "1"
-        ),
+        asyncio.to_thread(fleet.engine, p, args.model, "prefill", *p_args),
+        asyncio.to_thread(fleet.engine, d, args.model, "decode", *d_args),
     )
     runner = _Runner(args, fleet, pe, de, sizing, progress)
     progress.note(f"running {len(requests)} requests")  # tests wait for this line
@@ -185,17 +195,20 @@ def _busy_s(outcomes: Sequence[Outcome]) -> float:
 class _Sizing:
     p_args: tuple[str, ...]
     d_args: tuple[str, ...]
-    pools: Mapping[GroupKind, int]  # blocks one request may need, per group kind
+    pools: Mapping[GroupKind, int]  # prefill blocks one request may need, per group kind
+    d_pools: Mapping[GroupKind, int]  # ... and decode blocks
 
 
-def _sizing(model: str, block_size: int, max_tokens: int) -> _Sizing:
+def _sizing(model: str, block_sizes: tuple[int, int], max_tokens: int) -> _Sizing:
     from kvxfer.core.profiles import layout_for_model  # noqa: PLC0415
 
-    pools = pool_blocks(layout_for_model(model, block_size=block_size), max_tokens)
-    full, sliding = pools[GroupKind.FULL_ATTENTION], pools[GroupKind.SLIDING_WINDOW]
-    chunked = pools[GroupKind.CHUNKED_LOCAL]
+    p_pools, d_pools = (
+        pool_blocks(layout_for_model(model, block_size=size), max_tokens) for size in block_sizes
+    )
 
-    def args(copies: int) -> tuple[str, ...]:
+    def args(pools: Mapping[GroupKind, int], copies: int) -> tuple[str, ...]:
+        full, sliding = pools[GroupKind.FULL_ATTENTION], pools[GroupKind.SLIDING_WINDOW]
+        chunked = pools[GroupKind.CHUNKED_LOCAL]
         return (
             "--num-blocks", str(full * copies),
             "--sliding-blocks", str(sliding * copies),
@@ -203,7 +216,7 @@ def _sizing(model: str, block_size: int, max_tokens: int) -> _Sizing:
             "--state-blocks", str(copies),
         )  # fmt: skip
 
-    return _Sizing(args(1), args(CONCURRENCY), pools)
+    return _Sizing(args(p_pools, 1), args(d_pools, CONCURRENCY), p_pools, d_pools)
 
 
 class _Runner:
@@ -290,7 +303,7 @@ class _Runner:
         self, request: Request, slot: int, p: EngineClient, d: EngineClient
     ) -> Outcome:
         request_id = f"demo-{request.index}"
-        groups = plan_blocks(self.layout, request.tokens, request.computed)
+        groups = plan_between(self.layout, self.de.layout, request.tokens, request.computed)
         src, dst = self._spans(groups, slot)
         released_f, done_f = self._expect("p", request_id), self._expect("d", request_id)
         params: TransferParams = await p.publish(request_id, request.tokens, src)
@@ -318,13 +331,13 @@ class _Runner:
         for plan in groups:
             if not plan.blocks:
                 continue
-            pool = self.sizing.pools[plan.group.kind]
-            count = len(plan.blocks)
+            pool, d_pool = self.sizing.pools[plan.group.kind], self.sizing.d_pools[plan.group.kind]
+            src_blocks = source_blocks(plan, self.layout.block_size)
             offset = self.rng.randrange(pool)
-            src_ids = [(offset + i) % pool for i in range(count)]
-            dst_ids = [slot * pool + i for i in range(count)]
+            src_ids = [(offset + i) % pool for i in range(len(src_blocks))]
+            dst_ids = [slot * d_pool + i for i in range(len(plan.blocks))]
             gid = GroupId(plan.group.group_id)
-            src.append(BlockSpan(gid, plan.blocks.start, tuple(BlockId(b) for b in src_ids)))
+            src.append(BlockSpan(gid, src_blocks.start, tuple(BlockId(b) for b in src_ids)))
             dst.append(BlockSpan(gid, plan.blocks.start, tuple(BlockId(b) for b in dst_ids)))
         return src, dst
 
@@ -344,7 +357,14 @@ class _Runner:
             lost = failed.get(gid, set())
             if not lost <= set(plan.blocks):
                 outcome.problems.append(f"group {gid}: failed blocks outside the plan")
-            for logical in plan.blocks:
+            before = moved
+            if plan.tokens is not None:
+                size, problems = check_token_ranges(
+                    self.pe, self.de, plan, (src_by[gid], dst_by[gid]), lost, self.written
+                )
+                moved += size
+                outcome.problems += problems
+            for logical in plan.blocks if plan.tokens is None else ():
                 if logical in lost:
                     continue
                 s_id, d_id = src_by[gid].block_id(logical), dst_by[gid].block_id(logical)
@@ -355,9 +375,11 @@ class _Runner:
                         outcome.problems.append(f"{tensor.name} logical block {logical} differs")
                     self.written[(tensor.name, d_id)] = self.pe.block(tensor.name, s_id)
                     moved += tensor.bytes_per_block
+            outcome.moved_by_group[gid] = moved - before
+        moved_from = {int(g.group.group_id): g.tokens.start for g in groups if g.tokens}
         expected_valid = valid_tokens(
-            [g.group for g in groups], request.tokens, request.computed, self.layout.block_size,
-            done.failed_blocks,
+            [g.group for g in groups], request.tokens, request.computed, self.de.layout.block_size,
+            done.failed_blocks, moved_from,
         )  # fmt: skip
         if done.valid_tokens != expected_valid:
             outcome.problems.append(
@@ -441,11 +463,12 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
 def _per_group(layout: EngineLayout, outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
     rows = []
     for group in layout.groups:
-        blocks = full_blocks = 0
+        blocks = full_blocks = moved = 0
         for o in outcomes:
             plan = plan_blocks(layout, o.request.tokens, o.request.computed)[group.group_id]
             lost = len(o.done.failed_blocks.get(group.group_id, ()))
             blocks += len(plan.blocks) - lost
+            moved += o.moved_by_group.get(group.group_id, 0)
             full_blocks += len(
                 full_attention_blocks(
                     group, o.request.tokens, o.request.computed, layout.block_size
@@ -457,7 +480,7 @@ def _per_group(layout: EngineLayout, outcomes: Sequence[Outcome]) -> list[dict[s
                 "kind": group.kind.value,
                 "sliding_window": group.sliding_window,
                 "blocks_moved": blocks,
-                "bytes_moved": blocks * group.bytes_per_block,
+                "bytes_moved": moved,
                 "full_attention_bytes": full_blocks * group.bytes_per_block,
             }
         )

@@ -166,6 +166,12 @@ class EngineView:
         start = region.block_offset(block_id)
         return self.view(region.buffer)[start : start + region.block_bytes]
 
+    def pattern_block(self, tensor: str, block_id: int) -> npt.NDArray[np.uint8]:
+        """A copy of the fill pattern of one block (what it holds before any pull)."""
+        region = self.regions[tensor]
+        salt = self.salt(region.buffer)
+        return pattern(salt, region.block_offset(block_id), region.block_bytes).copy()
+
     def image_mismatch(
         self, written: Mapping[tuple[str, int], npt.NDArray[np.uint8]]
     ) -> str | None:

@@ -300,6 +300,17 @@ def _add_demo(commands: Any) -> None:
         "--fail-rate", type=float, default=0.0, help="inject this share of chunk failures"
     )
     demo.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    demo.add_argument(
+        "--prefill-block-size",
+        type=positive_int,
+        help="sim: the prefill engine's tokens per block (default --block-size)",
+    )
+    demo.add_argument(
+        "--decode-block-size",
+        type=positive_int,
+        help="sim: the decode engine's tokens per block (default --block-size); "
+        "different sizes move token ranges",
+    )
     demo.add_argument("--seed", type=non_negative_int, default=0, help="workload seed")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(run=_lazy("kvxfer.cli.demo", "run_demo"))

@@ -231,6 +231,11 @@ class EngineLayout:
     tp_rank: int
     groups: tuple[KVGroup, ...]
     regions: tuple[Region, ...] = field(default=())
+    # Every attention/latent block is [block_size tokens][bytes of one token] (K and V
+    # in regions of their own, as kvxfer's own shared-memory layout has them), so a token
+    # range of a block is one byte range: what a pairing of different block sizes needs.
+    # vLLM fuses K and V in one page (K tokens, then V tokens): not token-major.
+    token_major: bool = True
 
     def __post_init__(self) -> None:
         dtype_bytes(self.kv_dtype)
@@ -266,6 +271,15 @@ class EngineLayout:
     def region_map(self) -> dict[str, Region]:
         return {r.name: r for r in self.regions}
 
+    def token_bytes(self, group: KVGroup, tensor: TensorSpec) -> int | None:
+        """Bytes of one token of `tensor` inside a block, or None when a block of it
+        cannot be sliced by tokens (a state group, a layout that is not token-major,
+        or a block size that does not divide its bytes)."""
+        size = self.block_size_of(group)
+        if group.kind is GroupKind.MAMBA or not self.token_major or tensor.bytes_per_block % size:
+            return None
+        return tensor.bytes_per_block // size
+
     def block_size_of(self, group: KVGroup) -> int:
         """Tokens per block of `group`: its own size, else the layout's."""
         return group_block_size(group, self.block_size)
@@ -285,4 +299,5 @@ class EngineLayout:
             tp_rank=self.tp_rank,
             groups=self.groups,
             regions=tuple(regions),
+            token_major=self.token_major,
         )

@@ -12,8 +12,13 @@ An mla group's latent is the same on every TP rank (`GroupMapping.replicated`):
 any decode rank could read any prefill rank's copy, though a pull still goes
 rank r <- rank r until heterogeneous TP exists.
 
-Not supported yet, and refused with a message that says so: different block
-sizes and different tensor-parallel sizes. `NOT_YET_TRANSFERABLE` names group
+Different block sizes are agreed group by group (`GroupMapping.block_mapping`,
+kvxfer/core/reblock.py): equal sizes map block to block; different sizes map by
+token ranges when both sides' blocks can be cut into token slices (token-major,
+contiguous regions, equal bytes per token), and are refused otherwise with the
+reason; a state (mamba) group maps whole, its state bytes equal on both sides.
+Not supported yet, and refused with a message that says so: different
+tensor-parallel sizes. `NOT_YET_TRANSFERABLE` names group
 kinds the planner sizes but no pull has moved end to end; it is empty now that
 chunked_local and mla pulls are byte-checked between simulated engines (the
 demo and tests/test_sidecar_kinds.py).
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 
 from kvxfer._exceptions import NegotiationError
 from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup
+from kvxfer.core.reblock import BlockMapping, mapping_of, slice_tokens, slicing_problem
 
 PROTOCOL_VERSION = 1
 SUPPORTED_PROTOCOLS = frozenset({1})
@@ -57,6 +63,13 @@ class GroupMapping:
     # The group's tensors are identical on every TP rank (an mla latent): any decode
     # rank may read any prefill rank's copy.
     replicated: bool = False
+    # Tokens per block on each side and how blocks map (reblock.BlockMapping): "same"
+    # (block i <- block i), "tokens" (token ranges in slices of `slice_tokens`),
+    # "state" (the one state block, whole).
+    local_block_size: int = 0
+    peer_block_size: int = 0
+    block_mapping: str = BlockMapping.SAME.value
+    slice_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,7 +87,7 @@ class Agreement:
     fingerprint: str
     kv_dtype: str
     block_size: int
-    block_size_ratio: int  # peer block size / local block size; 1 until heterogeneous sizes
+    peer_block_size: int  # the peer's layout block size; groups say how blocks map
     tp_size: int
     tp_rank: int  # local rank r pulls from peer rank r
     groups: tuple[GroupMapping, ...]
@@ -96,10 +109,12 @@ def negotiate(
         fingerprint=local.fingerprint,
         kv_dtype=local.kv_dtype,
         block_size=local.block_size,
-        block_size_ratio=1,
+        peer_block_size=peer.block_size,
         tp_size=local.tp_size,
         tp_rank=local.tp_rank,
-        groups=tuple(_mapping(a) for a in local.groups),
+        groups=tuple(
+            _mapping(local, a, peer, b) for a, b in zip(local.groups, peer.groups, strict=True)
+        ),
         regions=_region_sizes(local, peer),
     )
 
@@ -121,7 +136,7 @@ def find_mismatches(
             )
         ]
     found = _top_level(local, peer)
-    found += _groups(local.groups, peer.groups)
+    found += _groups(local, peer)
     found += _group_block_sizes(local, peer)
     found += _not_transferable(local.groups, peer.groups)
     return found
@@ -168,16 +183,6 @@ def _top_level(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
                 "KV bytes are copied as they are; set the same --kv-dtype on both engines",
             )
         )
-    if local.block_size != peer.block_size:
-        found.append(
-            Mismatch(
-                "layout.block_size",
-                str(local.block_size),
-                str(peer.block_size),
-                "different block sizes are not supported yet; "
-                "give both engines the same --block-size",
-            )
-        )
     if local.tp_size != peer.tp_size:
         found.append(
             Mismatch(
@@ -200,7 +205,8 @@ def _top_level(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
     return found
 
 
-def _groups(local: tuple[KVGroup, ...], peer: tuple[KVGroup, ...]) -> list[Mismatch]:
+def _groups(local_layout: EngineLayout, peer_layout: EngineLayout) -> list[Mismatch]:
+    local, peer = local_layout.groups, peer_layout.groups
     found: list[Mismatch] = []
     for index in range(max(len(local), len(peer))):
         where = f"layout.groups[{index}]"
@@ -225,29 +231,50 @@ def _groups(local: tuple[KVGroup, ...], peer: tuple[KVGroup, ...]) -> list[Misma
                 )
             )
         else:
-            found += _group(where, local[index], peer[index])
+            found += _group(
+                where,
+                local[index],
+                peer[index],
+                _per_token(local_layout, local[index], peer_layout, peer[index]),
+            )
     return found
 
 
 def _group_block_sizes(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
-    """Groups with their own block size (vLLM's hybrid manager) must agree group by group."""
+    """Groups whose block sizes differ map by token ranges; refused, with the reason,
+    where either side's blocks cannot be cut into token slices."""
     found: list[Mismatch] = []
     for a, b in zip(local.groups, peer.groups, strict=False):
-        mine, theirs = local.block_size_of(a), peer.block_size_of(b)
-        if mine != theirs and local.block_size == peer.block_size:
+        if a.kind is not b.kind or mapping_of(local, a, peer, b) is not BlockMapping.TOKENS:
+            continue
+        for side, layout, group in (("local", local, a), ("peer", peer, b)):
+            problem = slicing_problem(layout, group)
+            if problem is None:
+                continue
             found.append(
                 Mismatch(
                     f"layout.groups[{a.group_id}].block_size",
-                    str(mine),
-                    str(theirs),
-                    "different block sizes are not supported yet; "
-                    "give both engines the same block sizes",
+                    str(local.block_size_of(a)),
+                    str(peer.block_size_of(b)),
+                    f"different block sizes map by token ranges, but the {side} side's "
+                    f"blocks cannot be sliced: {problem}; give both engines the same "
+                    "block size",
                 )
             )
     return found
 
 
-def _group(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
+def _per_token(
+    local: EngineLayout, a: KVGroup, peer: EngineLayout, b: KVGroup
+) -> tuple[int, int] | None:
+    """(local, peer) block sizes when tensors compare per token (an attention group
+    whose block sizes differ); None when they compare per block."""
+    if a.kind is not b.kind or mapping_of(local, a, peer, b) is not BlockMapping.TOKENS:
+        return None
+    return local.block_size_of(a), peer.block_size_of(b)
+
+
+def _group(where: str, a: KVGroup, b: KVGroup, per_token: tuple[int, int] | None) -> list[Mismatch]:
     found: list[Mismatch] = []
     if a.kind is not b.kind:
         found.append(
@@ -287,14 +314,16 @@ def _group(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
                 "the group must hold the same layers on both sides",
             )
         )
-    found += _tensors(where, a, b)
+    found += _tensors(where, a, b, per_token)
     return found
 
 
-def _tensors(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
+def _tensors(
+    where: str, a: KVGroup, b: KVGroup, per_token: tuple[int, int] | None
+) -> list[Mismatch]:
     """One mismatch per differing tensor when few differ; one summary when many do
     (a different model would otherwise list every layer)."""
-    found = _tensor_differences(where, a, b)
+    found = _tensor_differences(where, a, b, per_token)
     if len(found) <= 2:
         return found
     examples = "; ".join(
@@ -321,7 +350,11 @@ def _geometry_advice(group: KVGroup, placement: bool = False) -> str:
     return f"check head counts, head size{where} and TP on both sides"
 
 
-def _tensor_differences(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
+def _tensor_differences(
+    where: str, a: KVGroup, b: KVGroup, per_token: tuple[int, int] | None
+) -> list[Mismatch]:
+    mine, theirs = per_token or (1, 1)
+    unit = "bytes/token" if per_token else "bytes/block"
     peer_tensors = {t.name: t for t in b.tensors}
     local_names = {t.name for t in a.tensors}
     found: list[Mismatch] = []
@@ -336,13 +369,13 @@ def _tensor_differences(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
                     "both sides must hold the same per-layer tensors",
                 )
             )
-        elif other.bytes_per_block != tensor.bytes_per_block:
+        elif other.bytes_per_block * mine != tensor.bytes_per_block * theirs:
             found.append(
                 Mismatch(
                     f"{where}.tensors['{tensor.name}'].bytes_per_block",
-                    str(tensor.bytes_per_block),
-                    str(other.bytes_per_block),
-                    f"per-block sizes differ: {_geometry_advice(a)}",
+                    f"{tensor.bytes_per_block / mine:g} {unit}",
+                    f"{other.bytes_per_block / theirs:g} {unit}",
+                    f"per-{unit.removeprefix('bytes/')} sizes differ: {_geometry_advice(a)}",
                 )
             )
     for tensor in b.tensors:
@@ -370,7 +403,11 @@ def _layers(group: KVGroup) -> str:
     return f"[{shown}{',...' if len(layers) > 8 else ''}] ({len(layers)} layers)"
 
 
-def _mapping(group: KVGroup) -> GroupMapping:
+def _mapping(
+    local: EngineLayout, group: KVGroup, peer: EngineLayout, other: KVGroup
+) -> GroupMapping:
+    mine, theirs = local.block_size_of(group), peer.block_size_of(other)
+    mapping = mapping_of(local, group, peer, other)
     return GroupMapping(
         local_group=group.group_id,
         peer_group=group.group_id,
@@ -380,6 +417,10 @@ def _mapping(group: KVGroup) -> GroupMapping:
         bytes_per_block=group.bytes_per_block,
         chunk_size=group.chunk_size,
         replicated=group.kind is GroupKind.MLA,
+        local_block_size=mine,
+        peer_block_size=theirs,
+        block_mapping=mapping.value,
+        slice_tokens=slice_tokens(mine, theirs) if mapping is BlockMapping.TOKENS else mine,
     )
 
 

@@ -18,6 +18,11 @@ descriptor per region (when both regions are contiguous). Every span and id
 is validated against the regions before any descriptor exists. The planner
 is address-free: descriptors carry buffer names and byte offsets, and the
 data plane binds them to registered memory.
+
+When the two sides' block sizes differ (kvxfer/core/reblock.py), the plan's
+blocks are the destination's, the moved tokens of each attention group are a
+token range (`GroupPlan.tokens`), and runs are made of token slices of
+gcd(Bs, Bd) tokens, so whole blocks still coalesce where boundaries line up.
 """
 
 from __future__ import annotations
@@ -35,6 +40,15 @@ from kvxfer.core.layout import (
     KVGroup,
     Region,
     group_block_size,
+)
+from kvxfer.core.reblock import (
+    BlockMapping,
+    check_sliceable,
+    mapping_of,
+    moved_tokens,
+    slice_region,
+    slice_span,
+    slice_tokens,
 )
 
 DEFAULT_CHUNK_BLOCKS = 1024  # 16k tokens at B=16; see docs/dataplane.md "Chunks"
@@ -114,13 +128,21 @@ def group_blocks(group: KVGroup, num_tokens: int, computed_tokens: int, block_si
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """What moves for one group: its logical blocks and their bytes."""
+    """What moves for one group: its logical blocks (the reader's) and their bytes.
+
+    `tokens` is set when the two sides' block sizes differ: the token range that moves,
+    which may start or end inside a block (docs/planning.md, Different block sizes);
+    `moved_bytes` is then what those tokens weigh."""
 
     group: KVGroup
     blocks: range
+    tokens: range | None = None
+    moved_bytes: int | None = None
 
     @property
     def nbytes(self) -> int:
+        if self.moved_bytes is not None:
+            return self.moved_bytes
         return len(self.blocks) * self.group.bytes_per_block
 
 
@@ -225,14 +247,20 @@ class Chunk:
 
     @property
     def nbytes(self) -> int:
-        return len(self.blocks) * sum(pair.src.block_bytes for pair in self.regions)
+        return self.units * sum(pair.src.block_bytes for pair in self.regions)
+
+    @property
+    def units(self) -> int:
+        """Blocks the runs cover (token slices when the block sizes differ, see
+        `reblock.slice_region`); `len(blocks)` when they are the same."""
+        return sum(run.count for run in self.runs)
 
     @property
     def num_descriptors(self) -> int:
         """How many descriptors `descriptors()` yields: one per run, or one per block
         for a region pair that is strided on either side."""
         coalesced = sum(1 for pair in self.regions if pair.coalescable)
-        return coalesced * len(self.runs) + (len(self.regions) - coalesced) * len(self.blocks)
+        return coalesced * len(self.runs) + (len(self.regions) - coalesced) * self.units
 
     def descriptors(self) -> Iterator[Descriptor]:
         """Region-major: one descriptor per (region, run), or per block where strided."""
@@ -265,6 +293,11 @@ class TransferPlan:
     def nbytes(self) -> int:
         return sum(g.nbytes for g in self.groups)
 
+    @property
+    def moved_from(self) -> dict[int, int]:
+        """First moved token of each group sliced by tokens (for `valid_tokens`)."""
+        return {g.group.group_id: g.tokens.start for g in self.groups if g.tokens}
+
 
 def plan_transfer(
     src: EngineLayout,
@@ -275,52 +308,105 @@ def plan_transfer(
     computed_tokens: int,
     chunk_blocks: int = DEFAULT_CHUNK_BLOCKS,
 ) -> TransferPlan:
-    """Plan one request from the source (prefill) to the destination (decode)."""
+    """Plan one request from the source (prefill) to the destination (decode).
+
+    Logical blocks, chunks and failures are the destination's (the reader's); the
+    source spans are in the source's own blocks, which may be sized differently."""
     if chunk_blocks < 1:
         raise PlanError("chunk_blocks", f"must be at least 1, got {chunk_blocks}")
     _check_same_shape(src, dst)
-    groups = plan_blocks(src, num_tokens, computed_tokens)
+    groups = plan_between(src, dst, num_tokens, computed_tokens)
     src_by_group = _spans_by_group(src_spans, "src_spans", len(src.groups))
     dst_by_group = _spans_by_group(dst_spans, "dst_spans", len(dst.groups))
     chunks: list[Chunk] = []
     for group_plan in groups:
-        if not group_plan.blocks:
-            continue
-        gid = group_plan.group.group_id
-        src_span = _covering_span(src_by_group, gid, group_plan.blocks, "src_spans")
-        dst_span = _covering_span(dst_by_group, gid, group_plan.blocks, "dst_spans")
-        pairs = _region_pairs(src, dst, group_plan.group)
-        _check_ids(src_span, group_plan.blocks, [p.src for p in pairs], "src_spans")
-        _check_ids(dst_span, group_plan.blocks, [p.dst for p in pairs], "dst_spans")
-        for start in range(group_plan.blocks.start, group_plan.blocks.stop, chunk_blocks):
-            blocks = range(start, min(start + chunk_blocks, group_plan.blocks.stop))
-            runs = _runs(src_span, dst_span, blocks)
-            chunks.append(Chunk(gid, blocks, runs, pairs))
+        if group_plan.blocks:
+            chunks += _group_chunks(src, dst, group_plan, src_by_group, dst_by_group, chunk_blocks)
     return TransferPlan(num_tokens, computed_tokens, groups, tuple(chunks))
+
+
+def plan_between(
+    src: EngineLayout, dst: EngineLayout, num_tokens: int, computed_tokens: int
+) -> tuple[GroupPlan, ...]:
+    """`plan_blocks` of the destination, with the moved token range of every group whose
+    block size differs between the sides (C is the destination's, so it is checked
+    against the destination's block sizes)."""
+    plans = plan_blocks(dst, num_tokens, computed_tokens)
+    out = []
+    for plan, src_group in zip(plans, src.groups, strict=True):
+        group = plan.group
+        if mapping_of(dst, group, src, src_group) is not BlockMapping.TOKENS:
+            out.append(plan)
+            continue
+        needed = group_blocks(group, num_tokens, computed_tokens, 1)
+        tokens = moved_tokens(
+            needed, num_tokens, src.block_size_of(src_group), dst.block_size_of(group)
+        )
+        per_token = group.bytes_per_block // dst.block_size_of(group)
+        out.append(GroupPlan(group, plan.blocks, tokens, len(tokens) * per_token))
+    return tuple(out)
+
+
+def _group_chunks(
+    src: EngineLayout,
+    dst: EngineLayout,
+    plan: GroupPlan,
+    src_by_group: Mapping[int, BlockSpan],
+    dst_by_group: Mapping[int, BlockSpan],
+    chunk_blocks: int,
+) -> list[Chunk]:
+    gid = plan.group.group_id
+    src_size, dst_size = src.block_size_of(src.group(gid)), dst.block_size_of(plan.group)
+    tokens = plan.tokens
+    src_blocks = plan.blocks
+    if tokens is not None:
+        src_blocks = range(tokens.start // src_size, -(-tokens.stop // src_size))
+    src_span = _covering_span(src_by_group, gid, src_blocks, "src_spans")
+    dst_span = _covering_span(dst_by_group, gid, plan.blocks, "dst_spans")
+    pairs = _region_pairs(src, dst, plan.group)
+    _check_ids(src_span, src_blocks, [p.src for p in pairs], "src_spans")
+    _check_ids(dst_span, plan.blocks, [p.dst for p in pairs], "dst_spans")
+    chunks = []
+    unit = slice_tokens(src_size, dst_size)
+    if tokens is not None:
+        pairs = tuple(
+            RegionPair(slice_region(p.src, src_size, unit), slice_region(p.dst, dst_size, unit))
+            for p in pairs
+        )
+    for start in range(plan.blocks.start, plan.blocks.stop, chunk_blocks):
+        blocks = range(start, min(start + chunk_blocks, plan.blocks.stop))
+        if tokens is None:
+            runs = _runs(src_span, dst_span, blocks)
+        else:
+            lo, hi = (
+                max(tokens.start, blocks.start * dst_size),
+                min(tokens.stop, blocks.stop * dst_size),
+            )
+            slices = range(lo // unit, hi // unit)
+            runs = _runs(
+                slice_span(src_span, src_size, unit, slices),
+                slice_span(dst_span, dst_size, unit, slices),
+                slices,
+            )
+        chunks.append(Chunk(GroupId(gid), blocks, runs, pairs))
+    return chunks
 
 
 def _check_same_shape(src: EngineLayout, dst: EngineLayout) -> None:
     """The planner's own precondition; negotiation explains mismatches in detail."""
-    if src.block_size != dst.block_size:
-        raise PlanError(
-            "block_size", f"src has {src.block_size}, dst has {dst.block_size}; must be equal"
-        )
     if len(src.groups) != len(dst.groups):
         raise PlanError("groups", f"src has {len(src.groups)} groups, dst has {len(dst.groups)}")
     for a, b in zip(src.groups, dst.groups, strict=True):
         where = f"groups[{a.group_id}]"
-        if src.block_size_of(a) != dst.block_size_of(b):
-            raise PlanError(
-                f"{where}.block_size",
-                f"src has {src.block_size_of(a)}, dst has {dst.block_size_of(b)}; must be equal",
-            )
         if (a.kind, a.sliding_window, a.chunk_size) != (b.kind, b.sliding_window, b.chunk_size):
             raise PlanError(
                 where,
                 f"src is {a.kind.value} (window {a.sliding_window}, chunk {a.chunk_size}), "
                 f"dst is {b.kind.value} (window {b.sliding_window}, chunk {b.chunk_size})",
             )
-        if [(t.name, t.bytes_per_block) for t in a.tensors] != [
+        if mapping_of(dst, b, src, a) is BlockMapping.TOKENS:
+            check_sliceable(src, a, dst, b, where)
+        elif [(t.name, t.bytes_per_block) for t in a.tensors] != [
             (t.name, t.bytes_per_block) for t in b.tensors
         ]:
             raise PlanError(f"{where}.tensors", "tensor names or sizes differ between src and dst")

@@ -33,10 +33,14 @@ def valid_tokens(
     computed_tokens: int,
     block_size: int,
     failed: Mapping[int, Collection[int]],
+    moved_from: Mapping[int, int] | None = None,
 ) -> int:
     """The token the engine resumes from: it recomputes [result, N).
 
-    `block_size` is the layout's; a group with its own `block_size` uses that."""
+    `block_size` is the layout's; a group with its own `block_size` uses that. The
+    blocks are the reader's. `moved_from` gives, for a group whose source has another
+    block size, the first token that moved (`GroupPlan.tokens`): the reader's first
+    moved block may then hold valid KV only from that token on."""
     check_groups_request(groups, num_tokens, computed_tokens, block_size)
     _check_failed(groups, num_tokens, computed_tokens, block_size, failed)
     if not any(failed.values()):
@@ -49,7 +53,8 @@ def valid_tokens(
                 return computed_tokens
             continue
         size = group_block_size(group, block_size)
-        valid = _valid(group, num_tokens, computed_tokens, size, failed.get(group.group_id))
+        first = (moved_from or {}).get(group.group_id, 0)
+        valid = _valid(group, num_tokens, computed_tokens, size, failed.get(group.group_id), first)
         if group.kind in (GroupKind.FULL_ATTENTION, GroupKind.MLA):
             resume = min(resume, _first_invalid(valid, num_tokens))
         else:
@@ -89,6 +94,7 @@ def _valid(
     computed_tokens: int,
     block_size: int,
     failed: Collection[int] | None,
+    first_moved: int = 0,
 ) -> Intervals:
     """Token intervals of this group holding valid KV after the pull."""
     held_from = _reach_start(group, computed_tokens)
@@ -97,7 +103,8 @@ def _valid(
     start = moved.start
     for block in [*sorted(set(failed or ())), moved.stop]:
         if block > start:
-            pieces.append((start * block_size, min(block * block_size, num_tokens)))
+            lo = max(start * block_size, first_moved)
+            pieces.append((lo, min(block * block_size, num_tokens)))
         start = block + 1
     return _merge(pieces)
 

@@ -95,7 +95,12 @@ async def execute_plan(
             failed.setdefault(chunk.group_id, []).extend(chunk.blocks)
     notified = notify is not None and await _notify(backend, peer, notify)
     resume = valid_tokens(
-        [g.group for g in plan.groups], plan.num_tokens, plan.computed_tokens, block_size, failed
+        [g.group for g in plan.groups],
+        plan.num_tokens,
+        plan.computed_tokens,
+        block_size,
+        failed,
+        plan.moved_from,
     )
     return TransferResult(
         status=_status(failed, resume, plan),

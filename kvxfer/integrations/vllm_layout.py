@@ -171,6 +171,7 @@ def layout_from_vllm(
         tp_rank=tp_rank,
         groups=tuple(groups),
         regions=tuple(regions),
+        token_major=False,  # K and V share one page: a token range is two byte ranges
     )
 
 

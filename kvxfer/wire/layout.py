@@ -42,6 +42,7 @@ def layout_to_proto(layout: EngineLayout) -> pb.EngineLayout:
         tp_rank=layout.tp_rank,
         groups=[_group_to_proto(g) for g in layout.groups],
         regions=[_region_to_proto(r) for r in layout.regions],
+        token_major=layout.token_major,
     )
 
 
@@ -106,6 +107,7 @@ def layout_from_proto(message: pb.EngineLayout, field: str = "layout") -> Engine
             tp_rank=message.tp_rank,
             groups=tuple(_group_from_proto(g, i) for i, g in enumerate(message.groups)),
             regions=tuple(_region_from_proto(r) for r in message.regions),
+            token_major=message.token_major,
         )
     except LayoutError as exc:
         raise LayoutError(f"{field}.{exc.field}", exc.detail) from exc
