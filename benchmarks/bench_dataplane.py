@@ -41,12 +41,12 @@ from kvxfer.cli.bench import (
     memcpy_round,
     per_block_read,
     raw_read,
-    rounds_text,
     run_rounds,
     split_per_block,
     summarize,
     whole_descriptors,
 )
+from kvxfer.cli.bench_table import rounds_text
 from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId, GroupKind
 from kvxfer.core.planner import DEFAULT_CHUNK_BLOCKS, plan_blocks, plan_transfer

@@ -77,8 +77,8 @@ async def run_pull(pull: Pull, ctx: PullContext, report: Callable[[PullDone], No
     finally:
         ctx.metrics.inflight_pulls.labels(peer).dec()
         ctx.metrics.active.stop()
+    report(done)  # first: the engine is waiting for it, the metrics are not
     _observe(pull, done, ctx.metrics, peer)
-    report(done)
     if end_read:
         await _end_read(pull, ctx, done)
 

@@ -83,6 +83,13 @@ class LimitSettings(_Group):
     max_inflight_pulls_per_peer: int = Field(
         256, ge=1, description="pulls running at once against one peer"
     )
+    max_queued_pulls_per_peer: int = Field(
+        4096,
+        ge=0,
+        le=1 << 20,
+        description="pulls against one peer accepted beyond the running ones, waiting "
+        "for a slot in arrival order; only a pull beyond both is refused",
+    )
     max_leases: int = Field(100_000, ge=1, description="published requests held at once")
     max_engines: int = Field(64, ge=1, description="engines registered at once")
     max_pending_events: int = Field(

@@ -43,6 +43,7 @@ from kvxfer.dataplane.executor import ExecOptions
 from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer, unlink_segment
 from kvxfer.dataplane.readers import Readers
 from kvxfer.dataplane.serving import ServingBackend
+from kvxfer.server.admission import Admission, PullGate
 from kvxfer.server.callers import Caller, ProcessWatch, identify_caller
 from kvxfer.server.engines import Engine, EventQueue, check_regions_fit, check_spans_cover
 from kvxfer.server.leases import Lease, LeaseState, LeaseTable, LiveClock
@@ -78,6 +79,9 @@ class Sidecar:
         self._clock = LiveClock()
         self._leases = LeaseTable(settings.lease.ttl_s, settings.limits.max_leases, self._clock)
         self._pulls: dict[tuple[str, str], Pull] = {}
+        self._gate = PullGate(
+            settings.limits.max_inflight_pulls_per_peer, settings.limits.max_queued_pulls_per_peer
+        )
         self._dialer = Dialer(settings)
         self.links = PeerLinks(
             settings=settings,
@@ -366,26 +370,30 @@ class Sidecar:
             )
         self._check_block_count(local_spans, "local_spans")
         self._check_block_count(params.spans, "params.spans")
-        self._check_peer_limit(params.peer_address)
-        link, _ = await self.links.link(
-            params.peer_address, engine_id, engine.layout, params.epoch, params.engine_id
-        )
-        plan = plan_transfer(
-            link.layout,
-            engine.layout,
-            params.spans,
-            local_spans,
-            params.num_tokens,
-            computed_tokens,
-            self.settings.transfer.chunk_blocks,
-        )
+        admission = self._gate.admit(params.peer_address)
+        try:
+            link, _ = await self.links.link(
+                params.peer_address, engine_id, engine.layout, params.epoch, params.engine_id
+            )
+            plan = plan_transfer(
+                link.layout,
+                engine.layout,
+                params.spans,
+                local_spans,
+                params.num_tokens,
+                computed_tokens,
+                self.settings.transfer.chunk_blocks,
+            )
+        except BaseException:
+            admission.close()
+            raise
         full = full_attention_bytes(engine.layout, params.num_tokens, computed_tokens)
         self.metrics.full_attention_bytes.labels(self.links.label(params.peer_address), "read").inc(
             full
         )
         pull = Pull(engine, params, link, plan)
         self._pulls[key] = pull
-        pull.task = asyncio.create_task(self._finish_pull(key, pull))
+        pull.task = asyncio.create_task(self._finish_pull(key, pull, admission))
         return PullAccepted(
             bytes_planned=plan.nbytes,
             full_attention_bytes=full,
@@ -393,13 +401,17 @@ class Sidecar:
             descriptors=sum(c.num_descriptors for c in plan.chunks),
         )
 
-    async def _finish_pull(self, key: tuple[str, str], pull: Pull) -> None:
+    async def _finish_pull(self, key: tuple[str, str], pull: Pull, admission: Admission) -> None:
+        """Wait for a running slot against the peer (queued behind earlier pulls), then
+        pull; the slot is held until the read is ended at the peer."""
+
         def report(done: PullDone) -> None:
             self._pulls.pop(key, None)
             self._emit(pull.engine.engine_id, done)
 
         try:
-            await run_pull(pull, self._pull_ctx, report)
+            async with admission.slot():
+                await run_pull(pull, self._pull_ctx, report)
         finally:
             self._pulls.pop(key, None)
 
@@ -409,14 +421,6 @@ class Sidecar:
         if total > limit:
             raise LimitExceededError(
                 f"{field}: {total} block ids exceed limits.max_blocks_per_request ({limit})"
-            )
-
-    def _check_peer_limit(self, address: str) -> None:
-        running = sum(1 for p in self._pulls.values() if p.params.peer_address == address)
-        limit = self.settings.limits.max_inflight_pulls_per_peer
-        if running >= limit:
-            raise LimitExceededError(
-                f"limits.max_inflight_pulls_per_peer: {running} pulls from {address} in flight"
             )
 
     async def abort(self, engine_id: str, request_id: str) -> AbortState:

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from kvxfer._exceptions import KvxferError
 from kvxfer.cli.bench import Method, run_rounds, summarize
+from kvxfer.cli.bench_concurrency import (
+    Burst,
+    PullOnce,
+    measure_levels,
+    percentile,
+    summarize_bursts,
+    timed_burst,
+)
+from kvxfer.cli.bench_table import report_text
+from kvxfer.cli.main import build_parser, concurrency_levels
 
 
 async def test_rounds_drop_the_warm_up_and_rotate_the_order() -> None:
@@ -45,6 +59,107 @@ def test_summary_pairs_raw_and_kvxfer_round_by_round() -> None:
     times["kvxfer"] = [1.0, 1.5, 1.2]
     rounds = summarize(times, nbytes=10**9)["kvxfer_vs_raw_rounds"]
     assert rounds == {"min": 0.75, "median": 0.9, "max": 1.2}
+
+
+def test_concurrency_levels_are_validated_naming_the_option() -> None:
+    assert concurrency_levels("1,8,64,256,1024") == (1, 8, 64, 256, 1024)
+    for bad, message in [("1,x", "comma-separated"), ("0,8", "1..65536"), ("8,8", "repeats")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=message) as caught:
+            concurrency_levels(bad)
+        assert "--concurrency" in str(caught.value)
+    args = build_parser().parse_args(
+        ["bench", "--concurrency", "1,8", "--concurrency-max-gib", "2"]
+    )
+    assert args.concurrency == (1, 8) and args.concurrency_max_gib == 2.0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--concurrency-max-gib", "0"])
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0
+    assert percentile([3.0], 99) == 3.0 and percentile([2.0, 1.0], 50) == 1.0
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+
+
+def test_burst_summary_pools_rounds_and_counts_errors() -> None:
+    raw = [Burst(1.0, [0.5, 1.0]), Burst(1.0, [0.5, 1.0])]
+    kvx = [Burst(2.0, [1.0, 2.0]), Burst(2.0, [1.5], ["refused"])]
+    row = summarize_bursts(2, 10**9, raw, kvx)
+    assert row["raw_nixl_gbps"] == 2.0  # 4 pulls of 1 GB in 2 s
+    assert row["kvxfer_gbps"] == 0.75  # 3 pulls done in 4 s
+    assert row["kvxfer_vs_raw"] == 0.375
+    assert (row["kvxfer_ms_p50"], row["kvxfer_ms_p99"]) == (1500.0, 2000.0)
+    assert row["errors"] == 1 and row["error_examples"] == ["refused"]
+
+
+async def test_a_burst_counts_failed_pulls_instead_of_raising() -> None:
+    async def ok() -> None:
+        await asyncio.sleep(0)
+
+    async def refused() -> None:
+        raise KvxferError("limits.max_queued_pulls_per_peer")
+
+    burst = await timed_burst([ok, refused, ok])
+    assert len(burst.latencies_s) == 2 and burst.errors == ["limits.max_queued_pulls_per_peer"]
+    assert burst.wall_s >= max(burst.latencies_s)
+
+
+class _Case:
+    """A BurstCase that moves nothing: records what the bench asked for."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def pull_bytes(self, tokens: int) -> int:
+        return tokens << 10
+
+    async def kvxfer_burst(self, tokens: int, level: int) -> list[PullOnce]:
+        self.calls.append(("kvxfer", level))
+
+        async def pull() -> None:
+            await asyncio.sleep(0)
+
+        return [pull] * level
+
+    async def raw_burst(self, tokens: int, level: int) -> Burst:
+        self.calls.append(("raw", level))
+        return Burst(0.5, [0.5] * level)
+
+
+async def test_levels_alternate_who_goes_first_and_skip_oversized_bursts() -> None:
+    case = _Case()
+    rows, skipped = await measure_levels(
+        case, 1024, [1, 8, 64], rounds=2, max_bytes=8 << 20, pids={"self": os.getpid()}
+    )
+    assert [r["concurrency"] for r in rows] == [1, 8]
+    assert case.calls == [("raw", 1), ("kvxfer", 1), ("kvxfer", 1), ("raw", 1),
+                          ("raw", 8), ("kvxfer", 8), ("kvxfer", 8), ("raw", 8)]  # fmt: skip
+    (skip,) = skipped
+    assert skip["concurrency"] == 64 and "--concurrency-max-gib" in skip["reason"]
+    for row in rows:
+        assert row["errors"] == 0 and row["rounds"] == 2 and row["bytes_per_pull"] == 1 << 20
+        assert row["self_sidecar_rss_mib"] > 0 and row["self_sidecar_cpu_cores"] is not None
+
+
+def test_the_text_report_shows_handshakes_levels_and_skipped_bursts() -> None:
+    level = summarize_bursts(1024, 1 << 20, [Burst(1.0, [1.0] * 1024)], [Burst(2.0, [2.0] * 1024)])
+    report = {
+        "memcpy_gbps": 5.0,
+        "cases": [],
+        "handshakes": [
+            {"model": "m", "handshake_ms": 14.0, "first_pull_ms": 500.0, "next_pull_ms": 4.0}
+        ],
+        "concurrency": [{"model": "m", "tokens": 1024, **level, "decode_sidecar_cpu_cores": 0.9}],
+        "skipped": [{"model": "m", "tokens": 16384, "concurrency": 256, "reason": "too big"}],
+    }
+    lines = report_text(report).splitlines()
+    assert "m: handshake 14.0 ms; first pull 500.0 ms, next 4.0 ms (one block)" in lines
+    (row,) = [line for line in lines if line.startswith("m ") and " 1024 " in line]
+    assert row.split()[2:6] == ["1024", "1.07", "0.54", "0.500"]  # pulls, raw, kvxfer, ratio
+    assert "-/0.9" in row  # no prefill CPU in this row, the decode sidecar's 0.9 cores
+    assert "skipped m 16384 x 256: too big" in lines
 
 
 @pytest.mark.nixl

@@ -222,7 +222,8 @@ def test_ctrl_c_stops_everything_with_one_line(demos: Demos, to: str, tmp_path: 
 
 def test_bench_reports_every_method_side_by_side() -> None:
     result = subprocess.run(
-        [CLI, "bench", "--models", "gemma-3-4b-it", "--sizes", "1k", "--repeat", "2", "--json"],
+        [CLI, "bench", "--models", "gemma-3-4b-it", "--sizes", "1k", "--repeat", "2", "--json",
+         "--concurrency", "1,4", "--concurrency-sizes", "1k"],
         capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -236,6 +237,12 @@ def test_bench_reports_every_method_side_by_side() -> None:
     assert "overhead_ms_p50" in case
     rounds = case["kvxfer_vs_raw_rounds"]
     assert 0 < rounds["min"] <= rounds["median"] <= rounds["max"]
+    (handshake,) = report["handshakes"]  # the decode sidecar met the prefill engine once
+    assert handshake["handshakes"] == 1 and handshake["handshake_ms"] > 0
+    assert [level["concurrency"] for level in report["concurrency"]] == [1, 4]
+    for level in report["concurrency"]:
+        assert level["errors"] == 0 and level["kvxfer_gbps"] > 0 and level["raw_nixl_gbps"] > 0
+        assert level["decode_sidecar_rss_mib"] > 0
 
 
 def _processes_mentioning(text: str) -> list[str]:

@@ -35,9 +35,25 @@ import numpy.typing as npt
 
 from kvxfer._exceptions import KvxferError
 from kvxfer.cli.admin import fetch_hello
-from kvxfer.cli.fleet import EngineView, Fleet, Proc, local_fleet, run_until_interrupted
+from kvxfer.cli.bench_concurrency import (
+    DEFAULT_MAX_GIB,
+    Burst,
+    PullOnce,
+    measure_levels,
+    raw_burst,
+)
+from kvxfer.cli.bench_table import report_text
+from kvxfer.cli.fleet import (
+    EngineView,
+    Fleet,
+    Proc,
+    local_fleet,
+    metric,
+    run_until_interrupted,
+    scrape,
+)
 from kvxfer.cli.main import EXIT_OK
-from kvxfer.cli.render import Column, Progress, table
+from kvxfer.cli.render import Progress
 from kvxfer.client.engine import EngineClient
 from kvxfer.core.buffers import BoundBuffer, BufferHandle, MemoryKind
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
@@ -49,7 +65,7 @@ from kvxfer.core.planner import (
     pool_blocks,
 )
 from kvxfer.core.profiles import layout_for_model
-from kvxfer.core.requests import PullDone, PullStatus
+from kvxfer.core.requests import PullDone, PullStatus, TransferParams
 from kvxfer.dataplane.adapter import NixlAgent
 from kvxfer.dataplane.descriptors import DescArray, chunk_arrays
 from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
@@ -224,11 +240,6 @@ def summarize(times: dict[str, list[float]], nbytes: int) -> dict[str, Any]:
     }
 
 
-def rounds_text(case: dict[str, Any]) -> str:
-    r = case["kvxfer_vs_raw_rounds"]
-    return f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
-
-
 def host_memcpy_gbps(nbytes: int = 256 << 20) -> float:
     a = np.ones(nbytes, np.uint8)
     b = np.zeros(nbytes, np.uint8)
@@ -256,27 +267,48 @@ def run_bench(args: argparse.Namespace) -> int:
     models = args.models or list(MODELS)
     sizes = args.sizes or (["1k", "16k"] if args.quick else list(SIZES))
     repeat = args.repeat or (2 if args.quick else 5)
+    options = _Options(
+        sizes=sizes,
+        repeat=repeat,
+        show=not args.json,
+        levels=tuple(args.concurrency or ()),
+        level_sizes=args.concurrency_sizes or ["1k", "16k"],
+        level_rounds=1 if args.quick else 2,
+        level_max_bytes=int((args.concurrency_max_gib or DEFAULT_MAX_GIB) * 2**30),
+    )
     with local_fleet("kvxfer-bench-", "kvxfer-cli bench") as fleet:
-        report = run_until_interrupted(_bench(models, sizes, repeat, fleet, not args.json))
+        report = run_until_interrupted(_bench(models, options, fleet))
     if args.json:
         print(json.dumps(report))
     else:
-        print(_table(report))
+        print(report_text(report))
     return EXIT_OK
 
 
-async def _bench(
-    models: Sequence[str], sizes: Sequence[str], repeat: int, fleet: Fleet, show: bool
-) -> dict[str, Any]:
-    setups = [_setup(m, sizes) for m in models]
+@dataclass(frozen=True)
+class _Options:
+    sizes: Sequence[str]
+    repeat: int
+    show: bool
+    levels: tuple[int, ...] = ()  # concurrency levels, on the first model only
+    level_sizes: Sequence[str] = ("1k",)
+    level_rounds: int = 1
+    level_max_bytes: int = int(DEFAULT_MAX_GIB * 2**30)
+
+
+async def _bench(models: Sequence[str], options: _Options, fleet: Fleet) -> dict[str, Any]:
+    sizes = options.sizes
+    setups = [_setup(m, sorted({*sizes, *options.level_sizes}, key=SIZES.__getitem__)
+                     if options.levels and m == models[0] else sizes) for m in models]  # fmt: skip
     total = sum(len(s.sizes) for s in setups)
-    with Progress("bench", total, enabled=show) as progress:
-        return await _measure(setups, fleet, progress, repeat)
+    with Progress("bench", total, enabled=options.show) as progress:
+        return await _measure(setups, fleet, progress, options)
 
 
 async def _measure(
-    setups: Sequence[_ModelSetup], fleet: Fleet, progress: Progress, repeat: int
+    setups: Sequence[_ModelSetup], fleet: Fleet, progress: Progress, options: _Options
 ) -> dict[str, Any]:
+    sizes, repeat = options.sizes, options.repeat
     progress.note("starting 2 sidecars")
     p, d = await asyncio.gather(
         asyncio.to_thread(fleet.sidecar, "p"), asyncio.to_thread(fleet.sidecar, "d")
@@ -285,7 +317,10 @@ async def _measure(
         "memcpy_gbps": round(host_memcpy_gbps(), 3),
         "cases": [],
         "skipped": [],
+        "handshakes": [],
     }
+    if options.levels:
+        report["concurrency"] = []
     agent = NixlAgent("kvxfer-bench")
     try:
         for setup in setups:
@@ -299,12 +334,22 @@ async def _measure(
             )
             try:
                 async with _Case.open(agent, p, d, pe, de) as case:
+                    report["handshakes"].append(await case.first_pulls())
                     for size in setup.sizes:
-                        row = await case.measure(SIZES[size], repeat)
-                        report["cases"].append(row)
-                        progress.advance(
-                            f"{setup.model} {size}: kvxfer/raw {row['kvxfer_vs_raw']:.3f}"
-                        )
+                        note = ""
+                        if size in sizes:
+                            row = await case.measure(SIZES[size], repeat)
+                            report["cases"].append(row)
+                            note = f"kvxfer/raw {row['kvxfer_vs_raw']:.3f}"
+                        if "concurrency" in report and size in options.level_sizes:
+                            rows, skipped = await measure_levels(
+                                case, SIZES[size], options.levels, options.level_rounds,
+                                options.level_max_bytes, {"prefill": p.pid, "decode": d.pid},
+                            )  # fmt: skip
+                            report["concurrency"] += [{"model": setup.model, **r} for r in rows]
+                            report["skipped"] += [{"model": setup.model, **k} for k in skipped]
+                            note = f"{len(rows)} concurrency levels"
+                        progress.advance(f"{setup.model} {size}: {note}")
             finally:
                 await asyncio.gather(
                     asyncio.to_thread(fleet.stop_engine, pe),
@@ -312,7 +357,13 @@ async def _measure(
                 )
     finally:
         await agent.close()
+    report["handshake_ms_p50"] = _median_of(report["handshakes"], "handshake_ms")
     return report
+
+
+def _median_of(rows: Sequence[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return round(statistics.median(values), 3) if values else None
 
 
 def _setup(model: str, sizes: Sequence[str]) -> _ModelSetup:
@@ -464,49 +515,84 @@ class _Case:
 
     async def _kvxfer(self, tokens: int, spans: list[BlockSpan], nbytes: int) -> float:
         """Seconds from the decode engine's Pull call to its PullDone event."""
-        self.ids += 1
-        request_id = f"bench-{tokens}-{self.ids}"
-        done: asyncio.Future[PullDone] = asyncio.get_running_loop().create_future()
-        self.waiting[request_id] = done
-        params = await self.p_client.publish(request_id, tokens, spans)
+        (pull,) = await self._published(tokens, spans, nbytes, 1)
         start = time.perf_counter()
-        await self.d_client.pull(params, spans, 0)
-        event = await asyncio.wait_for(done, 120)
-        elapsed = time.perf_counter() - start
-        if event.status is not PullStatus.OK or event.bytes_moved != nbytes:
-            raise KvxferError(f"bench pull {request_id} ended {event.status.value}: {event.reason}")
-        return elapsed
+        await pull()
+        return time.perf_counter() - start
 
+    async def _published(
+        self, tokens: int, spans: list[BlockSpan], nbytes: int, count: int
+    ) -> list[PullOnce]:
+        """Publish `count` requests at the prefill engine (not timed); each returned call
+        pulls one into the decode engine and returns at its PullDone."""
+        ids = []
+        for _ in range(count):
+            self.ids += 1
+            ids.append(f"bench-{tokens}-{self.ids}")
+        published = await asyncio.gather(*(self.p_client.publish(i, tokens, spans) for i in ids))
+        loop = asyncio.get_running_loop()
 
-_BENCH_COLUMNS = [
-    Column("model"),
-    *(
-        Column(name, "right")
-        for name in ("tokens", "MiB", "memcpy", "raw", "per-blk", "kvxfer", "kvx/raw")
-    ),
-    Column("per round (min-max)", "right"),
-    Column("overhead", "right"),
-    Column("vs full attn", "right"),
-]
+        def pull_once(params: TransferParams) -> PullOnce:
+            async def pull() -> None:
+                done: asyncio.Future[PullDone] = loop.create_future()
+                self.waiting[params.request_id] = done
+                try:
+                    await self.d_client.pull(params, spans, 0)
+                    event = await asyncio.wait_for(done, 600)
+                finally:
+                    self.waiting.pop(params.request_id, None)
+                if event.status is not PullStatus.OK or event.bytes_moved != nbytes:
+                    raise KvxferError(
+                        f"bench pull {params.request_id} ended {event.status.value}: {event.reason}"
+                    )
 
+            return pull
 
-def _table(report: dict[str, Any]) -> str:
-    rows = []
-    for c in report["cases"]:
-        saved = 1 - c["bytes"] / c["full_attention_bytes"] if c["full_attention_bytes"] else 0
-        rows.append([
-            c["model"], str(c["tokens"]), f"{c['bytes'] / 2**20:.1f}",
-            f"{c['memcpy_gbps']:.2f}", f"{c['raw_nixl_gbps']:.2f}", f"{c['per_block_gbps']:.2f}",
-            f"{c['kvxfer_gbps']:.2f}", f"{c['kvxfer_vs_raw']:.3f}", rounds_text(c),
-            f"{c['overhead_ms_p50']:+.2f}ms", f"{saved:.1%}",
-        ])  # fmt: skip
-    lines = [
-        f"host memcpy {report['memcpy_gbps']:.2f} GB/s (one core, 256 MiB)",
-        "",
-        table(_BENCH_COLUMNS, rows),
-        "(GB/s of planned bytes over wall time; kvx/raw of the medians, and per round: "
-        "median (min-max); overhead = kvxfer p50 - raw p50)",
-    ]
-    for s in report["skipped"]:
-        lines.append(f"skipped {s['model']} {s['tokens']}: {s['reason']}")
-    return "\n".join(lines)
+        return [pull_once(p) for p in published]
+
+    # -- the concurrency bench's BurstCase -------------------------------------
+
+    def _descriptors(self, tokens: int) -> tuple[list[BlockSpan], int, DescArray, DescArray]:
+        assert self.hello is not None
+        spans = self._spans(tokens)
+        whole = plan_transfer(
+            self.pe.layout, self.de.layout, spans, spans, tokens, 0, chunk_blocks=1 << 30
+        )
+        remote, mine, _ = whole_descriptors(whole, self.hello.buffers, bind(self.local))
+        return spans, whole.nbytes, mine, remote
+
+    def pull_bytes(self, tokens: int) -> int:
+        return self._descriptors(tokens)[1]
+
+    async def kvxfer_burst(self, tokens: int, level: int) -> list[PullOnce]:
+        spans, nbytes, _, _ = self._descriptors(tokens)
+        return await self._published(tokens, spans, nbytes, level)
+
+    async def raw_burst(self, tokens: int, level: int) -> Burst:
+        _, _, mine, remote = self._descriptors(tokens)
+        return await self.agent.run_on_agent(lambda a: raw_burst(a, self.peer, mine, remote, level))
+
+    async def first_pulls(self) -> dict[str, Any]:
+        """The first pull from this prefill engine (the decode sidecar's handshake with
+        it, metadata load and agreement, and its reading agent) against the next one, one
+        block each; the handshake's own time from the decode sidecar's metrics."""
+        address = self.d.ready["metrics_address"]
+        before = await asyncio.to_thread(scrape, address)
+        spans, nbytes, _, _ = self._descriptors(BLOCK)
+        times = []
+        for _ in range(2):
+            (pull,) = await self._published(BLOCK, spans, nbytes, 1)
+            start = time.perf_counter()
+            await pull()
+            times.append(time.perf_counter() - start)
+        after = await asyncio.to_thread(scrape, address)
+        name = "kvxfer_handshake_duration_seconds"
+        count = metric(after, f"{name}_count") - metric(before, f"{name}_count")
+        total = metric(after, f"{name}_sum") - metric(before, f"{name}_sum")
+        return {
+            "model": self.pe.ready["model"],
+            "handshakes": int(count),
+            "handshake_ms": round(1e3 * total / count, 3) if count else None,
+            "first_pull_ms": round(times[0] * 1e3, 3),
+            "next_pull_ms": round(times[1] * 1e3, 3),
+        }

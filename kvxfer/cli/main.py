@@ -83,6 +83,37 @@ def positive_int(text: str) -> int:
     return value
 
 
+MAX_CONCURRENCY = 65536
+
+
+def concurrency_levels(text: str) -> tuple[int, ...]:
+    """`--concurrency`: comma-separated numbers of pulls in flight, e.g. `1,8,64`."""
+    try:
+        levels = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--concurrency: expected comma-separated integers like 1,8,64, got {text!r}"
+        ) from None
+    for level in levels:
+        if not 1 <= level <= MAX_CONCURRENCY:
+            raise argparse.ArgumentTypeError(
+                f"--concurrency: each level must be in 1..{MAX_CONCURRENCY}, got {level}"
+            )
+    if len(set(levels)) != len(levels):
+        raise argparse.ArgumentTypeError(f"--concurrency: {text!r} repeats a level")
+    return levels
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     value = _int(text)
     if value < 0:
@@ -105,6 +136,24 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument("--repeat", type=positive_int, help="measured rounds per case (5)")
     bench.add_argument("--quick", action="store_true", help="1k and 16k, 2 rounds: about a minute")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument(
+        "--concurrency",
+        type=concurrency_levels,
+        metavar="N,N,...",
+        help="also pull N requests at once against raw NIXL with N handles, on the first "
+        "model (e.g. 1,8,64,256,1024)",
+    )
+    bench.add_argument(
+        "--concurrency-sizes",
+        nargs="+",
+        choices=["1k", "16k", "128k"],
+        help="request sizes of the concurrency bursts (1k 16k)",
+    )
+    bench.add_argument(
+        "--concurrency-max-gib",
+        type=positive_float,
+        help="skip a burst that would move more than this (32 GiB)",
+    )
     bench.set_defaults(run=_lazy("kvxfer.cli.bench", "run_bench"))
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -60,14 +61,26 @@ class Readers:
     async def _open(
         self, key: tuple[str, str], metadata: bytes, buffers: Sequence[MappedBuffer]
     ) -> Reader:
+        start = time.perf_counter()
         backend = await asyncio.to_thread(self._factory, "kvxfer-reader")
+        created = time.perf_counter()
         try:
             await backend.register(buffers)
+            registered = time.perf_counter()
             peer = await backend.add_peer(metadata)
         except BaseException:
             await backend.close()
             raise
-        log.info("reader %s opened for peer %s into engine %s", backend.name, *key)
+        log.info(
+            "reader %s opened for peer %s into engine %s in %.1f ms "
+            "(agent %.1f, registration %.1f, peer metadata %.1f)",
+            backend.name,
+            *key,
+            (time.perf_counter() - start) * 1e3,
+            (created - start) * 1e3,
+            (registered - created) * 1e3,
+            (time.perf_counter() - registered) * 1e3,
+        )
         return Reader(backend, peer, metadata)
 
     async def close_engine(self, engine_key: str) -> bool:

@@ -1,0 +1,87 @@
+"""`kvxfer-cli bench`'s report as text: the cases, handshakes and concurrency levels
+(tables through `render.table`: boxed on a terminal, plain columns otherwise)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvxfer.cli.render import Column, table
+
+
+def rounds_text(case: dict[str, Any]) -> str:
+    r = case["kvxfer_vs_raw_rounds"]
+    return f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
+
+
+def _right(*names: str) -> list[Column]:
+    return [Column(name, "right") for name in names]
+
+
+_CASE_COLUMNS = [
+    Column("model"),
+    *_right("tokens", "MiB", "memcpy", "raw", "per-blk", "kvxfer", "kvx/raw"),
+    *_right("per round (min-max)", "overhead", "vs full attn"),
+]
+
+_LEVEL_COLUMNS = [
+    Column("model"),
+    *_right("tokens", "pulls", "raw GB/s", "kvxfer", "kvx/raw", "raw p50/p99 ms"),
+    *_right("kvxfer p50/p99 ms", "errors", "CPU p/d", "RSS p/d MiB"),
+]
+
+
+def report_text(report: dict[str, Any]) -> str:
+    rows = []
+    for c in report["cases"]:
+        saved = 1 - c["bytes"] / c["full_attention_bytes"] if c["full_attention_bytes"] else 0
+        rows.append([
+            c["model"], str(c["tokens"]), f"{c['bytes'] / 2**20:.1f}",
+            f"{c['memcpy_gbps']:.2f}", f"{c['raw_nixl_gbps']:.2f}", f"{c['per_block_gbps']:.2f}",
+            f"{c['kvxfer_gbps']:.2f}", f"{c['kvxfer_vs_raw']:.3f}", rounds_text(c),
+            f"{c['overhead_ms_p50']:+.2f}ms", f"{saved:.1%}",
+        ])  # fmt: skip
+    lines = [
+        f"host memcpy {report['memcpy_gbps']:.2f} GB/s (one core, 256 MiB)",
+        "",
+        table(_CASE_COLUMNS, rows),
+        "(GB/s of planned bytes over wall time; kvx/raw of the medians, and per round: "
+        "median (min-max); overhead = kvxfer p50 - raw p50)",
+    ]
+    for h in report["handshakes"]:
+        lines.append(
+            f"{h['model']}: handshake {h['handshake_ms']} ms; first pull {h['first_pull_ms']} ms, "
+            f"next {h['next_pull_ms']} ms (one block)"
+        )
+    if report.get("concurrency"):
+        lines += ["", *levels_table(report["concurrency"])]
+    for s in report["skipped"]:
+        size = f"{s['tokens']} x {s['concurrency']}" if "concurrency" in s else s["tokens"]
+        lines.append(f"skipped {s['model']} {size}: {s['reason']}")
+    return "\n".join(lines)
+
+
+def levels_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The concurrency rows as text lines."""
+    cells = []
+    for r in rows:
+        ratio = f"{r['kvxfer_vs_raw']:.3f}" if r["kvxfer_vs_raw"] is not None else "-"
+        cells.append([
+            r["model"], str(r["tokens"]), str(r["concurrency"]), f"{r['raw_nixl_gbps']:.2f}",
+            f"{r['kvxfer_gbps']:.2f}", ratio, _pair(r["raw_ms_p50"], r["raw_ms_p99"]),
+            _pair(r["kvxfer_ms_p50"], r["kvxfer_ms_p99"]), str(r["errors"]),
+            _pair(r.get("prefill_sidecar_cpu_cores"), r.get("decode_sidecar_cpu_cores")),
+            _pair(r.get("prefill_sidecar_rss_mib"), r.get("decode_sidecar_rss_mib")),
+        ])  # fmt: skip
+    return [
+        *table(_LEVEL_COLUMNS, cells).splitlines(),
+        "(pulls at once; GB/s of all pulls over the burst's wall time; latency from the "
+        "burst's start; CPU in cores and RSS without shared memory, prefill/decode sidecar)",
+    ]
+
+
+def _pair(a: float | None, b: float | None) -> str:
+    def one(x: float | None) -> str:
+        return "-" if x is None else f"{x:g}"
+
+    return f"{one(a)}/{one(b)}"

@@ -1,0 +1,121 @@
+"""Pulls beyond the running limit wait for a slot instead of being refused.
+
+The gate alone (server/admission.py), then real sidecars: with one running
+slot against the prefill sidecar and two queued, a frozen prefill sidecar
+holds the first pull in BeginRead; the next two are accepted and wait, the
+fourth is refused naming both limits, and after the thaw all three accepted
+pulls end OK with their bytes checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from sidecars import DecodeImage, engine_link, freeze, spans, start_engine, start_sidecar, thaw
+
+from kvxfer._exceptions import LimitExceededError
+from kvxfer.core.requests import PullDone, PullStatus
+from kvxfer.server.admission import PullGate
+
+MODEL = "gpt-oss-20b"
+TOKENS = 64  # 4 blocks of 16
+
+
+def blocks_at(first: int) -> list:
+    ids = list(range(first, first + 4))
+    return spans({0: ids, 1: ids})
+
+
+def test_the_gate_admits_running_plus_queued_and_refuses_beyond() -> None:
+    gate = PullGate(running=2, queued=1)
+    admitted = [gate.admit("p:1") for _ in range(3)]
+    with pytest.raises(LimitExceededError, match=r"max_inflight_pulls_per_peer \(2\).*max_queued"):
+        gate.admit("p:1")
+    other = gate.admit("q:1")  # another peer has its own slots
+    assert gate.admitted("p:1") == 3 and gate.waiting("p:1") == 1
+    admitted[0].close()
+    admitted[0].close()  # closing twice leaves once
+    assert gate.admitted("p:1") == 2
+    gate.admit("p:1")
+    for admission in [*admitted[1:], other]:
+        admission.close()
+    assert gate.admitted("q:1") == 0
+
+
+async def test_queued_pulls_run_in_arrival_order_within_the_running_limit() -> None:
+    gate = PullGate(running=1, queued=3)
+    order: list[int] = []
+    release = asyncio.Event()
+
+    async def pull(i: int) -> None:
+        async with gate.admit("p:1").slot():
+            order.append(i)
+            if i == 0:
+                await release.wait()
+
+    tasks = [asyncio.create_task(pull(i)) for i in range(4)]
+    while not order:
+        await asyncio.sleep(0)
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert order == [0], "a queued pull ran while the only slot was held"
+    assert gate.waiting("p:1") == 3
+    release.set()
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3]
+    assert gate.admitted("p:1") == 0
+
+
+def test_the_gate_rejects_impossible_limits() -> None:
+    with pytest.raises(ValueError, match="running must be >= 1"):
+        PullGate(running=0, queued=1)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+async def test_pulls_beyond_the_running_limit_queue_and_complete(tmp_path: Path) -> None:
+    limits = (
+        "--limits.max-inflight-pulls-per-peer", "1",
+        "--limits.max-queued-pulls-per-peer", "2",
+        "--transfer.rpc-timeout-s", "60",
+    )  # fmt: skip
+    p = start_sidecar(tmp_path, "p")
+    d = start_sidecar(tmp_path, "d", *limits)
+    pe = start_engine(tmp_path, p, MODEL, "prefill")
+    de = start_engine(tmp_path, d, MODEL, "decode")
+    image = DecodeImage(de)
+    try:
+        async with (
+            engine_link(p, pe) as (p_client, _),
+            engine_link(d, de) as (d_client, d_events),
+        ):
+            # A first pull links the sidecars, so the Pulls below need no handshake.
+            warm = await p_client.publish("warm", TOKENS, blocks_at(0))
+            await d_client.pull(warm, blocks_at(0), 0)
+            done = await d_events.next(timeout_s=60)
+            assert isinstance(done, PullDone) and done.status is PullStatus.OK, done
+            image.expect_pull(pe, blocks_at(0), blocks_at(0), TOKENS, 0, {})
+            published = [
+                await p_client.publish(f"q{i}", TOKENS, blocks_at(4 * i)) for i in (1, 2, 3)
+            ]
+            refused = await p_client.publish("q4", TOKENS, blocks_at(16))
+            freeze(p)  # the running pull waits in BeginRead; nothing can finish
+            try:
+                for i, params in enumerate(published, start=1):
+                    await d_client.pull(params, blocks_at(4 * i), 0)
+                with pytest.raises(LimitExceededError, match="max_queued_pulls_per_peer"):
+                    await d_client.pull(refused, blocks_at(16), 0)
+            finally:
+                thaw(p)
+            dones = [await d_events.next(timeout_s=60) for _ in published]
+        assert sorted(e.request_id for e in dones if isinstance(e, PullDone)) == ["q1", "q2", "q3"]
+        for event in dones:
+            assert isinstance(event, PullDone) and event.status is PullStatus.OK, event
+            i = int(event.request_id[1:])
+            image.expect_pull(pe, blocks_at(4 * i), blocks_at(4 * i), TOKENS, 0, {})
+        image.check_all()
+    finally:
+        for proc in (de, pe, d, p):
+            proc.stop()
