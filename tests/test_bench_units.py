@@ -23,7 +23,7 @@ from kvxfer.cli.bench_concurrency import (
     timed_burst,
 )
 from kvxfer.cli.bench_table import report_text
-from kvxfer.cli.main import build_parser, concurrency_levels
+from kvxfer.cli.main import UsageError, build_parser, concurrency_levels
 
 
 async def test_rounds_drop_the_warm_up_and_rotate_the_order() -> None:
@@ -71,7 +71,7 @@ def test_concurrency_levels_are_validated_naming_the_option() -> None:
         ["bench", "--concurrency", "1,8", "--concurrency-max-gib", "2"]
     )
     assert args.concurrency == (1, 8) and args.concurrency_max_gib == 2.0
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="--concurrency-max-gib"):
         build_parser().parse_args(["bench", "--concurrency-max-gib", "0"])
 
 

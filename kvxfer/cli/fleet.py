@@ -325,10 +325,11 @@ def local_fleet(prefix: str, label: str) -> Iterator[Fleet]:
     directory removed, unless the run failed (an error, or `fleet.keep_logs` set): then
     its logs are kept and `label` names where. Ctrl-C is not a failure."""
     fleet = Fleet(Path(tempfile.mkdtemp(prefix=prefix)))
-    failed = False
+    failed = interrupted = False
     try:
         yield fleet
     except KeyboardInterrupt:
+        interrupted = True  # engines got the SIGINT too: leftovers are expected, not news
         raise
     except BaseException:
         failed = True
@@ -336,7 +337,7 @@ def local_fleet(prefix: str, label: str) -> Iterator[Fleet]:
     finally:
         with _sigint_ignored():
             leftovers = fleet.close()
-            if leftovers:
+            if leftovers and not interrupted:
                 print(f"{label}: removed leftover shared memory {leftovers}", file=sys.stderr)
             if failed or fleet.keep_logs:
                 print(f"{label}: logs kept in {fleet.workdir}", file=sys.stderr)
