@@ -93,6 +93,7 @@ def test_deepseek_v2_lite_is_one_mla_group() -> None:
 def test_config_path_and_text_config_nesting(tmp_path: Path) -> None:
     config = {
         "text_config": {
+            "model_type": "llama",
             "num_hidden_layers": 2,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
@@ -142,6 +143,8 @@ def test_config_path_and_text_config_nesting(tmp_path: Path) -> None:
     ],
 )
 def test_malformed_configs_name_the_field(config: dict[str, object], field: str) -> None:
+    if "text_config" not in config:
+        config = {"model_type": "llama", **config}
     with pytest.raises(ProfileError) as info:
         layout_from_config(config, name="bad", tp_size=2)
     assert info.value.field == field
@@ -251,8 +254,36 @@ def test_published_features_are_refused_by_name(
     ],
 )
 def test_neutral_values_of_semantic_keys_are_accepted(extra: dict[str, object]) -> None:
-    layout = layout_from_config(_attention_config("some_new_model", **extra), name="m")
+    layout = layout_from_config(_attention_config("llama", **extra), name="m")
     assert [(g.kind, len(g.layers)) for g in layout.groups] == [(GroupKind.FULL_ATTENTION, 4)]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [
+        ("some_new_model", {}),  # looks like plain attention: still never guessed
+        (None, {}),  # neither model_type nor a known architecture
+        # Llama-Nemotron Super/Ultra: per-layer attention no-ops and KV heads (published
+        # keys; vLLM's DeciLM reader), which no generic reader could size.
+        (
+            "nemotron-nas",
+            {
+                "num_key_value_heads": None,
+                "block_configs": [{"attention": {"n_heads_in_group": 8, "no_op": False}}] * 4,
+            },
+        ),
+        # RecurrentGemma: recurrent blocks under a key of its own.
+        ("recurrent_gemma", {"block_types": ["recurrent", "recurrent", "attention"]}),
+    ],
+)
+def test_model_types_without_a_reader_are_refused(
+    model_type: str | None, extra: dict[str, object]
+) -> None:
+    config = _attention_config(model_type, **extra)
+    with pytest.raises(UnsupportedModelError) as info:
+        layout_from_config(config, name="m")
+    assert info.value.field == "model_type"
+    assert "no reader" in info.value.detail
 
 
 def test_linear_attention_is_gated_deltanet_only_for_qwen3_next() -> None:

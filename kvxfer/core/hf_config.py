@@ -7,9 +7,10 @@ from whichever keys happen to be present, and every key known to change
 attention or state semantics must be read by the chosen family or the config
 is refused with `model_type X: <feature> is not supported (field Y)`.
 
-A config of an unknown `model_type` is still read as plain full attention
-(or as its explicit `layer_types`), but only while it carries none of those
-keys. The supported and refused families are listed in docs/models.md.
+A config of a `model_type` with no reader here is refused too: many look
+like plain attention and are not (per-layer `block_configs`, recurrent
+blocks under names of their own). The supported and refused families are
+listed in docs/models.md.
 """
 
 from __future__ import annotations
@@ -268,9 +269,11 @@ SEMANTIC_KEYS: Mapping[str, str] = {
     "conv_": "a convolution state",
 }
 
-GENERIC = Family("any other model_type: plain full attention or explicit layer_types", "generic")
-
 _BY_TYPE: Mapping[str, Family] = {t: f for f in SUPPORTED for t in f.model_types}
+
+# What an unknown model type is checked as before it is refused: a family that reads
+# nothing, so a key that names a feature is reported before the unknown type itself.
+_UNKNOWN = Family("a model_type without a reader", "none")
 
 # Architecture names for configs that carry no model_type.
 _ARCHITECTURES: Mapping[str, str] = {
@@ -336,10 +339,15 @@ def recognise(config: Config, text: Config) -> tuple[str | None, Family]:
         feature, fields = REFUSED[model_type]
         present = [f for f in fields if _is_set(text.get(f))]
         raise refusal(model_type, feature, present[0] if present else "model_type")
-    family = _BY_TYPE.get(model_type or "", GENERIC)
-    _check_semantic_keys(model_type, family, text)
-    _check_sliding(model_type, family, text)
-    _check_layer_kinds(model_type, family, text)
+    family = _BY_TYPE.get(model_type or "")
+    checked = family or _UNKNOWN
+    _check_semantic_keys(model_type, checked, text)  # the most telling refusal first
+    _check_sliding(model_type, checked, text)
+    _check_layer_kinds(model_type, checked, text)
+    if family is None:  # fail closed: a family nobody wrote a reader for is never guessed
+        raise refusal(
+            model_type, "a model family kvxfer has no reader for (see docs/models.md)", "model_type"
+        )
     return model_type, family
 
 
