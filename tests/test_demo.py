@@ -27,8 +27,9 @@ class Demos:
     """Starts `kvxfer-cli demo` runs, each in its own session watched from /proc, so
     that what a run leaves behind is told apart from other kvxfer runs on the machine."""
 
-    def __init__(self) -> None:
+    def __init__(self, tmp: Path) -> None:
         self.watches: list[SessionWatch] = []
+        self.tmp = tmp  # TMPDIR of every run: logs a failing run keeps stay in the test's dir
 
     def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         demo = subprocess.Popen(
@@ -37,7 +38,7 @@ class Demos:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,  # its own session and process group, as a terminal gives
-            env={**os.environ, **(env or {})},
+            env={**os.environ, "TMPDIR": str(self.tmp), **(env or {})},
         )
         self.watches.append(SessionWatch(demo.pid))
         return demo
@@ -72,9 +73,9 @@ def _kill(demo: subprocess.Popen[str]) -> None:
 
 
 @pytest.fixture
-def demos() -> Iterator[Demos]:
+def demos(tmp_path: Path) -> Iterator[Demos]:
     """Demo runs whose own processes and segments must all be gone afterwards."""
-    runs = Demos()
+    runs = Demos(tmp_path)
     yield runs
     runs.check_leftovers()
 
