@@ -306,7 +306,7 @@ class _StateDtypes:
                     raise ProfileError(
                         key,
                         "float32 checkpoints are served in a 16-bit dtype the engine picks; "
-                        "give the state dtype explicitly (state_dtype)",
+                        "give the state dtype explicitly (state_dtype; kvxfer-cli --state-dtype)",
                     )
                 if not isinstance(value, str):
                     raise ProfileError(key, f"must be a dtype name, got {value!r}")
@@ -314,7 +314,8 @@ class _StateDtypes:
         raise ProfileError(
             "torch_dtype",
             "state layers are kept in the model dtype and the config declares none "
-            "(torch_dtype or dtype); give the state dtype explicitly (state_dtype)",
+            "(torch_dtype or dtype); give the state dtype explicitly "
+            "(state_dtype; kvxfer-cli --state-dtype)",
         )
 
 
