@@ -51,6 +51,42 @@ def test_bad_message_names_the_field() -> None:
         layout_from_proto(message)
 
 
+@pytest.mark.parametrize(("model", "heads"), [("llama-3.1-8b", 8), ("gpt-oss-20b", 8)])
+def test_attention_groups_carry_the_models_kv_heads(model: str, heads: int) -> None:
+    """What a split by head needs travels on the wire; head bytes follow from the rank's
+    share of the heads (8 heads of 64 or 128 dims, bf16)."""
+    for tp in (1, 2, 8):
+        layout = layout_for_model(model, block_size=16, tp_size=tp)
+        back = layout_from_proto(
+            pb.EngineLayout.FromString(layout_to_proto(layout).SerializeToString())
+        )
+        for group in back.groups:
+            assert group.num_kv_heads == heads
+            assert layout.rank_heads(group) == heads // tp
+        tensor = back.groups[0].tensors[0]
+        dim = 128 if model == "llama-3.1-8b" else 64
+        assert back.head_bytes(back.groups[0], tensor) == dim * 2
+
+
+def test_kv_heads_are_optional_and_validated_by_name() -> None:
+    message = layout_to_proto(layout_for_model("llama-3.1-8b", tp_size=2))
+    message.groups[0].ClearField("num_kv_heads")
+    assert layout_from_proto(message).groups[0].num_kv_heads is None
+    message.groups[0].num_kv_heads = 3  # does not place on 2 ranks
+    with pytest.raises(LayoutError, match=r"^layout.groups\[0\].num_kv_heads: 3 KV heads cannot"):
+        layout_from_proto(message)
+    message.groups[0].num_kv_heads = 6  # places, but 4 heads' bytes per token are not 3 heads
+    odd = layout_from_proto(message)
+    assert odd.head_bytes(odd.groups[0], odd.groups[0].tensors[0]) is None
+    message = layout_to_proto(layout_for_model("qwen3-next-80b-a3b"))
+    state = next(i for i, g in enumerate(message.groups) if g.kind == pb.GROUP_KIND_MAMBA)
+    message.groups[state].num_kv_heads = 2
+    with pytest.raises(
+        LayoutError, match=rf"^layout.groups\[{state}\].num_kv_heads: must be unset"
+    ):
+        layout_from_proto(message)
+
+
 def test_spans_round_trip_and_validate() -> None:
     span = BlockSpan(GroupId(2), 5, (BlockId(9), BlockId(3)))
     assert spans_from_proto([span_to_proto(span)], "spans") == (span,)

@@ -87,7 +87,13 @@ class KVGroup:
     `block_size` is this group's own block size in tokens when it differs from the
     layout's (an engine such as vLLM's hybrid manager sizes groups separately, e.g.
     a state group of 1024 tokens beside 160-token attention blocks); None means the
-    layout's `block_size`. Always read it through `EngineLayout.block_size_of`."""
+    layout's `block_size`. Always read it through `EngineLayout.block_size_of`.
+
+    `num_kv_heads` is the model's KV head count of an attention group (all ranks
+    together), what a pairing of different TP sizes needs to split a token into
+    heads; a head's bytes in a tensor are the token's bytes over the heads this rank
+    holds (`EngineLayout.head_bytes`), so K and V may differ in head dim. None: not
+    known, and different TP sizes are refused naming this field."""
 
     group_id: GroupId
     kind: GroupKind
@@ -96,6 +102,7 @@ class KVGroup:
     tensors: tuple[TensorSpec, ...]
     block_size: int | None = None
     chunk_size: int | None = None
+    num_kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         where = f"groups[{self.group_id}]"
@@ -127,6 +134,12 @@ class KVGroup:
             raise LayoutError(f"{where}.tensors", "tensor names repeat within the group")
         if self.kind is GroupKind.MLA:
             self._check_one_latent_per_layer(where)
+        if self.num_kv_heads is not None:
+            check_int(f"{where}.num_kv_heads", self.num_kv_heads, 1, 1 << 16)
+            if self.kind in (GroupKind.MAMBA, GroupKind.MLA):
+                raise LayoutError(
+                    f"{where}.num_kv_heads", f"must be unset for a {self.kind.value} group"
+                )
 
     def _check_one_latent_per_layer(self, where: str) -> None:
         """An MLA layer caches one latent tensor (no K/V split): exactly one per layer."""
@@ -247,8 +260,33 @@ class EngineLayout:
         for index, group in enumerate(self.groups):
             if group.group_id != index:
                 raise LayoutError(f"groups[{index}].group_id", f"must equal its position {index}")
+        for group in self.groups:
+            self._check_heads(group)
         if self.regions:
             self._check_regions()
+
+    def _check_heads(self, group: KVGroup) -> None:
+        """A group's head count must place on this TP size (whether its tokens split into
+        heads is asked by negotiation, `head_bytes`, where TP sizes differ)."""
+        heads = group.num_kv_heads
+        if heads is not None and heads % self.tp_size and self.tp_size % heads:
+            raise LayoutError(
+                f"groups[{group.group_id}].num_kv_heads",
+                f"{heads} KV heads cannot be placed on tp_size {self.tp_size}",
+            )
+
+    def rank_heads(self, group: KVGroup) -> int:
+        """KV heads of `group` this rank holds (1 where heads are replicated)."""
+        assert group.num_kv_heads is not None
+        return max(1, group.num_kv_heads // self.tp_size)
+
+    def head_bytes(self, group: KVGroup, tensor: TensorSpec) -> int | None:
+        """Bytes of one head of one token of `tensor`, or None when the layout cannot
+        say (no head count, not token-major, or bytes that do not split)."""
+        token = self.token_bytes(group, tensor)
+        if token is None or group.num_kv_heads is None or token % self.rank_heads(group):
+            return None
+        return token // self.rank_heads(group)
 
     def _check_regions(self) -> None:
         by_name = self.region_map

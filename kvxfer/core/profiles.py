@@ -48,6 +48,7 @@ class _LayerTensors:
     window: int | None
     tensors: tuple[tuple[str, int], ...]
     chunk: int | None = None
+    kv_heads: int | None = None  # the model's KV heads, for a split by head
 
 
 def builtin_profiles() -> list[str]:
@@ -219,14 +220,15 @@ class _Sizing:
             raise ProfileError(key, f"{value} does not divide by tp_size {self.tp}")
         return value // self.tp
 
-    def attention_bytes(self) -> int:
-        """Bytes of K (or V) of one layer for one block of block_size tokens, per TP rank."""
+    def attention_bytes(self) -> tuple[int, int]:
+        """Bytes of K (or V) of one layer for one block of block_size tokens, per TP rank,
+        and the model's KV heads."""
         heads = self.positive("num_attention_heads")
         kv_heads = self.text.get("num_key_value_heads")
         if kv_heads is None:  # HF: no KV head count means one per query head
             kv_heads = heads
         head_dim = self.text.get("head_dim") or self.positive("hidden_size") // heads
-        return self.head_bytes("num_key_value_heads", kv_heads, int(head_dim))
+        return self.head_bytes("num_key_value_heads", kv_heads, int(head_dim)), int(kv_heads)
 
     def head_bytes(self, key: str, kv_heads: object, head_dim: int) -> int:
         """Bytes of one block of `kv_heads` (read from `key`) heads of `head_dim`, per TP
@@ -245,8 +247,8 @@ class _Sizing:
 def _attention(
     kind: GroupKind, window: int | None, sizing: _Sizing, chunk: int | None = None
 ) -> _LayerTensors:
-    size = sizing.attention_bytes()
-    return _LayerTensors(kind, window, (("k", size), ("v", size)), chunk)
+    size, kv_heads = sizing.attention_bytes()
+    return _LayerTensors(kind, window, (("k", size), ("v", size)), chunk, kv_heads)
 
 
 def _state(conv_elems: int, ssm_elems: int, sizing: _Sizing) -> _LayerTensors:
@@ -613,6 +615,7 @@ def _group_layers(per_layer: list[list[_LayerTensors]]) -> tuple[KVGroup, ...]:
             for index, part in layers
             for suffix, size in part.tensors
         )
+        heads = {part.kv_heads for _, part in layers}  # one count for all, or unknown
         groups.append(
             KVGroup(
                 group_id=GroupId(group_id),
@@ -621,6 +624,7 @@ def _group_layers(per_layer: list[list[_LayerTensors]]) -> tuple[KVGroup, ...]:
                 layers=tuple(index for index, _ in layers),
                 tensors=tensors,
                 chunk_size=chunk,
+                num_kv_heads=heads.pop() if len(heads) == 1 else None,
             )
         )
     return tuple(groups)

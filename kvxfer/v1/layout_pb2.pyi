@@ -98,6 +98,7 @@ class KVGroup(_message.Message):
     TENSORS_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     CHUNK_SIZE_FIELD_NUMBER: _builtins.int
+    NUM_KV_HEADS_FIELD_NUMBER: _builtins.int
     group_id: _builtins.int
     kind: Global___GroupKind.ValueType
     sliding_window: _builtins.int
@@ -108,6 +109,11 @@ class KVGroup(_message.Message):
     """
     chunk_size: _builtins.int
     """Tokens per attention chunk; set only for chunked-local groups."""
+    num_kv_heads: _builtins.int
+    """KV heads of the model (all TP ranks together) of an attention group; what a
+    pairing of different TP sizes needs to split tokens into heads. Unset: such
+    pairings are refused.
+    """
     @_builtins.property
     def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -122,21 +128,26 @@ class KVGroup(_message.Message):
         tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
         block_size: _builtins.int | None = ...,
         chunk_size: _builtins.int | None = ...,
+        num_kv_heads: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_chunk_size", b"_chunk_size", "_sliding_window", b"_sliding_window", "block_size", b"block_size", "chunk_size", b"chunk_size", "sliding_window", b"sliding_window"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_chunk_size", b"_chunk_size", "_num_kv_heads", b"_num_kv_heads", "_sliding_window", b"_sliding_window", "block_size", b"block_size", "chunk_size", b"chunk_size", "num_kv_heads", b"num_kv_heads", "sliding_window", b"sliding_window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_chunk_size", b"_chunk_size", "_sliding_window", b"_sliding_window", "block_size", b"block_size", "chunk_size", b"chunk_size", "group_id", b"group_id", "kind", b"kind", "layers", b"layers", "sliding_window", b"sliding_window", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_chunk_size", b"_chunk_size", "_num_kv_heads", b"_num_kv_heads", "_sliding_window", b"_sliding_window", "block_size", b"block_size", "chunk_size", b"chunk_size", "group_id", b"group_id", "kind", b"kind", "layers", b"layers", "num_kv_heads", b"num_kv_heads", "sliding_window", b"sliding_window", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__block_size: _TypeAlias = _typing.Literal["block_size"]  # noqa: Y015
     _WhichOneofArgType__block_size: _TypeAlias = _typing.Literal["_block_size", b"_block_size"]  # noqa: Y015
     _WhichOneofReturnType__chunk_size: _TypeAlias = _typing.Literal["chunk_size"]  # noqa: Y015
     _WhichOneofArgType__chunk_size: _TypeAlias = _typing.Literal["_chunk_size", b"_chunk_size"]  # noqa: Y015
+    _WhichOneofReturnType__num_kv_heads: _TypeAlias = _typing.Literal["num_kv_heads"]  # noqa: Y015
+    _WhichOneofArgType__num_kv_heads: _TypeAlias = _typing.Literal["_num_kv_heads", b"_num_kv_heads"]  # noqa: Y015
     _WhichOneofReturnType__sliding_window: _TypeAlias = _typing.Literal["sliding_window"]  # noqa: Y015
     _WhichOneofArgType__sliding_window: _TypeAlias = _typing.Literal["_sliding_window", b"_sliding_window"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__block_size) -> _WhichOneofReturnType__block_size | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__chunk_size) -> _WhichOneofReturnType__chunk_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_kv_heads) -> _WhichOneofReturnType__num_kv_heads | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sliding_window) -> _WhichOneofReturnType__sliding_window | None: ...
 

@@ -62,6 +62,8 @@ def _group_to_proto(group: KVGroup) -> pb.KVGroup:
         message.block_size = group.block_size
     if group.chunk_size is not None:
         message.chunk_size = group.chunk_size
+    if group.num_kv_heads is not None:
+        message.num_kv_heads = group.num_kv_heads
     return message
 
 
@@ -128,6 +130,7 @@ def _group_from_proto(message: pb.KVGroup, index: int) -> KVGroup:
         ),
         block_size=message.block_size if message.HasField("block_size") else None,
         chunk_size=message.chunk_size if message.HasField("chunk_size") else None,
+        num_kv_heads=message.num_kv_heads if message.HasField("num_kv_heads") else None,
     )
 
 
