@@ -186,3 +186,19 @@ def oracle_valid_tokens_moved(
         if all(whole(g, s) for g in groups if g.kind is not GroupKind.MAMBA):
             return s
     return computed
+
+
+def oracle_rank_heads(num_kv_heads: int, tp_size: int, rank: int) -> list[int]:
+    """Global KV heads rank `rank` of `tp_size` holds, head by head from the definition:
+    H >= T gives rank r the heads h with floor(h*T/H) = r; H < T gives every rank one
+    head, rank r the head floor(r*H/T) (each head on T/H consecutive ranks)."""
+    if num_kv_heads >= tp_size:
+        return [h for h in range(num_kv_heads) if h * tp_size // num_kv_heads == rank]
+    return [rank * num_kv_heads // tp_size]
+
+
+def oracle_head_server(num_kv_heads: int, src_tp: int, head: int, reader: int) -> int:
+    """The prefill rank decode rank `reader` reads `head` from: of the ranks holding it,
+    in rank order, number `reader` mod their count."""
+    holders = [p for p in range(src_tp) if head in oracle_rank_heads(num_kv_heads, src_tp, p)]
+    return holders[reader % len(holders)]

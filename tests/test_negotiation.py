@@ -33,13 +33,60 @@ def _fields(local: object, peer: object, **kw: int) -> dict[str, object]:
 def test_dtype_block_size_and_tp_are_named() -> None:
     base = layout_for_model("gpt-oss-20b")
     assert "layout.kv_dtype" in _fields(base, layout_for_model("gpt-oss-20b", kv_dtype="float16"))
-    tp = _fields(base, layout_for_model("gpt-oss-20b", tp_size=2))
-    assert "not supported yet" in tp["layout.tp_size"].hint  # type: ignore[attr-defined]
+    assert not _fields(base, layout_for_model("gpt-oss-20b", tp_size=2))  # split by heads
     rank = _fields(
         layout_for_model("gpt-oss-20b", tp_size=2, tp_rank=0),
         layout_for_model("gpt-oss-20b", tp_size=2, tp_rank=1),
     )
     assert set(rank) == {"layout.tp_rank"}
+
+
+def _tp(model: str, tp: int, rank: int = 0, block_size: int = 16) -> EngineLayout:
+    return layout_for_model(model, block_size=block_size, tp_size=tp, tp_rank=rank)
+
+
+@pytest.mark.parametrize(
+    ("decode", "prefill", "sources", "reads"),
+    [
+        ((2, 1), (1, 0), (0,), {(0, (4, 8), (0, 4))}),  # TP 1 -> 2, decode rank 1
+        ((1, 0), (2, 1), (0, 1), {(0, (0, 4), (0, 4)), (1, (0, 4), (4, 8))}),  # 2 -> 1
+        ((16, 5), (8, 2), (2,), {(2, (0, 1), (0, 1))}),  # replicated on the decode side
+        ((4, 3), (16, 13), (13, 15), {(13, (0, 1), (0, 1)), (15, (0, 1), (1, 2))}),
+    ],
+)
+def test_different_tp_sizes_agree_on_which_heads_come_from_where(
+    decode: tuple[int, int],
+    prefill: tuple[int, int],
+    sources: tuple[int, ...],
+    reads: set[tuple[int, tuple[int, int], tuple[int, int]]],
+) -> None:
+    """Llama-3.1-8B has 8 KV heads; the agreement lists every source of the decode rank
+    and the head runs, block sizes may differ as well."""
+    for model in ("llama-3.1-8b", "gpt-oss-20b"):
+        agreement = negotiate(_tp(model, *decode, block_size=32), _tp(model, *prefill))
+        assert agreement.source_ranks == sources
+        assert (agreement.peer_tp_size, agreement.peer_tp_rank) == prefill
+        for group in agreement.groups:
+            assert (group.block_mapping, group.slice_tokens) == ("heads", 1)
+            assert {(r.src_rank, r.src_heads, r.dst_heads) for r in group.head_reads} == reads
+
+
+def test_different_tp_sizes_are_refused_where_heads_cannot_be_split() -> None:
+    """Each refusal names the field and says why."""
+    wrong_rank = _fields(_tp("llama-3.1-8b", 4, 0), _tp("llama-3.1-8b", 8, 2))
+    assert "reads prefill rank(s) [0, 1] of 8" in wrong_rank["layout.tp_rank"].hint  # type: ignore[attr-defined]
+    base = _tp("llama-3.1-8b", 2)
+    unknown = dataclasses.replace(
+        base, groups=tuple(dataclasses.replace(g, num_kv_heads=None) for g in base.groups)
+    )
+    assert set(_fields(unknown, _tp("llama-3.1-8b", 1))) == {"layout.groups[0].num_kv_heads"}
+    fused = _fields(dataclasses.replace(base, token_major=False), _tp("llama-3.1-8b", 1))
+    assert "local side's tokens cannot be cut" in fused["layout.groups[0].tensors"].hint  # type: ignore[attr-defined]
+    state = _fields(_tp("qwen3-next-80b-a3b", 2), _tp("qwen3-next-80b-a3b", 1))
+    hints = [m.hint for m in state.values()]  # type: ignore[attr-defined]
+    assert any("a state group is sharded by its own heads" in h for h in hints), state
+    latent = negotiate(_tp("deepseek-v2-lite", 2, 1), _tp("deepseek-v2-lite", 1))
+    assert latent.source_ranks == (0,) and all(g.replicated for g in latent.groups)
 
 
 def test_different_block_sizes_map_by_tokens_or_are_refused_with_the_reason() -> None:

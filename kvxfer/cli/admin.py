@@ -119,6 +119,17 @@ def run_handshake(args: argparse.Namespace) -> int:
     return EXIT_OK if not mismatches else EXIT_FAILED
 
 
+def _tp_text(agreement: dict[str, Any]) -> str:
+    """Equal TP: rank r <- rank r; different: the prefill ranks this rank reads."""
+    rank, sources = agreement["tp_rank"], agreement["source_ranks"]
+    if agreement["peer_tp_size"] == agreement["tp_size"]:
+        return f"TP {agreement['tp_size']} (rank {rank} <- rank {rank})"
+    return (
+        f"TP {agreement['peer_tp_size']} -> {agreement['tp_size']} (rank {rank} <- prefill "
+        f"ranks {', '.join(map(str, sources))}; this peer is rank {agreement['peer_tp_rank']})"
+    )
+
+
 def _handshake_text(address: str, report: dict[str, Any]) -> str:
     peer = report["peer"]
     lines = [
@@ -131,8 +142,8 @@ def _handshake_text(address: str, report: dict[str, Any]) -> str:
         if agreement["peer_block_size"] != agreement["block_size"]:
             sizes += f" <- peer's {agreement['peer_block_size']}"
         lines.append(
-            f"compatible: {agreement['model']}, {agreement['kv_dtype']}, {sizes}, TP "
-            f"{agreement['tp_size']} (rank {agreement['tp_rank']} <- rank {agreement['tp_rank']})"
+            f"compatible: {agreement['model']}, {agreement['kv_dtype']}, {sizes}, "
+            + _tp_text(agreement)
         )
         for group in agreement["groups"]:
             window = f" W={group['sliding_window']}" if group["sliding_window"] else ""
@@ -144,8 +155,14 @@ def _handshake_text(address: str, report: dict[str, Any]) -> str:
             )
             if group["replicated"]:
                 lines.append(
-                    "    latent replicated on every TP rank: any decode rank may read any "
-                    "prefill rank's copy (pulls still go rank r <- rank r)"
+                    "    latent replicated on every TP rank: decode rank d reads prefill "
+                    "rank d mod (prefill TP size)"
+                )
+            for read in group["head_reads"]:
+                src, dst = read["src_heads"], read["dst_heads"]
+                lines.append(
+                    f"    heads {dst[0]}..{dst[1] - 1} <- prefill rank {read['src_rank']} "
+                    f"heads {src[0]}..{src[1] - 1}"
                 )
         return "\n".join(lines)
     lines.append(f"NOT compatible: {len(report['mismatches'])} mismatch(es)")
@@ -162,6 +179,11 @@ def _block_mapping(group: dict[str, Any]) -> str:
         return "state block moves whole"
     if group["block_mapping"] == "same":
         return f"block i <- peer block i ({mine} tokens)"
+    if group["block_mapping"] == "heads":
+        return (
+            f"{mine}-token blocks <- peer's {theirs}-token blocks by heads "
+            "(a byte range of every token)"
+        )
     unit = group["slice_tokens"]
     how = "whole blocks where they align, " if unit in (mine, theirs) else ""
     return (

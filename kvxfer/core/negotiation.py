@@ -17,8 +17,12 @@ kvxfer/core/reblock.py): equal sizes map block to block; different sizes map by
 token ranges when both sides' blocks can be cut into token slices (token-major,
 contiguous regions, equal bytes per token), and are refused otherwise with the
 reason; a state (mamba) group maps whole, its state bytes equal on both sides.
-Not supported yet, and refused with a message that says so: different
-tensor-parallel sizes. `NOT_YET_TRANSFERABLE` names group
+Different tensor-parallel sizes (kvxfer/core/tp_map.py) are agreed for attention
+groups whose layouts carry `num_kv_heads` and are token-major and contiguous: the
+decode rank reads its heads as byte ranges of every token from the prefill ranks
+holding them (`Agreement.source_ranks`, `GroupMapping.head_reads`); an mla latent is
+replicated, so decode rank d reads prefill rank d mod T. State groups and layouts
+that cannot be cut into heads are refused with the reason. `NOT_YET_TRANSFERABLE` names group
 kinds the planner sizes but no pull has moved end to end; it is empty now that
 chunked_local and mla pulls are byte-checked between simulated engines (the
 demo and tests/test_sidecar_kinds.py).
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 from kvxfer._exceptions import NegotiationError
 from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup
 from kvxfer.core.reblock import BlockMapping, mapping_of, slice_tokens, slicing_problem
+from kvxfer.core.tp_map import head_sources, source_ranks, split_problem
 
 PROTOCOL_VERSION = 1
 SUPPORTED_PROTOCOLS = frozenset({1})
@@ -70,6 +75,19 @@ class GroupMapping:
     peer_block_size: int = 0
     block_mapping: str = BlockMapping.SAME.value
     slice_tokens: int = 0
+    # Different TP sizes ("heads"): every run of this decode rank's heads and the
+    # prefill rank it comes from, all sources (the peer is one of them).
+    head_reads: tuple[HeadRead, ...] = ()
+
+
+@dataclass(frozen=True)
+class HeadRead:
+    """Heads [start, stop) of prefill rank `src_rank` land on this rank's heads
+    `dst_heads` (each side numbers its own heads from 0)."""
+
+    src_rank: int
+    src_heads: tuple[int, int]
+    dst_heads: tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -89,9 +107,13 @@ class Agreement:
     block_size: int
     peer_block_size: int  # the peer's layout block size; groups say how blocks map
     tp_size: int
-    tp_rank: int  # local rank r pulls from peer rank r
+    tp_rank: int
     groups: tuple[GroupMapping, ...]
     regions: tuple[RegionSizes, ...]
+    peer_tp_size: int = 0
+    peer_tp_rank: int = 0
+    # The prefill ranks this decode rank reads (only rank r with equal TP sizes).
+    source_ranks: tuple[int, ...] = ()
 
 
 def negotiate(
@@ -116,7 +138,25 @@ def negotiate(
             _mapping(local, a, peer, b) for a, b in zip(local.groups, peer.groups, strict=True)
         ),
         regions=_region_sizes(local, peer),
+        peer_tp_size=peer.tp_size,
+        peer_tp_rank=peer.tp_rank,
+        source_ranks=_source_ranks(local, peer),
     )
+
+
+def _source_ranks(local: EngineLayout, peer: EngineLayout) -> tuple[int, ...]:
+    """The prefill ranks decode rank `local.tp_rank` reads, over all its groups."""
+    if local.tp_size == peer.tp_size:
+        return (local.tp_rank,)
+    ranks: set[int] = set()
+    for group in local.groups:
+        if group.kind is GroupKind.MLA:
+            ranks.add(local.tp_rank % peer.tp_size)  # replicated: any rank serves
+        elif group.num_kv_heads is not None:
+            ranks.update(
+                source_ranks(group.num_kv_heads, peer.tp_size, local.tp_size, local.tp_rank)
+            )
+    return tuple(sorted(ranks))
 
 
 def find_mismatches(
@@ -184,15 +224,7 @@ def _top_level(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
             )
         )
     if local.tp_size != peer.tp_size:
-        found.append(
-            Mismatch(
-                "layout.tp_size",
-                str(local.tp_size),
-                str(peer.tp_size),
-                "different tensor-parallel sizes are not supported yet; "
-                "run prefill and decode with equal TP",
-            )
-        )
+        found += _tp_split(local, peer)
     elif local.tp_rank != peer.tp_rank:
         found.append(
             Mismatch(
@@ -202,6 +234,75 @@ def _top_level(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
                 "decode rank r pulls from prefill rank r; register every rank on both sides",
             )
         )
+    return found
+
+
+def _tp_split(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
+    """Different TP sizes: every group must map by heads (or be a replicated latent),
+    and the peer must be a rank this decode rank reads."""
+    found: list[Mismatch] = []
+    kinds = {g.kind for g in local.groups}
+    for a, b in zip(local.groups, peer.groups, strict=False):
+        where = f"layout.groups[{a.group_id}]"
+        if a.kind is not b.kind:
+            continue  # named by _groups
+        if a.kind is GroupKind.MAMBA:
+            found.append(Mismatch(f"{where}.kind", a.kind.value, b.kind.value, _STATE_TP))
+        elif a.kind is GroupKind.MLA:
+            if len(kinds) > 1:
+                found.append(Mismatch(f"{where}.kind", a.kind.value, b.kind.value, _MIXED_MLA))
+        elif a.num_kv_heads is None or a.num_kv_heads != b.num_kv_heads:
+            found.append(
+                Mismatch(
+                    f"{where}.num_kv_heads",
+                    str(a.num_kv_heads),
+                    str(b.num_kv_heads),
+                    "different TP sizes cut each token into KV heads: both layouts must "
+                    "carry the model's num_kv_heads, the same on both sides",
+                )
+            )
+        else:
+            found += _split_problems(where, local, a, peer, b)
+    ranks = _source_ranks(local, peer)
+    if not found and peer.tp_rank not in ranks:
+        found.append(
+            Mismatch(
+                "layout.tp_rank",
+                str(local.tp_rank),
+                str(peer.tp_rank),
+                f"decode rank {local.tp_rank} of {local.tp_size} reads prefill rank(s) "
+                f"{list(ranks)} of {peer.tp_size}; pull from those",
+            )
+        )
+    return found
+
+
+_STATE_TP = (
+    "different TP sizes: a state group is sharded by its own heads, which kvxfer does "
+    "not split yet; run prefill and decode with equal TP"
+)
+_MIXED_MLA = (
+    "different TP sizes: an mla latent beside head-split groups is not planned yet "
+    "(its one serving rank would differ from theirs); run equal TP"
+)
+
+
+def _split_problems(
+    where: str, local: EngineLayout, a: KVGroup, peer: EngineLayout, b: KVGroup
+) -> list[Mismatch]:
+    found: list[Mismatch] = []
+    for side, layout, group in (("local", local, a), ("peer", peer, b)):
+        problem = split_problem(layout, group)
+        if problem is not None:
+            found.append(
+                Mismatch(
+                    f"{where}.tensors",
+                    f"tp_size {local.tp_size}",
+                    f"tp_size {peer.tp_size}",
+                    f"different TP sizes read heads as byte ranges of each token, but the "
+                    f"{side} side's tokens cannot be cut into heads: {problem}",
+                )
+            )
     return found
 
 
@@ -264,17 +365,29 @@ def _group_block_sizes(local: EngineLayout, peer: EngineLayout) -> list[Mismatch
     return found
 
 
-def _per_token(
-    local: EngineLayout, a: KVGroup, peer: EngineLayout, b: KVGroup
-) -> tuple[int, int] | None:
-    """(local, peer) block sizes when tensors compare per token (an attention group
-    whose block sizes differ); None when they compare per block."""
-    if a.kind is not b.kind or mapping_of(local, a, peer, b) is not BlockMapping.TOKENS:
+# (local divisor, peer divisor, unit) tensor sizes are compared in; None: per block.
+Scale = tuple[int, int, str] | None
+
+
+def _per_token(local: EngineLayout, a: KVGroup, peer: EngineLayout, b: KVGroup) -> Scale:
+    """(local, peer) divisors when tensors compare per token (an attention group whose
+    block sizes differ) or per head of a token (different TP sizes, heads known on
+    both sides); None when they compare per block."""
+    mapping = mapping_of(local, a, peer, b) if a.kind is b.kind else None
+    if mapping is BlockMapping.HEADS:
+        if split_problem(local, a) or split_problem(peer, b) or a.num_kv_heads != b.num_kv_heads:
+            return (1, 1, "")  # not comparable; _tp_split names why
+        return (
+            local.block_size_of(a) * local.rank_heads(a),
+            peer.block_size_of(b) * peer.rank_heads(b),
+            "bytes/head/token",
+        )
+    if mapping is not BlockMapping.TOKENS:
         return None
-    return local.block_size_of(a), peer.block_size_of(b)
+    return local.block_size_of(a), peer.block_size_of(b), "bytes/token"
 
 
-def _group(where: str, a: KVGroup, b: KVGroup, per_token: tuple[int, int] | None) -> list[Mismatch]:
+def _group(where: str, a: KVGroup, b: KVGroup, per_token: Scale) -> list[Mismatch]:
     found: list[Mismatch] = []
     if a.kind is not b.kind:
         found.append(
@@ -318,9 +431,7 @@ def _group(where: str, a: KVGroup, b: KVGroup, per_token: tuple[int, int] | None
     return found
 
 
-def _tensors(
-    where: str, a: KVGroup, b: KVGroup, per_token: tuple[int, int] | None
-) -> list[Mismatch]:
+def _tensors(where: str, a: KVGroup, b: KVGroup, per_token: Scale) -> list[Mismatch]:
     """One mismatch per differing tensor when few differ; one summary when many do
     (a different model would otherwise list every layer)."""
     found = _tensor_differences(where, a, b, per_token)
@@ -350,11 +461,10 @@ def _geometry_advice(group: KVGroup, placement: bool = False) -> str:
     return f"check head counts, head size{where} and TP on both sides"
 
 
-def _tensor_differences(
-    where: str, a: KVGroup, b: KVGroup, per_token: tuple[int, int] | None
-) -> list[Mismatch]:
-    mine, theirs = per_token or (1, 1)
-    unit = "bytes/token" if per_token else "bytes/block"
+def _tensor_differences(where: str, a: KVGroup, b: KVGroup, per_token: Scale) -> list[Mismatch]:
+    mine, theirs, unit = per_token or (1, 1, "bytes/block")
+    if not unit:
+        return []
     peer_tensors = {t.name: t for t in b.tensors}
     local_names = {t.name for t in a.tensors}
     found: list[Mismatch] = []
@@ -420,7 +530,26 @@ def _mapping(
         local_block_size=mine,
         peer_block_size=theirs,
         block_mapping=mapping.value,
-        slice_tokens=slice_tokens(mine, theirs) if mapping is BlockMapping.TOKENS else mine,
+        slice_tokens=_slice_tokens(mapping, mine, theirs),
+        head_reads=_head_reads(local, group, peer) if mapping is BlockMapping.HEADS else (),
+    )
+
+
+def _slice_tokens(mapping: BlockMapping, mine: int, theirs: int) -> int:
+    if mapping is BlockMapping.HEADS:
+        return 1  # a head run is a byte range of each token
+    return slice_tokens(mine, theirs) if mapping is BlockMapping.TOKENS else mine
+
+
+def _head_reads(local: EngineLayout, group: KVGroup, peer: EngineLayout) -> tuple[HeadRead, ...]:
+    assert group.num_kv_heads is not None  # negotiation refused it otherwise
+    return tuple(
+        HeadRead(
+            s.src_rank,
+            (s.src_heads.start, s.src_heads.stop),
+            (s.dst_heads.start, s.dst_heads.stop),
+        )
+        for s in head_sources(group.num_kv_heads, peer.tp_size, local.tp_size, local.tp_rank)
     )
 
 

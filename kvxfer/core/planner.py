@@ -44,12 +44,14 @@ from kvxfer.core.layout import (
 from kvxfer.core.reblock import (
     BlockMapping,
     check_sliceable,
+    head_region,
     mapping_of,
     moved_tokens,
     slice_region,
     slice_span,
     slice_tokens,
 )
+from kvxfer.core.tp_map import check_head_split, served_slices
 
 DEFAULT_CHUNK_BLOCKS = 1024  # 16k tokens at B=16; see docs/dataplane.md "Chunks"
 
@@ -335,7 +337,8 @@ def plan_between(
     out = []
     for plan, src_group in zip(plans, src.groups, strict=True):
         group = plan.group
-        if mapping_of(dst, group, src, src_group) is not BlockMapping.TOKENS:
+        mapping = mapping_of(dst, group, src, src_group)
+        if mapping not in (BlockMapping.TOKENS, BlockMapping.HEADS):
             out.append(plan)
             continue
         needed = group_blocks(group, num_tokens, computed_tokens, 1)
@@ -343,6 +346,8 @@ def plan_between(
             needed, num_tokens, src.block_size_of(src_group), dst.block_size_of(group)
         )
         per_token = group.bytes_per_block // dst.block_size_of(group)
+        if mapping is BlockMapping.HEADS:  # this source's heads of each token
+            per_token = _served_bytes(src, dst, group)
         out.append(GroupPlan(group, plan.blocks, tokens, len(tokens) * per_token))
     return tuple(out)
 
@@ -368,7 +373,9 @@ def _group_chunks(
     _check_ids(dst_span, plan.blocks, [p.dst for p in pairs], "dst_spans")
     chunks = []
     unit = slice_tokens(src_size, dst_size)
-    if tokens is not None:
+    if mapping_of(dst, plan.group, src, src.group(gid)) is BlockMapping.HEADS:
+        unit, pairs = 1, _head_pairs(src, dst, plan.group)
+    elif tokens is not None:
         pairs = tuple(
             RegionPair(slice_region(p.src, src_size, unit), slice_region(p.dst, dst_size, unit))
             for p in pairs
@@ -392,6 +399,32 @@ def _group_chunks(
     return chunks
 
 
+def _served_bytes(src: EngineLayout, dst: EngineLayout, group: KVGroup) -> int:
+    """Bytes of one token of `group` the source rank serves the destination rank."""
+    heads = sum(len(piece.dst_heads) for piece in served_slices(src, dst, group))
+    return sum(heads * (dst.head_bytes(group, t) or 0) for t in group.tensors)
+
+
+def _head_pairs(src: EngineLayout, dst: EngineLayout, group: KVGroup) -> tuple[RegionPair, ...]:
+    """Different TP sizes: every tensor's regions seen one token per block, narrowed on
+    each side to the run of heads this source serves the destination (tp_map)."""
+    src_group = src.group(group.group_id)
+    src_size, dst_size = src.block_size_of(src_group), dst.block_size_of(group)
+    out = []
+    for pair, tensor in zip(_region_pairs(src, dst, group), group.tensors, strict=True):
+        head = dst.head_bytes(group, tensor)
+        assert head is not None  # check_head_split said so
+        for piece in served_slices(src, dst, group):
+            src_at, dst_at, length = piece.byte_range(head)
+            out.append(
+                RegionPair(
+                    head_region(pair.src, src_size, src_at, length),
+                    head_region(pair.dst, dst_size, dst_at, length),
+                )
+            )
+    return tuple(out)
+
+
 def _check_same_shape(src: EngineLayout, dst: EngineLayout) -> None:
     """The planner's own precondition; negotiation explains mismatches in detail."""
     if len(src.groups) != len(dst.groups):
@@ -404,7 +437,10 @@ def _check_same_shape(src: EngineLayout, dst: EngineLayout) -> None:
                 f"src is {a.kind.value} (window {a.sliding_window}, chunk {a.chunk_size}), "
                 f"dst is {b.kind.value} (window {b.sliding_window}, chunk {b.chunk_size})",
             )
-        if mapping_of(dst, b, src, a) is BlockMapping.TOKENS:
+        mapping = mapping_of(dst, b, src, a)
+        if mapping is BlockMapping.HEADS:
+            check_head_split(src, a, dst, b, where)
+        elif mapping is BlockMapping.TOKENS:
             check_sliceable(src, a, dst, b, where)
         elif [(t.name, t.bytes_per_block) for t in a.tensors] != [
             (t.name, t.bytes_per_block) for t in b.tensors

@@ -27,6 +27,15 @@ class BlockMapping(enum.StrEnum):
     SAME = "same"  # equal block sizes: block i <- block i, whole
     TOKENS = "tokens"  # different sizes: token ranges, byte ranges inside blocks
     STATE = "state"  # a state group: its one block moves whole
+    # Different TP sizes: this rank's heads of each token, byte ranges inside tokens
+    # (kvxfer/core/tp_map.py); block sizes may differ as well.
+    HEADS = "heads"
+
+
+# Attention kinds whose KV heads are split over TP ranks (an mla latent is replicated).
+HEAD_SPLIT_KINDS = frozenset(
+    {GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL}
+)
 
 
 def mapping_of(
@@ -35,6 +44,8 @@ def mapping_of(
     """How `group` (local) maps to `other` (peer's group of the same id)."""
     if group.kind is GroupKind.MAMBA:
         return BlockMapping.STATE
+    if local.tp_size != peer.tp_size and group.kind in HEAD_SPLIT_KINDS:
+        return BlockMapping.HEADS
     if local.block_size_of(group) == peer.block_size_of(other):
         return BlockMapping.SAME
     return BlockMapping.TOKENS
@@ -113,6 +124,20 @@ def slice_region(region: Region, block_size: int, unit: int) -> Region:
         num_blocks=region.num_blocks * per_block,
         stride_bytes=region.block_bytes // per_block,
         block_bytes=region.block_bytes // per_block,
+    )
+
+
+def head_region(region: Region, block_size: int, offset: int, length: int) -> Region:
+    """`region` seen as one block per token, each narrowed to `length` bytes at `offset`
+    inside the token: a run of heads (contiguous, token-major regions only)."""
+    token = region.block_bytes // block_size
+    return Region(
+        name=region.name,
+        buffer=region.buffer,
+        offset_bytes=region.offset_bytes + offset,
+        num_blocks=region.num_blocks * block_size,
+        stride_bytes=token,
+        block_bytes=length,
     )
 
 

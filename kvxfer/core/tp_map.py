@@ -1,6 +1,5 @@
 """Different tensor-parallel sizes: which prefill rank serves which KV heads of a
-decode rank (docs/planning.md, Different TP sizes). Pure; not wired into
-negotiation or the planner yet, which still refuse different TP sizes.
+decode rank (docs/planning.md, Different TP sizes). Pure.
 
 Standard attention splits a layer's KV heads over the TP ranks: with H heads and
 T ranks, rank r holds heads [r*H/T, (r+1)*H/T) when T divides H, and when H < T
@@ -9,6 +8,10 @@ holding head r // (T/H). A decode rank needs its own heads; each comes from a
 prefill rank holding it. Where a head is replicated on the prefill side, decode
 readers are spread over its replicas (decode rank d reads replica d mod R), so
 one prefill rank is not read by every decode rank.
+
+Negotiation and the planner use it for groups whose blocks map by heads
+(`reblock.BlockMapping.HEADS`): `split_problem` says why a side cannot be split,
+`served_slices` what one decode rank reads from one prefill rank.
 
 Inside a token-major block a rank's token is its heads one after another, so a
 run of heads read from one prefill rank is one byte range of each token:
@@ -20,8 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvxfer._exceptions import LayoutError
-from kvxfer.core.layout import check_int
+from kvxfer._exceptions import LayoutError, PlanError
+from kvxfer.core.layout import EngineLayout, KVGroup, check_int
+from kvxfer.core.reblock import slicing_problem
 
 
 def rank_heads(num_kv_heads: int, tp_size: int, rank: int) -> range:
@@ -97,3 +101,65 @@ def request_valid_tokens(per_rank: dict[int, int]) -> int:
     if not per_rank:
         raise LayoutError("valid_tokens", "no decode rank reported")
     return min(per_rank.values())
+
+
+def split_problem(layout: EngineLayout, group: KVGroup) -> str | None:
+    """Why `group`'s tokens in `layout` cannot be cut into heads, or None."""
+    if group.num_kv_heads is None:
+        return (
+            "the layout does not carry the group's KV head count (num_kv_heads), so a "
+            "token cannot be cut into heads"
+        )
+    problem = slicing_problem(layout, group)
+    if problem is not None:
+        return problem
+    for tensor in group.tensors:
+        if layout.head_bytes(group, tensor) is None:
+            return (
+                f"tensor '{tensor.name}': a token's bytes do not split into the "
+                f"{layout.rank_heads(group)} heads this rank holds"
+            )
+    return None
+
+
+def served_slices(src: EngineLayout, dst: EngineLayout, group: KVGroup) -> tuple[HeadSlice, ...]:
+    """The head runs decode rank `dst.tp_rank` reads from prefill rank `src.tp_rank`
+    (empty when that rank serves it none of `group`'s heads)."""
+    if group.num_kv_heads is None:
+        raise LayoutError(f"groups[{group.group_id}].num_kv_heads", "unset; needed to split heads")
+    return tuple(
+        s
+        for s in head_sources(group.num_kv_heads, src.tp_size, dst.tp_size, dst.tp_rank)
+        if s.src_rank == src.tp_rank
+    )
+
+
+def source_ranks(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> tuple[int, ...]:
+    """The prefill ranks decode rank `dst_rank` reads, in order."""
+    return tuple(sorted({s.src_rank for s in head_sources(num_kv_heads, src_tp, dst_tp, dst_rank)}))
+
+
+def check_head_split(
+    src: EngineLayout, a: KVGroup, dst: EngineLayout, b: KVGroup, where: str
+) -> None:
+    """Different TP sizes: both sides cut into heads, the same head count and head bytes,
+    and the source rank serves the destination rank some heads (the planner's
+    precondition; negotiation explains refusals in detail)."""
+    for side, layout, group in (("src", src, a), ("dst", dst, b)):
+        problem = split_problem(layout, group)
+        if problem is not None:
+            raise PlanError(f"{where}.num_kv_heads", f"{side}: {problem}")
+    if a.num_kv_heads != b.num_kv_heads:
+        raise PlanError(
+            f"{where}.num_kv_heads", f"src has {a.num_kv_heads} KV heads, dst {b.num_kv_heads}"
+        )
+    if [(t.name, src.head_bytes(a, t)) for t in a.tensors] != [
+        (t.name, dst.head_bytes(b, t)) for t in b.tensors
+    ]:
+        raise PlanError(f"{where}.tensors", "tensor names or bytes per head differ")
+    if not served_slices(src, dst, b):
+        raise PlanError(
+            "tp_rank",
+            f"prefill rank {src.tp_rank} of {src.tp_size} holds none of decode rank "
+            f"{dst.tp_rank}'s heads (of {dst.tp_size})",
+        )
