@@ -189,18 +189,26 @@ class PeerLinks:
         return identity if identity in self._labels else OTHER_PEERS
 
     async def link(
-        self, address: str, engine_id: str, layout: EngineLayout, epoch: int, peer_engine: str
+        self,
+        address: str,
+        engine_id: str,
+        layout: EngineLayout,
+        epoch: int,
+        peer_engine: str,
+        peer_rank: int | None = None,
     ) -> tuple[PeerLink, Agreement]:
-        """The link to `address` for `layout`'s rank, handshaking first when the cached one
-        is missing, stale, or of another epoch or engine than the pull expects. Pulls that
-        arrive during a handshake share its outcome (success or failure) instead of queuing
-        one timeout each behind it; other peers never wait on this one."""
-        key = (address, layout.tp_rank)
+        """The link to `address`'s engine of rank `peer_rank` (default: `layout`'s rank),
+        handshaking first when the cached one is missing, stale, or of another epoch or
+        engine than the pull expects. Pulls that arrive during a handshake share its
+        outcome (success or failure) instead of queuing one timeout each behind it; other
+        peers never wait on this one."""
+        rank = layout.tp_rank if peer_rank is None else peer_rank
+        key = (address, rank)
         link = self._links.get(key)
         if link is None or link.stale or link.epoch != epoch or link.hello.engine_id != peer_engine:
             pending = self._pending.get(key)
             if pending is None:
-                pending = asyncio.ensure_future(self._handshake(address, layout, engine_id))
+                pending = asyncio.ensure_future(self._handshake(address, layout, engine_id, rank))
                 self._pending[key] = pending
                 pending.add_done_callback(lambda _: self._pending.pop(key, None))
             link = await asyncio.shield(pending)
@@ -223,16 +231,22 @@ class PeerLinks:
     async def reload(self, link: PeerLink, layout: EngineLayout) -> None:
         """The peer's registrations changed: load its new metadata in place."""
         async with self._locks.setdefault((link.address, link.tp_rank), asyncio.Lock()):
-            hello = await self.hello(link.address, layout, dry_run=False)
+            hello = await self.hello(link.address, layout, dry_run=False, peer_rank=link.tp_rank)
             link.hello, link.nixl_peer = hello, await self._load_agent(link.address, hello)
 
     def invalidate(self, link: PeerLink) -> None:
         link.stale = True
 
-    async def hello(self, address: str, layout: EngineLayout, *, dry_run: bool) -> PeerHello:
+    async def hello(
+        self, address: str, layout: EngineLayout, *, dry_run: bool, peer_rank: int | None = None
+    ) -> PeerHello:
         stub = self._dialer.stub(address)
         request = hello_request(
-            layout, epoch=self._epoch, sidecar_id=self._sidecar_id, dry_run=dry_run
+            layout,
+            epoch=self._epoch,
+            sidecar_id=self._sidecar_id,
+            dry_run=dry_run,
+            peer_tp_rank=peer_rank,
         )
         timeout = self._settings.transfer.rpc_timeout_s
         reply = await self._dialer.call(
@@ -243,13 +257,15 @@ class PeerLinks:
         except InvalidInputError as exc:
             raise PeerUnavailableError(f"peer {address} sent a bad handshake: {exc}") from exc
 
-    async def _handshake(self, address: str, layout: EngineLayout, engine_id: str) -> PeerLink:
+    async def _handshake(
+        self, address: str, layout: EngineLayout, engine_id: str, rank: int
+    ) -> PeerLink:
         """Hello, then negotiate, and only if they agree load the peer's NIXL agent: a
         refused peer adds no agent, no link and no `ok` handshake."""
         start = time.perf_counter()
-        async with self._locks.setdefault((address, layout.tp_rank), asyncio.Lock()):
+        async with self._locks.setdefault((address, rank), asyncio.Lock()):
             try:
-                hello = await self.hello(address, layout, dry_run=False)
+                hello = await self.hello(address, layout, dry_run=False, peer_rank=rank)
             except KvxferError:
                 self._metrics.handshakes.labels(self.label(address), "error").inc()
                 await self._forget_unlinked(address)
@@ -265,7 +281,7 @@ class PeerLinks:
             except KvxferError:
                 self._metrics.handshakes.labels(self.label(address), "error").inc()
                 raise
-            link = self._install(address, layout.tp_rank, hello, nixl_peer)
+            link = self._install(address, rank, hello, nixl_peer)
             link.agreements[engine_id] = agreement
         label = self.label(address)
         self._metrics.handshakes.labels(label, "ok").inc()

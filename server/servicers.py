@@ -148,7 +148,8 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
         self, request: pb.HandshakeRequest, context: Context
     ) -> pb.HandshakeResponse:
         layout = layout_from_proto(request.layout, "layout")
-        hello = await self._sidecar.hello(request.protocol_version, layout, request.dry_run)
+        rank = request.peer_tp_rank if request.HasField("peer_tp_rank") else layout.tp_rank
+        hello = await self._sidecar.hello(request.protocol_version, rank, request.dry_run)
         return hello_to_proto(hello)
 
     @rpc

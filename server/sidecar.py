@@ -362,18 +362,19 @@ class Sidecar:
             raise InvalidInputError(
                 "params.request_id", f"{params.request_id!r} is already being pulled"
             )
-        if params.tp_rank != engine.layout.tp_rank:
-            raise InvalidInputError(
-                "params.tp_rank",
-                f"params are for rank {params.tp_rank}, "
-                f"this engine is rank {engine.layout.tp_rank}",
-            )
+        # params.tp_rank is the prefill rank read: rank r with equal TP sizes, one of the
+        # decode rank's sources with different ones (negotiation refuses any other).
         self._check_block_count(local_spans, "local_spans")
         self._check_block_count(params.spans, "params.spans")
         admission = self._gate.admit(params.peer_address)
         try:
             link, _ = await self.links.link(
-                params.peer_address, engine_id, engine.layout, params.epoch, params.engine_id
+                params.peer_address,
+                engine_id,
+                engine.layout,
+                params.epoch,
+                params.engine_id,
+                params.tp_rank,
             )
             plan = plan_transfer(
                 link.layout,
@@ -578,7 +579,8 @@ class Sidecar:
 
     # -- peer side ---------------------------------------------------------
 
-    async def hello(self, protocol_version: int, layout: EngineLayout, dry_run: bool) -> PeerHello:
+    async def hello(self, protocol_version: int, tp_rank: int, dry_run: bool) -> PeerHello:
+        """What a pulling sidecar learns of this side's engine of rank `tp_rank`."""
         self._check_open()
         if protocol_version not in SUPPORTED_PROTOCOLS:
             raise InvalidInputError(
@@ -586,7 +588,7 @@ class Sidecar:
                 f"peer speaks protocol {protocol_version}, this sidecar speaks "
                 f"{sorted(SUPPORTED_PROTOCOLS)}; upgrade the older sidecar",
             )
-        engine = self._serving_engine(layout.tp_rank)
+        engine = self._serving_engine(tp_rank)
         # Read before the metadata: if the serving agent is replaced meanwhile, the peer
         # holds an older version than ours and reloads at its next BeginRead.
         version = self.registration_version

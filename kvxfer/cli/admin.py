@@ -59,10 +59,13 @@ async def fetch_hello(
     timeout_s: float,
     sidecar_id: str = "kvxfer-cli",
     credentials: grpc.ChannelCredentials | None = None,
+    peer_rank: int | None = None,
 ) -> PeerHello:
     """Handshake with a peer sidecar as an engine with `layout` would; a dry run hands
     out no NIXL metadata and loads no agent anywhere."""
-    request = hello_request(layout, epoch=1, sidecar_id=sidecar_id, dry_run=dry_run)
+    request = hello_request(
+        layout, epoch=1, sidecar_id=sidecar_id, dry_run=dry_run, peer_tp_rank=peer_rank
+    )
     reply = await _call(
         address,
         "handshake",
@@ -94,7 +97,14 @@ def run_handshake(args: argparse.Namespace) -> int:
     credentials = _credentials(args)
     start = time.perf_counter()
     hello = asyncio.run(
-        fetch_hello(args.peer, local, dry_run=True, timeout_s=args.timeout, credentials=credentials)
+        fetch_hello(
+            args.peer,
+            local,
+            dry_run=True,
+            timeout_s=args.timeout,
+            credentials=credentials,
+            peer_rank=args.peer_rank,
+        )
     )
     elapsed_ms = (time.perf_counter() - start) * 1000
     mismatches = find_mismatches(local, hello.layout, PROTOCOL_VERSION, hello.protocol_version)

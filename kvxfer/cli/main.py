@@ -297,6 +297,11 @@ def _add_sidecar_commands(commands: Any) -> None:
     handshake.add_argument("--kv-dtype", default="bfloat16", help="KV cache dtype")
     handshake.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel size")
     handshake.add_argument("--tp-rank", type=non_negative_int, default=0, help="rank asking")
+    handshake.add_argument(
+        "--peer-rank",
+        type=non_negative_int,
+        help="the peer's TP rank to ask (default: --tp-rank; another with different TP sizes)",
+    )
     handshake.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
     handshake.add_argument("--json", action="store_true", help="print one JSON object")
     handshake.add_argument("--tls-cert", help="client certificate (PEM) for an mTLS peer")

@@ -688,11 +688,16 @@ class HandshakeRequest(_message.Message):
     SIDECAR_ID_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
+    PEER_TP_RANK_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     epoch: _builtins.int
     sidecar_id: _builtins.str
     dry_run: _builtins.bool
     """A dry run (kvxfer-cli handshake) gets no NIXL metadata and adds no agent."""
+    peer_tp_rank: _builtins.int
+    """The serving engine's TP rank; unset means the pulling engine's own rank (equal
+    TP sizes). Different TP sizes read one request from several prefill ranks.
+    """
     @_builtins.property
     def layout(self) -> _layout_pb2.EngineLayout:
         """the pulling engine's layout"""
@@ -705,12 +710,15 @@ class HandshakeRequest(_message.Message):
         sidecar_id: _builtins.str = ...,
         layout: _layout_pb2.EngineLayout | None = ...,
         dry_run: _builtins.bool = ...,
+        peer_tp_rank: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_peer_tp_rank", b"_peer_tp_rank", "layout", b"layout", "peer_tp_rank", b"peer_tp_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "epoch", b"epoch", "layout", b"layout", "protocol_version", b"protocol_version", "sidecar_id", b"sidecar_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_peer_tp_rank", b"_peer_tp_rank", "dry_run", b"dry_run", "epoch", b"epoch", "layout", b"layout", "peer_tp_rank", b"peer_tp_rank", "protocol_version", b"protocol_version", "sidecar_id", b"sidecar_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__peer_tp_rank: _TypeAlias = _typing.Literal["peer_tp_rank"]  # noqa: Y015
+    _WhichOneofArgType__peer_tp_rank: _TypeAlias = _typing.Literal["_peer_tp_rank", b"_peer_tp_rank"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__peer_tp_rank) -> _WhichOneofReturnType__peer_tp_rank | None: ...
 
 Global___HandshakeRequest: _TypeAlias = HandshakeRequest  # noqa: Y015
 

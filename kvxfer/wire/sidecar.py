@@ -254,16 +254,25 @@ class PeerHello:
 
 
 def hello_request(
-    layout: EngineLayout, *, epoch: int, sidecar_id: str, dry_run: bool
+    layout: EngineLayout,
+    *,
+    epoch: int,
+    sidecar_id: str,
+    dry_run: bool,
+    peer_tp_rank: int | None = None,
 ) -> pb.HandshakeRequest:
-    """What a pulling sidecar (or a dry run from the CLI or the bench) sends."""
-    return pb.HandshakeRequest(
+    """What a pulling sidecar (or a dry run from the CLI or the bench) sends; the
+    serving rank is `peer_tp_rank`, else the pulling engine's own."""
+    message = pb.HandshakeRequest(
         protocol_version=PROTOCOL_VERSION,
         epoch=epoch,
         sidecar_id=sidecar_id,
         layout=layout_to_proto(layout),
         dry_run=dry_run,
     )
+    if peer_tp_rank is not None and peer_tp_rank != layout.tp_rank:
+        message.peer_tp_rank = peer_tp_rank
+    return message
 
 
 def hello_to_proto(hello: PeerHello) -> pb.HandshakeResponse:
