@@ -113,12 +113,21 @@ def run_demo(args: argparse.Namespace) -> int:
             "--prefix-hit-rate", f"must be in [0, 1], got {args.prefix_hit_rate}"
         )
     with local_fleet("kvxfer-demo-", "kvxfer-cli demo") as fleet:
-        report = run_until_interrupted(_demo(args, fleet))
+        if args.prefill_tp != args.decode_tp:
+            from kvxfer.cli.demo_tp import demo_tp  # noqa: PLC0415
+
+            report = run_until_interrupted(demo_tp(args, fleet))
+        else:
+            report = run_until_interrupted(_demo(args, fleet))
         ok = report["exit_code"] == EXIT_OK
         fleet.keep_logs = not ok
     report.pop("exit_code")
     if args.json:
         print(json.dumps(report))
+    elif "tp" in report:
+        from kvxfer.cli.demo_tp import summary_tp  # noqa: PLC0415
+
+        print(summary_tp(report))
     else:
         print(_summary(report, args))
     return EXIT_OK if ok else EXIT_FAILED

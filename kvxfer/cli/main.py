@@ -365,6 +365,13 @@ def _add_demo(commands: Any) -> None:
         help="sim: the decode engine's tokens per block (default --block-size); "
         "different sizes move token ranges",
     )
+    demo.add_argument("--prefill-tp", type=positive_int, default=1, help="sim: prefill TP size")
+    demo.add_argument(
+        "--decode-tp",
+        type=positive_int,
+        default=1,
+        help="sim: decode TP size; different from --prefill-tp, decode ranks read heads",
+    )
     demo.add_argument("--seed", type=non_negative_int, default=0, help="workload seed")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(run=_lazy("kvxfer.cli.demo", "run_demo"))
