@@ -11,6 +11,7 @@ serves, which tokens move, minus failed blocks) and where each decode rank resum
 from __future__ import annotations
 
 import json
+import subprocess
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from oracle import (
     oracle_rank_heads,
     oracle_valid_tokens_moved,
 )
-from test_demo import Demos, demos  # noqa: F401 (the fixture)
+from test_demo import CLI, Demos, demos  # noqa: F401 (the fixture)
 
 from kvxfer.core.layout import EngineLayout
 from kvxfer.core.profiles import layout_for_model
@@ -104,3 +105,24 @@ def test_different_tp_sizes_pull_head_by_head_with_failures(
             assert pull["valid_tokens"] == want
             resume.append(want)
         assert row["valid_tokens"] == min(resume)  # one answer for the whole request
+
+
+@pytest.mark.parametrize(
+    ("model", "decode_tp", "refusal"),
+    [
+        ("qwen3-next-80b-a3b", 2, ("--decode-tp", "layout.groups[0].kind: local mamba")),
+        ("llama-3.1-8b", 3, ("num_key_value_heads", "8 heads cannot be placed on tp_size 3")),
+    ],
+)
+def test_pairings_negotiation_refuses_stop_the_demo_before_it_starts(
+    model: str, decode_tp: int, refusal: tuple[str, str]
+) -> None:
+    """No process is started: the refusal comes from the layouts alone."""
+    result = subprocess.run(
+        [CLI, "demo", "--model", model, "--prefill-tp", "1", "--decode-tp", str(decode_tp),
+         "--json"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = json.loads(result.stdout)
+    assert error["field"] == refusal[0] and refusal[1] in error["error"], error

@@ -98,6 +98,10 @@ def workload(args: argparse.Namespace, block_size: int) -> list[Request]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if args.prefill_tp != args.decode_tp:
+        from kvxfer.cli.demo_tp import check_tp_args  # noqa: PLC0415
+
+        check_tp_args(args)
     if args.engine == "vllm":
         from kvxfer.cli.vllm_demo import run_vllm  # noqa: PLC0415 (only this engine needs it)
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer._exceptions import InvalidInputError
 from kvxfer.cli.demo import EVENT_TIMEOUT_S, Request, _sizing, workload
 from kvxfer.cli.demo_reblock import source_blocks
 from kvxfer.cli.fleet import EngineView, Fleet
@@ -45,6 +46,27 @@ class _Rank:
     view: EngineView
     client: EngineClient
     events: asyncio.Queue[EngineEvent] = field(default_factory=asyncio.Queue)
+
+
+def check_tp_args(args: argparse.Namespace) -> None:
+    """Refuse, before any process starts, a pairing negotiation would refuse."""
+    from kvxfer.core.negotiation import find_mismatches  # noqa: PLC0415
+    from kvxfer.core.profiles import layout_for_model  # noqa: PLC0415
+
+    if args.engine == "vllm":
+        raise InvalidInputError("--prefill-tp", "different TP sizes run with --engine sim only")
+    p_block = args.prefill_block_size or args.block_size
+    d_block = args.decode_block_size or args.block_size
+    for d_rank in range(args.decode_tp):
+        decode = layout_for_model(
+            args.model, block_size=d_block, tp_size=args.decode_tp, tp_rank=d_rank
+        )
+        prefill = layout_for_model(
+            args.model, block_size=p_block, tp_size=args.prefill_tp, tp_rank=0
+        )
+        found = [m for m in find_mismatches(decode, prefill) if m.field != "layout.tp_rank"]
+        if found:
+            raise InvalidInputError("--decode-tp", "; ".join(str(m) for m in found[:3]))
 
 
 async def demo_tp(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:

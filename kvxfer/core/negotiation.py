@@ -382,6 +382,8 @@ def _per_token(local: EngineLayout, a: KVGroup, peer: EngineLayout, b: KVGroup) 
             peer.block_size_of(b) * peer.rank_heads(b),
             "bytes/head/token",
         )
+    if mapping is BlockMapping.STATE and local.tp_size != peer.tp_size:
+        return (1, 1, "")  # sharded state: _tp_split refuses it
     if mapping is not BlockMapping.TOKENS:
         return None
     return local.block_size_of(a), peer.block_size_of(b), "bytes/token"
