@@ -145,3 +145,13 @@ def _live_members(group: int) -> list[int]:
         if int(fields[2]) == group and fields[0] != "Z":
             live.append(int(stat.parent.name))
     return live
+
+
+def test_side_channel_ports_are_outside_the_ephemeral_range_and_never_repeat() -> None:
+    """vLLM binds its NIXL side channel seconds after the port is chosen: a port from the
+    ephemeral range could be taken by any connection meanwhile (a CI hang), so the
+    harness picks below that range, and never hands out one port twice."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [vllm_fleet.free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(10000 <= p < low for p in ports), (low, sorted(ports)[-3:])

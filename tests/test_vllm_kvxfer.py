@@ -34,6 +34,7 @@ def demo(*args: str) -> dict[str, Any]:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=880, check=False)
     assert done.stdout.strip(), f"demo printed nothing (rc {done.returncode}):\n{done.stderr}"
     report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "error" not in report, f"demo failed: {report}\n{done.stderr[-3000:]}"
     report["returncode"] = done.returncode
     report["stderr"] = done.stderr[-3000:]
     return report

@@ -72,11 +72,40 @@ def find_vllm_python(explicit: Path | None = None) -> Path:
     raise VllmWorkerError(f"no vLLM venv found (tried {tried}); run `make vllm-venv` first")
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (what bind(0) and connect pick)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
+    """A loopback TCP port that is free now and stays free until an engine binds it.
+
+    vLLM binds its NIXL side channel only after loading the model, seconds later. A port
+    from the ephemeral range (bind to 0) can be taken meanwhile by any outgoing
+    connection or bind(0) on the machine (seen in CI: the decode engine's handshake
+    listener died with EADDRINUSE and the run hung); a port below that range is only
+    ever taken by an explicit bind. Never the same port twice in one process."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(10000, low) if low > 10001 else rng.randrange(low, 65536)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
         return port
+    raise VllmWorkerError("no free loopback port below the ephemeral range")
 
 
 def random_prompts(count: int, lo: int, hi: int, vocab_size: int, seed: int) -> list[list[int]]:
