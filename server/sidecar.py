@@ -144,6 +144,13 @@ class Sidecar:
         # it is unmapped by unregister().
         await self._readers.close()
         await self._backend.close()
+        # No agent is left that could touch any engine's memory: a read still open (its
+        # reader vanished) is over, so an engine retiring behind it (its process died)
+        # needs no more waiting and its memory and shared-memory names go now.
+        for engine in self._engines.values():
+            if engine.retiring:
+                self._leases.drop_engine(engine.engine_id)
+                engine.reads_ended.set()
         for engine_id in list(self._engines):
             await self.unregister(engine_id, reads_deadline_s=max(0.0, end - time.monotonic()))
         if self._sweeper is not None:

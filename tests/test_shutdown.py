@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from pathlib import Path
 
+import grpc.aio
 import pytest
 from big_pulls import MODEL, PER_REQUEST, SIZES, TOKENS, reads_under_way, request_spans
 from sidecars import (
@@ -21,12 +23,16 @@ from sidecars import (
     being_read,
     engine_link,
     freeze,
+    scrape,
     start_engine,
     start_sidecar,
     thaw,
 )
 
+from kvxfer.cli.fleet import Proc
 from kvxfer.core.requests import PullDone, PullStatus, Released, ReleaseReason
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -85,3 +91,43 @@ async def test_decode_sigterm_with_pulls_hung_on_a_frozen_peer_exits_cleanly(
         code = await asyncio.to_thread(pair.d.popen.wait, 60)
     assert all(isinstance(x, PullDone) and x.status is not PullStatus.OK for x in dones)
     assert code == 0, f"decode sidecar exited with {code}; log: {pair.d.log}"
+
+
+async def test_an_engine_that_died_under_an_open_read_is_unlinked_at_shutdown(
+    tmp_path: Path,
+) -> None:
+    """A reader that began a read and vanished keeps the dead engine's memory until its
+    lease TTL. A shutdown in between destroys every agent first, so nothing can read
+    that memory any more: the engine's shared memory goes with the sidecar, not left
+    in /dev/shm until someone cleans it by hand."""
+    p = start_sidecar(tmp_path, "p", "--lease.ttl-s", "600", "--shutdown-grace-s", "1")
+    try:
+        pe = start_engine(tmp_path, p, MODEL, "prefill", *SIZES, num_blocks=PER_REQUEST)
+        src = request_spans(0)
+        async with engine_link(p, pe) as (pc, _):
+            params = await pc.publish("vanished-reader", TOKENS, src)
+        async with grpc.aio.insecure_channel(p.ready["peer_address"]) as channel:
+            peer = pb_grpc.PeerServiceStub(channel)
+            await peer.BeginRead(
+                pb.BeginReadRequest(
+                    epoch=params.epoch, tp_rank=params.tp_rank, request_id="vanished-reader"
+                )
+            )  # and never heartbeats or ends it
+        segments = [Path("/dev/shm", name) for name in pe.shm_names()]
+        pe.proc.stop(signal.SIGKILL)
+        await _engine_exit_seen(p)
+        assert all(s.exists() for s in segments), "retired before the read was over"
+        p.popen.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(p.popen.wait, 60) == 0
+        assert not [s.name for s in segments if s.exists()], f"left behind; log: {p.log}"
+    finally:
+        p.stop()
+
+
+async def _engine_exit_seen(sidecar: Proc, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if scrape(sidecar).get(("kvxfer_engine_exits_total", ()), 0) >= 1:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the sidecar never saw its engine exit; log: {sidecar.log}")
