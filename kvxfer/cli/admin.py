@@ -174,12 +174,25 @@ def _handshake_text(address: str, report: dict[str, Any]) -> str:
                     f"    heads {dst[0]}..{dst[1] - 1} <- prefill rank {read['src_rank']} "
                     f"heads {src[0]}..{src[1] - 1}"
                 )
+            lines += _state_text(group["state_reads"])
         return "\n".join(lines)
     lines.append(f"NOT compatible: {len(report['mismatches'])} mismatch(es)")
     for m in report["mismatches"]:
         lines.append(f"  {m['field']}: local {m['local']}, peer {m['peer']}")
         lines.append(f"    hint: {m['hint']}")
     return "\n".join(lines)
+
+
+def _state_text(reads: list[dict[str, Any]]) -> list[str]:
+    """Different TP sizes, a state group: each tensor's byte ranges and their source."""
+    lines = []
+    for read in reads:
+        start, length = read["dst_at"], read["length"]
+        lines.append(
+            f"    {read['tensor']} bytes {start}..{start + length - 1} <- prefill rank "
+            f"{read['src_rank']} bytes {read['src_at']}..{read['src_at'] + length - 1}"
+        )
+    return lines
 
 
 def _block_mapping(group: dict[str, Any]) -> str:

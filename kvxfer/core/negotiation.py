@@ -21,11 +21,14 @@ Different tensor-parallel sizes (kvxfer/core/tp_map.py) are agreed for attention
 groups whose layouts carry `num_kv_heads` and are token-major and contiguous: the
 decode rank reads its heads as byte ranges of every token from the prefill ranks
 holding them (`Agreement.source_ranks`, `GroupMapping.head_reads`); an mla latent is
-replicated, so decode rank d reads prefill rank d mod T. State groups and layouts
-that cannot be cut into heads are refused with the reason. `NOT_YET_TRANSFERABLE` names group
-kinds the planner sizes but no pull has moved end to end; it is empty now that
-chunked_local and mla pulls are byte-checked between simulated engines (the
-demo and tests/test_sidecar_kinds.py).
+replicated, so decode rank d reads prefill rank d mod T. A state group is agreed when
+both layouts say how each state tensor is cut over TP ranks (`TensorSpec.shard`), the
+same cut on both sides: the decode rank reads byte ranges of the state block from the
+prefill ranks holding them (`GroupMapping.state_reads`, tp_map.state_pieces). Layouts
+that cannot be cut into heads, and state without a cut, are refused with the reason.
+`NOT_YET_TRANSFERABLE` names group kinds the planner sizes but no pull has moved end to
+end; it is empty now that chunked_local and mla pulls are byte-checked between
+simulated engines (the demo and tests/test_sidecar_kinds.py).
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ from dataclasses import dataclass
 from kvxfer._exceptions import NegotiationError
 from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup
 from kvxfer.core.reblock import BlockMapping, mapping_of, slice_tokens, slicing_problem
-from kvxfer.core.tp_map import head_sources, source_ranks, split_problem
+from kvxfer.core.tp_map import (
+    head_sources,
+    pairing_sources,
+    split_problem,
+    state_pieces,
+    state_problem,
+)
 
 PROTOCOL_VERSION = 1
 SUPPORTED_PROTOCOLS = frozenset({1})
@@ -78,6 +87,21 @@ class GroupMapping:
     # Different TP sizes ("heads"): every run of this decode rank's heads and the
     # prefill rank it comes from, all sources (the peer is one of them).
     head_reads: tuple[HeadRead, ...] = ()
+    # Different TP sizes, a state group: the byte ranges of each distinct tensor (named by
+    # its suffix: conv, ssm, ...) of the state block and the prefill rank each comes from.
+    state_reads: tuple[StateRead, ...] = ()
+
+
+@dataclass(frozen=True)
+class StateRead:
+    """Bytes [dst_at, dst_at + length) of this rank's block of every `tensor` state tensor
+    come from bytes at `src_at` of prefill rank `src_rank`'s."""
+
+    tensor: str
+    src_rank: int
+    src_at: int
+    dst_at: int
+    length: int
 
 
 @dataclass(frozen=True)
@@ -146,17 +170,7 @@ def negotiate(
 
 def _source_ranks(local: EngineLayout, peer: EngineLayout) -> tuple[int, ...]:
     """The prefill ranks decode rank `local.tp_rank` reads, over all its groups."""
-    if local.tp_size == peer.tp_size:
-        return (local.tp_rank,)
-    ranks: set[int] = set()
-    for group in local.groups:
-        if group.kind is GroupKind.MLA:
-            ranks.add(local.tp_rank % peer.tp_size)  # replicated: any rank serves
-        elif group.num_kv_heads is not None:
-            ranks.update(
-                source_ranks(group.num_kv_heads, peer.tp_size, local.tp_size, local.tp_rank)
-            )
-    return tuple(sorted(ranks))
+    return pairing_sources(peer.tp_size, local)
 
 
 def find_mismatches(
@@ -247,7 +261,7 @@ def _tp_split(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
         if a.kind is not b.kind:
             continue  # named by _groups
         if a.kind is GroupKind.MAMBA:
-            found.append(Mismatch(f"{where}.kind", a.kind.value, b.kind.value, _STATE_TP))
+            found += _state_problems(where, a, b)
         elif a.kind is GroupKind.MLA:
             if len(kinds) > 1:
                 found.append(Mismatch(f"{where}.kind", a.kind.value, b.kind.value, _MIXED_MLA))
@@ -277,10 +291,38 @@ def _tp_split(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
     return found
 
 
-_STATE_TP = (
-    "different TP sizes: a state group is sharded by its own heads, which kvxfer does "
-    "not split yet; run prefill and decode with equal TP"
-)
+def _state_problems(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
+    """A state group under different TP sizes: both sides must say how every state
+    tensor is cut over TP ranks, the same cut (the model's, not one rank's)."""
+    for side, group in (("local", a), ("peer", b)):
+        problem = state_problem(group)
+        if problem is not None:
+            return [
+                Mismatch(
+                    f"{where}.tensors",
+                    "shard set" if side == "peer" else "shard unset",
+                    "shard unset" if side == "peer" else "shard set",
+                    f"different TP sizes read a state block as byte ranges of each rank's "
+                    f"heads and channels, but the {side} side's layout cannot say which: "
+                    f"{problem}; register the layout with state cuts (kvxfer's profiles "
+                    "give them) or run equal TP",
+                )
+            ]
+    theirs = {t.name: t.shard for t in b.tensors}
+    for tensor in a.tensors:
+        if tensor.name in theirs and theirs[tensor.name] != tensor.shard:
+            return [
+                Mismatch(
+                    f"{where}.tensors['{tensor.name}'].shard",
+                    str(tensor.shard),
+                    str(theirs[tensor.name]),
+                    "the two sides cut this state differently (head counts, head sizes or "
+                    "conv state layout SD/DS differ); configure both engines the same way",
+                )
+            ]
+    return []
+
+
 _MIXED_MLA = (
     "different TP sizes: an mla latent beside head-split groups is not planned yet "
     "(its one serving rank would differ from theirs); run equal TP"
@@ -534,7 +576,26 @@ def _mapping(
         block_mapping=mapping.value,
         slice_tokens=_slice_tokens(mapping, mine, theirs),
         head_reads=_head_reads(local, group, peer) if mapping is BlockMapping.HEADS else (),
+        state_reads=_state_reads(local, group, peer) if group.kind is GroupKind.MAMBA else (),
     )
+
+
+def _state_reads(local: EngineLayout, group: KVGroup, peer: EngineLayout) -> tuple[StateRead, ...]:
+    """Different TP sizes: the pieces of the first tensor of each suffix (every layer of a
+    group is cut alike in the models kvxfer reads; the planner cuts each on its own)."""
+    if local.tp_size == peer.tp_size:
+        return ()
+    seen: dict[str, StateRead] = {}
+    reads: list[StateRead] = []
+    for tensor in group.tensors:
+        suffix = tensor.name.rsplit(".", 1)[-1]
+        if suffix in seen or tensor.shard is None:
+            continue
+        pieces = state_pieces(tensor.shard, peer.tp_size, local.tp_size, local.tp_rank)
+        found = [StateRead(suffix, p.src_rank, p.src_at, p.dst_at, p.length) for p in pieces]
+        seen[suffix] = found[0]
+        reads += found
+    return tuple(reads)
 
 
 def _slice_tokens(mapping: BlockMapping, mine: int, theirs: int) -> int:

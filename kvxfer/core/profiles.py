@@ -33,9 +33,11 @@ from kvxfer.core.layout import (
     GroupId,
     GroupKind,
     KVGroup,
+    StateShard,
     TensorSpec,
     dtype_bytes,
 )
+from kvxfer.core.state_shards import Cut, channel_units, check_conv_layout, conv_cut, head_cut
 
 Config = Mapping[str, Any]
 
@@ -49,6 +51,7 @@ class _LayerTensors:
     tensors: tuple[tuple[str, int], ...]
     chunk: int | None = None
     kv_heads: int | None = None  # the model's KV heads, for a split by head
+    shards: tuple[StateShard | None, ...] = ()  # per tensor, a state's cut over TP
 
 
 def builtin_profiles() -> list[str]:
@@ -95,6 +98,7 @@ def layout_for_model(
     tp_size: int = 1,
     tp_rank: int = 0,
     state_dtype: str | None = None,
+    conv_state_layout: str = "SD",
 ) -> EngineLayout:
     """Layout of a built-in profile name or a config.json path."""
     name, config = load_config(model)
@@ -106,6 +110,7 @@ def layout_for_model(
         tp_size=tp_size,
         tp_rank=tp_rank,
         state_dtype=state_dtype,
+        conv_state_layout=conv_state_layout,
     )
 
 
@@ -118,9 +123,12 @@ def layout_from_config(
     tp_size: int = 1,
     tp_rank: int = 0,
     state_dtype: str | None = None,
+    conv_state_layout: str = "SD",
 ) -> EngineLayout:
     """Layout of one engine rank. Mamba / linear-attention state is sized in its own
-    dtypes (`_StateDtypes`), never in `kv_dtype`; `state_dtype` overrides both."""
+    dtypes (`_StateDtypes`), never in `kv_dtype`; `state_dtype` overrides both. A conv
+    state is stored as `conv_state_layout` says (vLLM's VLLM_SSM_CONV_STATE_LAYOUT: "SD",
+    its default, or "DS"), which only changes how it is cut over TP ranks."""
     text = config.get("text_config", config)
     if not isinstance(text, Mapping):
         raise ProfileError("text_config", "must be a JSON object")
@@ -132,6 +140,7 @@ def layout_from_config(
         raise ProfileError("tp_size", f"must be a positive integer, got {tp_size!r}")
     state = _StateDtypes(config, text, state_dtype, family.ssm_dtype_default)
     sizing = _Sizing(text, elem, block_size, tp_size, state.element_bytes, model_type)
+    sizing.conv_layout = check_conv_layout(conv_state_layout)
     groups = _groups(family, sizing)
     return EngineLayout(
         model=name,
@@ -191,6 +200,7 @@ class _Sizing:
         self.state_bytes = state_bytes  # (conv, ssm) element bytes, read on first use
         self.block_size = block_size
         self.tp = tp_size
+        self.conv_layout = "SD"  # how a conv state is stored (state_shards.conv_cut)
         self.num_layers = self.positive("num_hidden_layers")
 
     def positive(self, key: str) -> int:
@@ -251,12 +261,17 @@ def _attention(
     return _LayerTensors(kind, window, (("k", size), ("v", size)), chunk, kv_heads)
 
 
-def _state(conv_elems: int, ssm_elems: int, sizing: _Sizing) -> _LayerTensors:
+def _state(
+    conv_elems: int, ssm_elems: int, sizing: _Sizing, cuts: tuple[Cut, Cut] | None = None
+) -> _LayerTensors:
+    """A conv + ssm state; `cuts` says how each is cut over TP ranks (state_shards)."""
     conv_bytes, ssm_bytes = sizing.state_bytes()
+    shards = (cuts[0].shard(conv_bytes), cuts[1].shard(ssm_bytes)) if cuts else ()
     return _LayerTensors(
         GroupKind.MAMBA,
         None,
         (("conv", conv_elems * conv_bytes), ("ssm", ssm_elems * ssm_bytes)),
+        shards=shards,
     )
 
 
@@ -539,7 +554,16 @@ def _gated_deltanet(sizing: _Sizing) -> _LayerTensors:
     value_heads = sizing.split("linear_num_value_heads", sizing.positive("linear_num_value_heads"))
     conv_dim = 2 * key_dim * key_heads + value_dim * value_heads
     kernel = sizing.positive("linear_conv_kernel_dim")
-    return _state((kernel - 1) * conv_dim, value_heads * value_dim * key_dim, sizing)
+    all_keys, all_values = key_heads * sizing.tp, value_heads * sizing.tp
+    cuts = (
+        conv_cut(
+            kernel,
+            ((all_keys, key_dim), (all_keys, key_dim), (all_values, value_dim)),
+            sizing.conv_layout,
+        ),
+        head_cut(all_values, value_dim * key_dim),
+    )
+    return _state((kernel - 1) * conv_dim, value_heads * value_dim * key_dim, sizing, cuts)
 
 
 def _jamba(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
@@ -550,8 +574,18 @@ def _jamba(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
     intermediate = sizing.split(
         "mamba_expand", sizing.positive("mamba_expand") * sizing.positive("hidden_size")
     )
-    conv = (sizing.positive("mamba_d_conv") - 1) * intermediate
-    return _state(conv, intermediate * sizing.positive("mamba_d_state"), sizing)
+    kernel, d_state = sizing.positive("mamba_d_conv"), sizing.positive("mamba_d_state")
+    return _state(
+        (kernel - 1) * intermediate,
+        intermediate * d_state,
+        sizing,
+        mamba1_cuts(sizing, intermediate * sizing.tp, kernel, d_state),
+    )
+
+
+def mamba1_cuts(sizing: _Sizing, channels: int, kernel: int, d_state: int) -> tuple[Cut, Cut]:
+    """Mamba-1: conv over `channels` split one by one, ssm (channels/tp, d_state)."""
+    return conv_cut(kernel, ((channels, 1),), sizing.conv_layout), head_cut(channels, d_state)
 
 
 def _falcon_h1(text: Config, sizing: _Sizing, index: int) -> list[_LayerTensors]:
@@ -589,7 +623,12 @@ def _mamba2_state(
     d_state. `intermediate`, `groups` and `heads` are (config key, value)."""
     channels = sizing.split(*intermediate) + 2 * _groups_per_rank(*groups, sizing) * d_state
     ssm = sizing.split(*heads) * head_dim * d_state
-    return _state((d_conv - 1) * channels, ssm, sizing)
+    x = channel_units(intermediate[1], heads[1])
+    cuts = (
+        conv_cut(d_conv, (x, (groups[1], d_state), (groups[1], d_state)), sizing.conv_layout),
+        head_cut(heads[1], head_dim * d_state),
+    )
+    return _state((d_conv - 1) * channels, ssm, sizing, cuts)
 
 
 def _groups_per_rank(key: str, groups: int, sizing: _Sizing) -> int:
@@ -611,9 +650,14 @@ def _group_layers(per_layer: list[list[_LayerTensors]]) -> tuple[KVGroup, ...]:
     groups = []
     for group_id, ((kind, window, chunk), layers) in enumerate(members.items()):
         tensors = tuple(
-            TensorSpec(name=f"layer.{index}.{suffix}", layer=index, bytes_per_block=size)
+            TensorSpec(
+                name=f"layer.{index}.{suffix}",
+                layer=index,
+                bytes_per_block=size,
+                shard=part.shards[i] if part.shards else None,
+            )
             for index, part in layers
-            for suffix, size in part.tensors
+            for i, (suffix, size) in enumerate(part.tensors)
         )
         heads = {part.kv_heads for _, part in layers}  # one count for all, or unknown
         groups.append(

@@ -22,7 +22,8 @@ from typing import Any
 from kvxfer._exceptions import ProfileError, UnsupportedModelError
 from kvxfer.core.hf_config import FULL, LINEAR, STATE_DTYPE_KEYS, refusal
 from kvxfer.core.layout import GroupKind
-from kvxfer.core.profiles import _LayerTensors, _mamba2_state, _Sizing, _state
+from kvxfer.core.profiles import _LayerTensors, _mamba2_state, _Sizing, _state, mamba1_cuts
+from kvxfer.core.state_shards import Cut, conv_cut, head_cut
 
 Reader = Callable[[_Sizing, int], list[_LayerTensors]]
 
@@ -55,11 +56,14 @@ def _hidden_over_heads(sizing: _Sizing) -> int:
     return head_dim
 
 
-def _single_state(name: str, elements: int, sizing: _Sizing) -> _LayerTensors:
+def _single_state(name: str, elements: int, sizing: _Sizing, cut: Cut) -> _LayerTensors:
     """A state with one tensor, in the conv dtype (vLLM's short_conv_state_dtype and
-    linear_attention_state_dtype both take mamba_cache_dtype, else the model dtype)."""
+    linear_attention_state_dtype both take mamba_cache_dtype, else the model dtype),
+    cut over TP ranks as `cut` says."""
     conv_bytes, _ = sizing.state_bytes()
-    return _LayerTensors(GroupKind.MAMBA, None, ((name, elements * conv_bytes),))
+    return _LayerTensors(
+        GroupKind.MAMBA, None, ((name, elements * conv_bytes),), shards=(cut.shard(conv_bytes),)
+    )
 
 
 def _kinds(sizing: _Sizing, key: str, allowed: Mapping[Any, str], values: Any = None) -> list[str]:
@@ -89,8 +93,9 @@ def _mamba1(sizing: _Sizing, index: int) -> list[_LayerTensors]:
     else:
         intermediate = sizing.positive("expand") * sizing.positive("hidden_size")
     channels = sizing.split("intermediate_size", intermediate)
-    conv = (sizing.positive("conv_kernel") - 1) * channels
-    return [_state(conv, channels * sizing.positive("state_size"), sizing)]
+    kernel, d_state = sizing.positive("conv_kernel"), sizing.positive("state_size")
+    cuts = mamba1_cuts(sizing, intermediate, kernel, d_state)
+    return [_state((kernel - 1) * channels, channels * d_state, sizing, cuts)]
 
 
 # --- Mamba-2 families ----------------------------------------------------------------
@@ -349,7 +354,8 @@ def _minimax(sizing: _Sizing, index: int) -> list[_LayerTensors]:
     if sources[0][1][index] == FULL:
         return [_full_attention(sizing, head_dim)]
     state_heads = sizing.split("num_attention_heads", heads)
-    return [_single_state("state", state_heads * head_dim * head_dim, sizing)]
+    cut = head_cut(heads, head_dim * head_dim)
+    return [_single_state("state", state_heads * head_dim * head_dim, sizing, cut)]
 
 
 def _lfm2(sizing: _Sizing, index: int) -> list[_LayerTensors]:
@@ -361,7 +367,9 @@ def _lfm2(sizing: _Sizing, index: int) -> list[_LayerTensors]:
         return [_full_attention(sizing, _hidden_over_heads(sizing))]
     dim_key = "hidden_size" if sizing.model_type == "lfm2_moe" else "conv_dim"
     channels = sizing.split(dim_key, sizing.positive(dim_key))
-    return [_single_state("conv", (sizing.positive("conv_L_cache") - 1) * channels, sizing)]
+    kernel = sizing.positive("conv_L_cache")
+    cut = conv_cut(kernel, ((sizing.positive(dim_key), 1),), sizing.conv_layout)
+    return [_single_state("conv", (kernel - 1) * channels, sizing, cut)]
 
 
 def _declared_dtypes_read_by_vllm(reader: Reader, honoured: frozenset[str] = frozenset()) -> Reader:
