@@ -22,8 +22,9 @@ from oracle import (
     oracle_valid_tokens_moved,
 )
 from test_demo import CLI, Demos, demos  # noqa: F401 (the fixture)
+from test_tp_state_oracle import oracle_state_bytes
 
-from kvxfer.core.layout import EngineLayout
+from kvxfer.core.layout import EngineLayout, GroupKind
 from kvxfer.core.profiles import layout_for_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -32,10 +33,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 def _oracle_pull_bytes(
     layout: EngineLayout, src_tp: int, src_block: int, pull: dict[str, Any], row: dict[str, Any]
 ) -> int:
-    """Bytes one pull lands: the source's heads of every moved token outside failed blocks."""
+    """Bytes one pull lands: the source's heads of every moved token outside failed blocks,
+    and its byte ranges of a state block that moved and did not fail."""
     total, size = 0, layout.block_size
     failed = {int(g): set(b) for g, b in pull["failed_blocks"].items()}
     for group in layout.groups:
+        if group.kind is GroupKind.MAMBA:
+            if row["computed_tokens"] < row["tokens"] and not failed.get(group.group_id):
+                total += oracle_state_bytes(
+                    layout.model, group, src_tp, layout, pull["prefill_rank"]
+                )
+            continue
         heads = group.num_kv_heads
         assert heads is not None
         mine = oracle_rank_heads(heads, layout.tp_size, layout.tp_rank)
@@ -57,6 +65,11 @@ def _oracle_pull_bytes(
         ("llama-3.1-8b", 1, 2, (16, 16)),
         ("gpt-oss-20b", 2, 1, (16, 16)),
         ("gpt-oss-20b", 1, 2, (32, 16)),  # block sizes differ as well
+        # Gated DeltaNet state beside attention, both ways, and Mamba-2 state whose one
+        # B/C group is replicated on every rank.
+        ("qwen3-next-80b-a3b", 1, 2, (16, 16)),
+        ("qwen3-next-80b-a3b", 2, 1, (16, 16)),
+        ("falcon-h1-7b", 2, 4, (16, 16)),
     ],
 )
 def test_different_tp_sizes_pull_head_by_head_with_failures(
@@ -98,6 +111,7 @@ def test_different_tp_sizes_pull_head_by_head_with_failures(
                     g, row["tokens"], row["computed_tokens"], blocks[0], blocks[1]
                 )
                 for g in groups
+                if g.kind is not GroupKind.MAMBA  # a state's validity is its failure alone
             }
             want = oracle_valid_tokens_moved(
                 groups, row["tokens"], row["computed_tokens"], blocks[1], failed, moved

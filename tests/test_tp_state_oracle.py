@@ -74,6 +74,28 @@ def _split_holders(model: str, suffix: str, src_tp: int, dst_tp: int, dst_rank: 
     return ranks
 
 
+def oracle_state_bytes(model: str, group: KVGroup, src_tp: int, dst: EngineLayout, src: int) -> int:
+    """Bytes of decode rank `dst.tp_rank`'s state block prefill rank `src` serves: each
+    atom from the rank holding it, a replicated one from the lowest holder the decode
+    rank already reads for split parts (else the reader-spread holder)."""
+    total = 0
+    for tensor in group.tensors:
+        suffix = tensor.name.rsplit(".", 1)[-1]
+        _, parts = _cut(model, suffix)
+        split = _split_holders(model, suffix, src_tp, dst.tp_size, dst.tp_rank)
+        atoms = _atoms(model, suffix, dst.tp_size, dst.tp_rank, tensor.bytes_per_block)
+        for (_, part, unit), size in atoms.values():
+            units = parts[part][0]
+            holders = [p for p in range(src_tp) if unit in oracle_rank_heads(units, src_tp, p)]
+            preferred = sorted(set(holders) & split)
+            if len(holders) == 1:
+                server = holders[0]
+            else:
+                server = preferred[0] if preferred else holders[dst.tp_rank % len(holders)]
+            total += size if server == src else 0
+    return total
+
+
 @st.composite
 def state_cases(draw: st.DrawFn) -> TPCase:
     model = draw(st.sampled_from(STATE_MODELS))
