@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from oracle import (
 from test_demo import CLI, Demos, demos  # noqa: F401 (the fixture)
 from test_tp_state_oracle import oracle_state_bytes
 
+from kvxfer.cli.fleet import Fleet
 from kvxfer.core.layout import EngineLayout, GroupKind
 from kvxfer.core.profiles import layout_for_model
 
@@ -141,3 +143,34 @@ def test_pairings_negotiation_refuses_stop_the_demo_before_it_starts(
     assert result.returncode == 2, result.stderr[-2000:]
     error = json.loads(result.stdout)
     assert error["field"] == refusal[0] and refusal[1] in error["error"], error
+
+
+def test_handshake_shows_which_prefill_rank_serves_which_state_bytes(tmp_path: Path) -> None:
+    """`kvxfer-cli handshake --peer-rank` against prefill rank 1 of 2 (Qwen3-Next) from a
+    decode rank of TP 1: the agreement lists the state byte ranges it reads from each
+    prefill rank, rank 1's among them."""
+    fleet = Fleet(tmp_path)
+    try:
+        sidecar = fleet.sidecar("p")
+        tp = ("--tp-size", "2", "--tp-rank", "1", "--num-blocks", "16", "--state-blocks", "1")
+        fleet.engine(sidecar, "qwen3-next-80b-a3b", "prefill", *tp)
+        peer = sidecar.ready["peer_address"]
+        argv = [CLI, "handshake", "--peer", peer, "--layout", "qwen3-next-80b-a3b"]
+        text = subprocess.run(
+            [*argv, "--peer-rank", "1"], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert text.returncode == 0, text.stderr
+        assert "TP 2 -> 1 (rank 0 <- prefill ranks 0, 1; this peer is rank 1)" in text.stdout
+        # Rank 1's half of the first conv row's q channels lands after rank 0's.
+        assert "conv bytes 2048..4095 <- prefill rank 1 bytes 0..2047" in text.stdout
+        assert "ssm bytes 524288..1048575 <- prefill rank 1 bytes 0..524287" in text.stdout
+        report = json.loads(
+            subprocess.run(
+                [*argv, "--peer-rank", "1", "--json"],
+                capture_output=True, text=True, timeout=60, check=True,
+            ).stdout
+        )  # fmt: skip
+        state = next(g for g in report["agreement"]["groups"] if g["kind"] == "mamba")
+        assert {r["src_rank"] for r in state["state_reads"]} == {0, 1}
+    finally:
+        fleet.close()
