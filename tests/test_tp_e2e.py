@@ -61,17 +61,20 @@ def _oracle_pull_bytes(
     return total
 
 
+SEED_2 = ("0.25", "2")  # (fail rate, seed)
+
+
 @pytest.mark.parametrize(
-    ("model", "prefill_tp", "decode_tp", "blocks"),
+    ("model", "prefill_tp", "decode_tp", "blocks", "faults"),
     [
-        ("llama-3.1-8b", 1, 2, (16, 16)),
-        ("gpt-oss-20b", 2, 1, (16, 16)),
-        ("gpt-oss-20b", 1, 2, (32, 16)),  # block sizes differ as well
-        # Gated DeltaNet state beside attention, both ways, and Mamba-2 state whose one
-        # B/C group is replicated on every rank.
-        ("qwen3-next-80b-a3b", 1, 2, (16, 16)),
-        ("qwen3-next-80b-a3b", 2, 1, (16, 16)),
-        ("falcon-h1-7b", 2, 4, (16, 16)),
+        ("llama-3.1-8b", 1, 2, (16, 16), SEED_2),
+        ("gpt-oss-20b", 2, 1, (16, 16), SEED_2),
+        ("gpt-oss-20b", 1, 2, (32, 16), SEED_2),  # block sizes differ as well
+        # Gated DeltaNet state beside attention, both ways (seed 4 fails state blocks), and
+        # Mamba-2 state whose one B/C group is replicated on every rank.
+        ("qwen3-next-80b-a3b", 1, 2, (16, 16), SEED_2),
+        ("qwen3-next-80b-a3b", 2, 1, (16, 16), ("0.4", "4")),
+        ("falcon-h1-7b", 2, 4, (16, 16), SEED_2),
     ],
 )
 def test_different_tp_sizes_pull_head_by_head_with_failures(
@@ -80,10 +83,11 @@ def test_different_tp_sizes_pull_head_by_head_with_failures(
     prefill_tp: int,
     decode_tp: int,
     blocks: tuple[int, int],
+    faults: tuple[str, str],
 ) -> None:
     result = demos.run(
         "--model", model, "--requests", "4", "--tokens-range", "100:1200",
-        "--prefix-hit-rate", "0.5", "--fail-rate", "0.25", "--seed", "2",
+        "--prefix-hit-rate", "0.5", "--fail-rate", faults[0], "--seed", faults[1],
         "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
         "--prefill-block-size", str(blocks[0]), "--decode-block-size", str(blocks[1]),
     )  # fmt: skip
@@ -91,7 +95,7 @@ def test_different_tp_sizes_pull_head_by_head_with_failures(
     report = json.loads(result.stdout)
     assert report["tp"] == {"prefill": prefill_tp, "decode": decode_tp}
     assert report["verified_requests"] == 4 and report["untouched_bytes_verified"] is True
-    assert report["failed_blocks"] > 0, "seed 2 injects at least one failure"
+    assert report["failed_blocks"] > 0, "the seed injects at least one failure"
     assert report["head_bytes_verified"] == report["bytes_moved"]
     layouts = [
         layout_for_model(model, block_size=blocks[1], tp_size=decode_tp, tp_rank=r)
@@ -121,6 +125,17 @@ def test_different_tp_sizes_pull_head_by_head_with_failures(
             assert pull["valid_tokens"] == want
             resume.append(want)
         assert row["valid_tokens"] == min(resume)  # one answer for the whole request
+    if faults[1] == "4":  # a failed state block fails that pull's state: it resumes at C
+        state = [g.group_id for g in layouts[0].groups if g.kind is GroupKind.MAMBA]
+        lost = [
+            (row, pull)
+            for row in report["per_request"]
+            for pull in row["pulls"]
+            if pull["failed_blocks"].get(str(state[0]))
+        ]
+        assert lost, "seed 4 fails at least one state block"
+        for row, pull in lost:
+            assert pull["valid_tokens"] == row["valid_tokens"] == row["computed_tokens"]
 
 
 @pytest.mark.parametrize(
