@@ -176,6 +176,7 @@ def test_handshake_shows_which_prefill_rank_serves_which_state_bytes(tmp_path: P
         )
         assert text.returncode == 0, text.stderr
         assert "TP 2 -> 1 (rank 0 <- prefill ranks 0, 1; this peer is rank 1)" in text.stdout
+        assert "state block by byte ranges, each from the prefill rank holding it" in text.stdout
         # Rank 1's half of the first conv row's q channels lands after rank 0's.
         assert "conv bytes 2048..4095 <- prefill rank 1 bytes 0..2047" in text.stdout
         assert "ssm bytes 524288..1048575 <- prefill rank 1 bytes 0..524287" in text.stdout

@@ -199,6 +199,8 @@ def _block_mapping(group: dict[str, Any]) -> str:
     """How this group's blocks map to the peer's (docs/sidecar.md, Negotiation)."""
     mine, theirs = group["local_block_size"], group["peer_block_size"]
     if group["block_mapping"] == "state":
+        if group["state_reads"]:  # different TP sizes
+            return "state block by byte ranges, each from the prefill rank holding it"
         return "state block moves whole"
     if group["block_mapping"] == "same":
         return f"block i <- peer block i ({mine} tokens)"
