@@ -165,8 +165,8 @@ def _handshake_text(address: str, report: dict[str, Any]) -> str:
             )
             if group["replicated"]:
                 lines.append(
-                    "    latent replicated on every TP rank: decode rank d reads prefill "
-                    "rank d mod (prefill TP size)"
+                    "    latent replicated on every TP rank: read whole from one prefill "
+                    "rank (the lowest this rank reads for other groups, else d mod TP)"
                 )
             for read in group["head_reads"]:
                 src, dst = read["src_heads"], read["dst_heads"]

@@ -9,8 +9,7 @@ treated as full attention, and a group that exists on one side only is a
 mismatch, not something to drop.
 
 An mla group's latent is the same on every TP rank (`GroupMapping.replicated`):
-any decode rank could read any prefill rank's copy, though a pull still goes
-rank r <- rank r until heterogeneous TP exists.
+with equal TP sizes rank r reads rank r; with different ones see below.
 
 Different block sizes are agreed group by group (`GroupMapping.block_mapping`,
 kvxfer/core/reblock.py): equal sizes map block to block; different sizes map by
@@ -21,7 +20,8 @@ Different tensor-parallel sizes (kvxfer/core/tp_map.py) are agreed for attention
 groups whose layouts carry `num_kv_heads` and are token-major and contiguous: the
 decode rank reads its heads as byte ranges of every token from the prefill ranks
 holding them (`Agreement.source_ranks`, `GroupMapping.head_reads`); an mla latent is
-replicated, so decode rank d reads prefill rank d mod T. A state group is agreed when
+replicated, so decode rank d reads it whole from one prefill rank (tp_map.mla_server:
+the lowest it reads for its other groups, else d mod T). A state group is agreed when
 both layouts say how each state tensor is cut over TP ranks (`TensorSpec.shard`), the
 same cut on both sides: the decode rank reads byte ranges of the state block from the
 prefill ranks holding them (`GroupMapping.state_reads`, tp_map.state_pieces). Layouts
@@ -255,7 +255,6 @@ def _tp_split(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
     """Different TP sizes: every group must map by heads (or be a replicated latent),
     and the peer must be a rank this decode rank reads."""
     found: list[Mismatch] = []
-    kinds = {g.kind for g in local.groups}
     for a, b in zip(local.groups, peer.groups, strict=False):
         where = f"layout.groups[{a.group_id}]"
         if a.kind is not b.kind:
@@ -263,8 +262,7 @@ def _tp_split(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
         if a.kind is GroupKind.MAMBA:
             found += _state_problems(where, a, b)
         elif a.kind is GroupKind.MLA:
-            if len(kinds) > 1:
-                found.append(Mismatch(f"{where}.kind", a.kind.value, b.kind.value, _MIXED_MLA))
+            continue  # replicated: read whole from one rank (tp_map.mla_server)
         elif a.num_kv_heads is None or a.num_kv_heads != b.num_kv_heads:
             found.append(
                 Mismatch(
@@ -321,12 +319,6 @@ def _state_problems(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
                 )
             ]
     return []
-
-
-_MIXED_MLA = (
-    "different TP sizes: an mla latent beside head-split groups is not planned yet "
-    "(its one serving rank would differ from theirs); run equal TP"
-)
 
 
 def _split_problems(

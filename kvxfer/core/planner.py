@@ -61,6 +61,7 @@ from kvxfer.core.tp_map import (
     check_head_split,
     check_serves,
     check_state_split,
+    mla_server,
     served_slices,
     served_state,
 )
@@ -355,6 +356,13 @@ def plan_between(
             moved = sum(p.length for pieces in served.values() for p in pieces)
             blocks = plan.blocks if moved else range(0)
             out.append(GroupPlan(group, blocks, None, len(blocks) * moved))
+            continue
+        if (
+            group.kind is GroupKind.MLA
+            and src.tp_size != dst.tp_size
+            and src.tp_rank != mla_server(src.tp_size, dst)
+        ):
+            out.append(GroupPlan(group, range(0)))  # the latent comes from one rank
             continue
         if mapping is BlockMapping.HEADS and not served_slices(src, dst, group):
             out.append(GroupPlan(group, range(0)))  # another source rank serves it

@@ -15,14 +15,13 @@ Negotiation and the planner use it for groups whose blocks map by heads
 
 Inside a token-major block a rank's token is its heads one after another, so a
 run of heads read from one prefill rank is one byte range of each token:
-`HeadSlice.byte_range` says which. An MLA latent is the same on every rank (any
-rank serves).
-
-A state tensor (`layout.StateShard`) is rows of segments, each split over the ranks
-like KV heads: `state_pieces` says which byte ranges of a decode rank's state block come
-from which prefill rank. A unit replicated on the prefill side (Mamba-2's single B/C
-group) is read from the lowest replica the decode rank already reads for the tensor's
-split segments, so replication never adds a source.
+`HeadSlice.byte_range` says which. An mla latent is read whole from one rank
+(`mla_server`). A state tensor (`layout.StateShard`) is rows of segments, each
+split over the ranks like KV heads: `state_pieces` says which byte ranges of a
+decode rank's state block come from which prefill rank. A unit replicated on the
+prefill side (Mamba-2's single B/C group) is read from the lowest replica the decode
+rank already reads for the tensor's split segments, so replication never adds a
+source.
 """
 
 from __future__ import annotations
@@ -295,7 +294,7 @@ def group_sources(src_tp: int, dst: EngineLayout, group: KVGroup) -> set[int]:
     if src_tp == dst.tp_size:
         return {dst.tp_rank}
     if group.kind is GroupKind.MLA:
-        return {dst.tp_rank % src_tp}  # replicated: any rank serves
+        return {mla_server(src_tp, dst)}
     if group.kind in HEAD_SPLIT_KINDS:
         if group.num_kv_heads is None:
             return set()
@@ -306,6 +305,17 @@ def group_sources(src_tp: int, dst: EngineLayout, group: KVGroup) -> set[int]:
         if t.shard is not None
         for p in state_pieces(t.shard, src_tp, dst.tp_size, dst.tp_rank)
     }
+
+
+def mla_server(src_tp: int, dst: EngineLayout) -> int:
+    """The prefill rank decode rank `dst.tp_rank` reads an mla latent from: it is the
+    same on every rank, so the lowest rank it reads for its other groups, else
+    rank d mod Tp (spreading latent-only readers over the prefill ranks)."""
+    others: set[int] = set()
+    for group in dst.groups:
+        if group.kind is not GroupKind.MLA:
+            others |= group_sources(src_tp, dst, group)
+    return min(others) if others else dst.tp_rank % src_tp
 
 
 def pairing_sources(src_tp: int, dst: EngineLayout) -> tuple[int, ...]:
