@@ -46,6 +46,12 @@ def _oracle_pull_bytes(
                     layout.model, group, src_tp, layout, pull["prefill_rank"]
                 )
             continue
+        moved = oracle_moved_tokens(group, row["tokens"], row["computed_tokens"], src_block, size)
+        landed = [t for t in moved if t // size not in failed.get(group.group_id, set())]
+        if group.kind is GroupKind.MLA:  # an mla-only model: rank d mod Tp, whole tokens
+            if pull["prefill_rank"] == layout.tp_rank % src_tp:
+                total += len(landed) * group.bytes_per_block // size
+            continue
         heads = group.num_kv_heads
         assert heads is not None
         mine = oracle_rank_heads(heads, layout.tp_size, layout.tp_rank)
@@ -54,8 +60,6 @@ def _oracle_pull_bytes(
             for h in mine
             if oracle_head_server(heads, src_tp, h, layout.tp_rank) == pull["prefill_rank"]
         ]
-        moved = oracle_moved_tokens(group, row["tokens"], row["computed_tokens"], src_block, size)
-        landed = [t for t in moved if t // size not in failed.get(group.group_id, set())]
         per_head = sum(t.bytes_per_block for t in group.tensors) // size // len(mine)
         total += len(landed) * len(served) * per_head
     return total
@@ -75,6 +79,7 @@ SEED_2 = ("0.25", "2")  # (fail rate, seed)
         ("qwen3-next-80b-a3b", 1, 2, (16, 16), SEED_2),
         ("qwen3-next-80b-a3b", 2, 1, (16, 16), ("0.4", "4")),
         ("falcon-h1-7b", 2, 4, (16, 16), SEED_2),
+        ("deepseek-v2-lite", 1, 2, (16, 16), SEED_2),  # the replicated latent, whole
     ],
 )
 def test_different_tp_sizes_pull_head_by_head_with_failures(
