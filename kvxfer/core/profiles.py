@@ -37,7 +37,7 @@ from kvxfer.core.layout import (
     TensorSpec,
     dtype_bytes,
 )
-from kvxfer.core.state_shards import Cut, channel_units, check_conv_layout, conv_cut, head_cut
+from kvxfer.core.state_shards import check_conv_layout
 
 Config = Mapping[str, Any]
 
@@ -261,20 +261,6 @@ def _attention(
     return _LayerTensors(kind, window, (("k", size), ("v", size)), chunk, kv_heads)
 
 
-def _state(
-    conv_elems: int, ssm_elems: int, sizing: _Sizing, cuts: tuple[Cut, Cut] | None = None
-) -> _LayerTensors:
-    """A conv + ssm state; `cuts` says how each is cut over TP ranks (state_shards)."""
-    conv_bytes, ssm_bytes = sizing.state_bytes()
-    shards = (cuts[0].shard(conv_bytes), cuts[1].shard(ssm_bytes)) if cuts else ()
-    return _LayerTensors(
-        GroupKind.MAMBA,
-        None,
-        (("conv", conv_elems * conv_bytes), ("ssm", ssm_elems * ssm_bytes)),
-        shards=shards,
-    )
-
-
 class _StateDtypes:
     """The dtypes of conv and ssm state, by vLLM's rule: conv in `mamba_cache_dtype`, else
     the model dtype; ssm in `mamba_ssm_cache_dtype` (Qwen3.5 spells it `mamba_ssm_dtype`),
@@ -344,13 +330,17 @@ def _layer_tensors(family: Family, sizing: _Sizing, index: int) -> list[_LayerTe
     """The group kinds layer `index` takes part in, with its tensors for each."""
     text = sizing.text
     layer_types = text.get("layer_types")
-    from kvxfer.core.state_families import READERS  # noqa: PLC0415 (it imports this module)
+    from kvxfer.core.state_families import (  # noqa: PLC0415 (it imports this module)
+        READERS,
+        falcon_h1,
+        jamba,
+    )
 
     state_reader = READERS.get(family.reader)
     if state_reader is not None:
         return state_reader(sizing, index)
     if family.reader == "falcon_h1":
-        return _falcon_h1(text, sizing, index)
+        return falcon_h1(text, sizing, index)
     if family.reader == "llama4":
         return [_llama4(text, sizing, index)]
     if family.reader == "gemma3n":
@@ -362,7 +352,7 @@ def _layer_tensors(family: Family, sizing: _Sizing, index: int) -> list[_LayerTe
     if layer_types is not None:
         return [_from_layer_type(layer_types, sizing, index)]
     if family.reader == "jamba":
-        return [_jamba(text, sizing, index)]
+        return [jamba(text, sizing, index)]
     if family.reader == "qwen3_next":
         interval = sizing.positive("full_attention_interval")
         kind = FULL if (index + 1) % interval == 0 else LINEAR
@@ -542,103 +532,10 @@ def _from_layer_type(layer_types: Any, sizing: _Sizing, index: int) -> _LayerTen
     if kind == SLIDING:
         return _attention(GroupKind.SLIDING_WINDOW, _window(sizing), sizing)
     if kind == LINEAR:  # recognise() lets it through only for Qwen3-Next
-        return _gated_deltanet(sizing)
+        from kvxfer.core.state_families import gated_deltanet  # noqa: PLC0415 (a cycle)
+
+        return gated_deltanet(sizing)
     raise UnsupportedModelError(f"layer_types[{index}]", f"layer type {kind!r} is not supported")
-
-
-def _gated_deltanet(sizing: _Sizing) -> _LayerTensors:
-    """Qwen3-Next linear attention: a recurrent conv + ssm state instead of KV."""
-    key_dim = sizing.positive("linear_key_head_dim")
-    value_dim = sizing.positive("linear_value_head_dim")
-    key_heads = sizing.split("linear_num_key_heads", sizing.positive("linear_num_key_heads"))
-    value_heads = sizing.split("linear_num_value_heads", sizing.positive("linear_num_value_heads"))
-    conv_dim = 2 * key_dim * key_heads + value_dim * value_heads
-    kernel = sizing.positive("linear_conv_kernel_dim")
-    all_keys, all_values = key_heads * sizing.tp, value_heads * sizing.tp
-    cuts = (
-        conv_cut(
-            kernel,
-            ((all_keys, key_dim), (all_keys, key_dim), (all_values, value_dim)),
-            sizing.conv_layout,
-        ),
-        head_cut(all_values, value_dim * key_dim),
-    )
-    return _state((kernel - 1) * conv_dim, value_heads * value_dim * key_dim, sizing, cuts)
-
-
-def _jamba(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
-    period = sizing.positive("attn_layer_period")
-    offset = text.get("attn_layer_offset", 0)
-    if index % period == offset:
-        return _attention(GroupKind.FULL_ATTENTION, None, sizing)
-    intermediate = sizing.split(
-        "mamba_expand", sizing.positive("mamba_expand") * sizing.positive("hidden_size")
-    )
-    kernel, d_state = sizing.positive("mamba_d_conv"), sizing.positive("mamba_d_state")
-    return _state(
-        (kernel - 1) * intermediate,
-        intermediate * d_state,
-        sizing,
-        mamba1_cuts(sizing, intermediate * sizing.tp, kernel, d_state),
-    )
-
-
-def mamba1_cuts(sizing: _Sizing, channels: int, kernel: int, d_state: int) -> tuple[Cut, Cut]:
-    """Mamba-1: conv over `channels` split one by one, ssm (channels/tp, d_state)."""
-    return conv_cut(kernel, ((channels, 1),), sizing.conv_layout), head_cut(channels, d_state)
-
-
-def _falcon_h1(text: Config, sizing: _Sizing, index: int) -> list[_LayerTensors]:
-    """Falcon-H1: a Mamba-2 mixer in every layer, attention beside it (all layers by default)."""
-    attn_layers = text.get("attn_layer_indices")
-    kinds: list[_LayerTensors] = []
-    if attn_layers is None or index in attn_layers:
-        kinds.append(_attention(GroupKind.FULL_ATTENTION, None, sizing))
-    kinds.append(
-        _mamba2_state(
-            sizing,
-            ("mamba_d_ssm", sizing.positive("mamba_d_ssm")),
-            ("mamba_n_groups", sizing.positive("mamba_n_groups")),
-            ("mamba_n_heads", sizing.positive("mamba_n_heads")),
-            sizing.positive("mamba_d_head"),
-            sizing.positive("mamba_d_state"),
-            sizing.positive("mamba_d_conv"),
-        )
-    )
-    return kinds
-
-
-def _mamba2_state(
-    sizing: _Sizing,
-    intermediate: tuple[str, int],
-    groups: tuple[str, int],
-    heads: tuple[str, int],
-    head_dim: int,
-    d_state: int,
-    d_conv: int,
-) -> _LayerTensors:
-    """One Mamba-2 layer's state on one TP rank, as vLLM's
-    MambaStateShapeCalculator.mamba2_state_shape sizes it: conv (d_conv - 1) rows of
-    intermediate/tp + 2 x groups_per_rank x d_state channels; ssm heads/tp x head_dim x
-    d_state. `intermediate`, `groups` and `heads` are (config key, value)."""
-    channels = sizing.split(*intermediate) + 2 * _groups_per_rank(*groups, sizing) * d_state
-    ssm = sizing.split(*heads) * head_dim * d_state
-    x = channel_units(intermediate[1], heads[1])
-    cuts = (
-        conv_cut(d_conv, (x, (groups[1], d_state), (groups[1], d_state)), sizing.conv_layout),
-        head_cut(heads[1], head_dim * d_state),
-    )
-    return _state((d_conv - 1) * channels, ssm, sizing, cuts)
-
-
-def _groups_per_rank(key: str, groups: int, sizing: _Sizing) -> int:
-    """Mamba-2 B/C groups on one TP rank: split when they divide, else replicated so every
-    rank holds one (vLLM adds the missing groups rather than splitting one)."""
-    if groups % sizing.tp == 0:
-        return groups // sizing.tp
-    if sizing.tp % groups == 0:
-        return 1
-    raise ProfileError(key, f"{groups} groups cannot be placed on tp_size {sizing.tp}")
 
 
 def _group_layers(per_layer: list[list[_LayerTensors]]) -> tuple[KVGroup, ...]:
