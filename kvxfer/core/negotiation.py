@@ -38,13 +38,8 @@ from dataclasses import dataclass
 from kvxfer._exceptions import NegotiationError
 from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup
 from kvxfer.core.reblock import BlockMapping, mapping_of, slice_tokens, slicing_problem
-from kvxfer.core.tp_map import (
-    head_sources,
-    pairing_sources,
-    split_problem,
-    state_pieces,
-    state_problem,
-)
+from kvxfer.core.tp_map import pairing_sources, split_problem, state_problem
+from kvxfer.core.tp_reads import HeadRead, StateRead, head_reads, state_reads
 
 PROTOCOL_VERSION = 1
 SUPPORTED_PROTOCOLS = frozenset({1})
@@ -90,28 +85,6 @@ class GroupMapping:
     # Different TP sizes, a state group: the byte ranges of each distinct tensor (named by
     # its suffix: conv, ssm, ...) of the state block and the prefill rank each comes from.
     state_reads: tuple[StateRead, ...] = ()
-
-
-@dataclass(frozen=True)
-class StateRead:
-    """Bytes [dst_at, dst_at + length) of this rank's block of every `tensor` state tensor
-    come from bytes at `src_at` of prefill rank `src_rank`'s."""
-
-    tensor: str
-    src_rank: int
-    src_at: int
-    dst_at: int
-    length: int
-
-
-@dataclass(frozen=True)
-class HeadRead:
-    """Heads [start, stop) of prefill rank `src_rank` land on this rank's heads
-    `dst_heads` (each side numbers its own heads from 0)."""
-
-    src_rank: int
-    src_heads: tuple[int, int]
-    dst_heads: tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -567,45 +540,15 @@ def _mapping(
         peer_block_size=theirs,
         block_mapping=mapping.value,
         slice_tokens=_slice_tokens(mapping, mine, theirs),
-        head_reads=_head_reads(local, group, peer) if mapping is BlockMapping.HEADS else (),
-        state_reads=_state_reads(local, group, peer) if group.kind is GroupKind.MAMBA else (),
+        head_reads=head_reads(local, group, peer) if mapping is BlockMapping.HEADS else (),
+        state_reads=state_reads(local, group, peer) if group.kind is GroupKind.MAMBA else (),
     )
-
-
-def _state_reads(local: EngineLayout, group: KVGroup, peer: EngineLayout) -> tuple[StateRead, ...]:
-    """Different TP sizes: the pieces of the first tensor of each suffix (every layer of a
-    group is cut alike in the models kvxfer reads; the planner cuts each on its own)."""
-    if local.tp_size == peer.tp_size:
-        return ()
-    seen: dict[str, StateRead] = {}
-    reads: list[StateRead] = []
-    for tensor in group.tensors:
-        suffix = tensor.name.rsplit(".", 1)[-1]
-        if suffix in seen or tensor.shard is None:
-            continue
-        pieces = state_pieces(tensor.shard, peer.tp_size, local.tp_size, local.tp_rank)
-        found = [StateRead(suffix, p.src_rank, p.src_at, p.dst_at, p.length) for p in pieces]
-        seen[suffix] = found[0]
-        reads += found
-    return tuple(reads)
 
 
 def _slice_tokens(mapping: BlockMapping, mine: int, theirs: int) -> int:
     if mapping is BlockMapping.HEADS:
         return 1  # a head run is a byte range of each token
     return slice_tokens(mine, theirs) if mapping is BlockMapping.TOKENS else mine
-
-
-def _head_reads(local: EngineLayout, group: KVGroup, peer: EngineLayout) -> tuple[HeadRead, ...]:
-    assert group.num_kv_heads is not None  # negotiation refused it otherwise
-    return tuple(
-        HeadRead(
-            s.src_rank,
-            (s.src_heads.start, s.src_heads.stop),
-            (s.dst_heads.start, s.dst_heads.stop),
-        )
-        for s in head_sources(group.num_kv_heads, peer.tp_size, local.tp_size, local.tp_rank)
-    )
 
 
 def _region_sizes(local: EngineLayout, peer: EngineLayout) -> tuple[RegionSizes, ...]:
