@@ -3,7 +3,8 @@
 The oracle knows nothing of `StateShard` or tp_map: it reads the config (Gated DeltaNet's
 key/value heads and dims, Mamba-2's heads, groups and state size), lays out each rank's
 state block as vLLM shards it (conv: kernel - 1 rows of [q | k | v] or [x | B | C]
-channels, each part split by TP and a single B/C group replicated; ssm: whole heads), and
+channels, each part split by TP and a single B/C group replicated, or in the DS layout
+one row of channels of kernel - 1 values; ssm: whole heads), and
 names every *atom* of it (row, part, global unit). Every descriptor of every prefill
 rank's plan is cut back into atoms: each decode atom must land exactly once, from a byte
 of a prefill rank holding that same atom, and the state must be read only from ranks
@@ -12,10 +13,13 @@ the decode rank needs for its split parts (a replicated group adds no source).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import oracle_rank_heads
+from test_reblock_oracle import _trim, _with_regions
 from test_tp_oracle import TPCase
 
 from kvxfer._exceptions import PlanError
@@ -30,8 +34,16 @@ Atom = tuple[int, int, int]  # row, part, global unit
 Parts = list[tuple[int, int]]  # per part: (global units, elements per unit in a row)
 
 
-def _cut(model: str, suffix: str) -> tuple[int, Parts]:
-    """(rows, parts) of one state tensor, straight from the config (SD conv layout)."""
+def _cut(model: str, suffix: str, conv: str = "SD") -> tuple[int, Parts]:
+    """(rows, parts) of one state tensor, straight from the config: a conv state stored
+    (kernel - 1, channels) ("SD") or (channels, kernel - 1) ("DS": one row)."""
+    rows, parts = _sd_cut(model, suffix)
+    if conv == "DS" and suffix == "conv":
+        return 1, [(units, per * rows) for units, per in parts]
+    return rows, parts
+
+
+def _sd_cut(model: str, suffix: str) -> tuple[int, Parts]:
     c = load_config(model)[1]
     if model == "qwen3-next-80b-a3b":
         keys, values = c["linear_num_key_heads"], c["linear_num_value_heads"]
@@ -46,9 +58,11 @@ def _cut(model: str, suffix: str) -> tuple[int, Parts]:
     return 1, [(heads, c["mamba_d_head"] * state)]
 
 
-def _atoms(model: str, suffix: str, tp: int, rank: int, nbytes: int) -> dict[int, tuple[Atom, int]]:
+def _atoms(
+    model: str, suffix: str, tp: int, rank: int, nbytes: int, conv: str = "SD"
+) -> dict[int, tuple[Atom, int]]:
     """Byte offset -> (atom, atom bytes) of rank `rank`'s block of `nbytes` bytes."""
-    rows, parts = _cut(model, suffix)
+    rows, parts = _cut(model, suffix, conv)
     held = [oracle_rank_heads(units, tp, rank) for units, _ in parts]
     elements = rows * sum(len(h) * per for h, (_, per) in zip(held, parts, strict=True))
     assert nbytes % elements == 0
@@ -96,16 +110,28 @@ def oracle_state_bytes(model: str, group: KVGroup, src_tp: int, dst: EngineLayou
     return total
 
 
+@dataclasses.dataclass(frozen=True)
+class StateCase(TPCase):
+    conv: str = "SD"  # the conv state layout of both sides
+
+    def layout(self, tp: int, rank: int, size: int, side: str) -> EngineLayout:
+        layout = layout_for_model(
+            self.model, block_size=size, tp_size=tp, tp_rank=rank, conv_state_layout=self.conv
+        )
+        trimmed = dataclasses.replace(layout, groups=tuple(_trim(g) for g in layout.groups))
+        return _with_regions(trimmed, self.pool(size), side)
+
+
 @st.composite
-def state_cases(draw: st.DrawFn) -> TPCase:
+def state_cases(draw: st.DrawFn) -> StateCase:
     model = draw(st.sampled_from(STATE_MODELS))
     src_tp = draw(st.sampled_from(TP_SIZES))
     dst_tp = draw(st.sampled_from([t for t in TP_SIZES if t != src_tp]))
     size = draw(st.sampled_from((16, 32)))
     tokens = draw(st.integers(1, 120))
-    return TPCase(
+    return StateCase(
         model, src_tp, dst_tp, draw(st.integers(0, dst_tp - 1)), size, size, tokens, 0,
-        draw(st.integers(0, 2**32)),
+        draw(st.integers(0, 2**32)), draw(st.sampled_from(("SD", "DS"))),
     )  # fmt: skip
 
 
@@ -115,7 +141,7 @@ def _state_group(layout: EngineLayout) -> KVGroup:
 
 @settings(max_examples=60, deadline=None)
 @given(state_cases())
-def test_every_state_byte_comes_from_a_prefill_rank_holding_it(case: TPCase) -> None:
+def test_every_state_byte_comes_from_a_prefill_rank_holding_it(case: StateCase) -> None:
     dst = case.dst
     group = _state_group(dst)
     landed: dict[str, set[int]] = {t.name: set() for t in group.tensors}
@@ -139,9 +165,14 @@ def test_every_state_byte_comes_from_a_prefill_rank_holding_it(case: TPCase) -> 
                 tensor = next(t for t in group.tensors if t.name == name)
                 src_bytes = src.region_map[name].block_bytes
                 dst_atoms = _atoms(
-                    case.model, suffix, case.dst_tp, case.dst_rank, tensor.bytes_per_block
+                    case.model,
+                    suffix,
+                    case.dst_tp,
+                    case.dst_rank,
+                    tensor.bytes_per_block,
+                    case.conv,
                 )
-                held = _atoms(case.model, suffix, case.src_tp, rank, src_bytes)
+                held = _atoms(case.model, suffix, case.src_tp, rank, src_bytes, case.conv)
                 src_atoms = {a: at for at, (a, _) in held.items()}
                 d_at = d.dst_offset - 64 - dst_ids[0] * tensor.bytes_per_block
                 s_at = d.src_offset - 64 - src_ids[0] * src_bytes
@@ -159,7 +190,9 @@ def test_every_state_byte_comes_from_a_prefill_rank_holding_it(case: TPCase) -> 
         assert state_plan.nbytes == state_bytes
     for tensor in group.tensors:
         suffix = tensor.name.rsplit(".", 1)[-1]
-        atoms = _atoms(case.model, suffix, case.dst_tp, case.dst_rank, tensor.bytes_per_block)
+        atoms = _atoms(
+            case.model, suffix, case.dst_tp, case.dst_rank, tensor.bytes_per_block, case.conv
+        )
         assert landed[tensor.name] == set(atoms), f"{tensor.name}: not every byte landed"
         split = _split_holders(case.model, suffix, case.src_tp, case.dst_tp, case.dst_rank)
         assert used[tensor.name] == split or not split, (tensor.name, used, split)
