@@ -22,10 +22,10 @@ from oracle import oracle_rank_heads
 from test_reblock_oracle import _trim, _with_regions
 from test_tp_oracle import TPCase
 
-from kvxfer._exceptions import PlanError
+from kvxfer._exceptions import PlanError, ProfileError
 from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup
 from kvxfer.core.negotiation import negotiate
-from kvxfer.core.profiles import layout_for_model, load_config
+from kvxfer.core.profiles import layout_for_model, layout_from_config, load_config
 from kvxfer.core.tp_map import state_pieces
 
 STATE_MODELS = ("qwen3-next-80b-a3b", "falcon-h1-7b")
@@ -228,3 +228,14 @@ def test_falcon_replicated_group_is_read_from_a_rank_already_read() -> None:
         # Falcon-H1's attention has 2 KV heads: decode rank 1 of 4 reads head 0 from
         # rank 0 as well, so rank 1 serves it nothing at all.
         case.plan(1, 4)
+
+
+def test_mamba2_groups_neither_split_nor_single_are_refused_as_vllm_does() -> None:
+    """vLLM's MambaMixer2 splits B/C groups evenly over TP ranks or replicates a single
+    one: two groups on four ranks has no layout (refused naming the field)."""
+    _, config = load_config("falcon-h1-7b")
+    two = {**config, "mamba_n_groups": 2}
+    assert layout_from_config(two, name="f", tp_size=2).tp_size == 2
+    with pytest.raises(ProfileError, match="2 groups on tp_size 4: vLLM splits") as refused:
+        layout_from_config(two, name="f", tp_size=4)
+    assert refused.value.field == "mamba_n_groups"

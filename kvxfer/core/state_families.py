@@ -185,13 +185,18 @@ def _mamba2_state(
 
 
 def _groups_per_rank(key: str, groups: int, sizing: _Sizing) -> int:
-    """Mamba-2 B/C groups on one TP rank: split when they divide, else replicated so every
-    rank holds one (vLLM adds the missing groups rather than splitting one)."""
+    """Mamba-2 B/C groups on one TP rank: split when they divide, else a single group
+    replicated on every rank (vLLM adds the missing groups rather than splitting one, and
+    MambaMixer2 asserts that only one group is ever replicated)."""
     if groups % sizing.tp == 0:
         return groups // sizing.tp
-    if sizing.tp % groups == 0:
+    if groups == 1:
         return 1
-    raise ProfileError(key, f"{groups} groups cannot be placed on tp_size {sizing.tp}")
+    raise ProfileError(
+        key,
+        f"{groups} groups on tp_size {sizing.tp}: vLLM splits B/C groups evenly or "
+        "replicates a single one, nothing else",
+    )
 
 
 # --- Mamba-1 -------------------------------------------------------------------------
