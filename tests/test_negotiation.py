@@ -82,10 +82,25 @@ def test_different_tp_sizes_are_refused_where_heads_cannot_be_split() -> None:
     assert set(_fields(unknown, _tp("llama-3.1-8b", 1))) == {"layout.groups[0].num_kv_heads"}
     fused = _fields(dataclasses.replace(base, token_major=False), _tp("llama-3.1-8b", 1))
     assert "local side's tokens cannot be cut" in fused["layout.groups[0].tensors"].hint  # type: ignore[attr-defined]
-    state = _fields(_tp("qwen3-next-80b-a3b", 2), _tp("qwen3-next-80b-a3b", 1))
-    hints = [m.hint for m in state.values()]  # type: ignore[attr-defined]
-    assert any("a state group is sharded by its own heads" in h for h in hints), state
-    assert not any(f.endswith(".tensors") for f in state), "sizes of a refused split are noise"
+    qwen = _tp("qwen3-next-80b-a3b", 2)
+    uncut = dataclasses.replace(
+        qwen,
+        groups=tuple(
+            dataclasses.replace(
+                g, tensors=tuple(dataclasses.replace(t, shard=None) for t in g.tensors)
+            )
+            for g in qwen.groups
+        ),
+    )
+    state = _fields(uncut, _tp("qwen3-next-80b-a3b", 1))
+    assert list(state) == ["layout.groups[0].tensors"], state
+    hint = state["layout.groups[0].tensors"].hint  # type: ignore[attr-defined]
+    assert "local side's layout cannot say which: tensor 'layer.0.conv'" in hint
+    ds = _fields(qwen, layout_for_model("qwen3-next-80b-a3b", conv_state_layout="DS"))
+    assert list(ds) == ["layout.groups[0].tensors['layer.0.conv'].shard"], ds
+    agreed = negotiate(qwen, _tp("qwen3-next-80b-a3b", 1))
+    reads = {(r.tensor, r.src_rank) for g in agreed.groups for r in g.state_reads}
+    assert reads == {("conv", 0), ("ssm", 0)} and agreed.source_ranks == (0,)
     latent = negotiate(_tp("deepseek-v2-lite", 2, 1), _tp("deepseek-v2-lite", 1))
     assert latent.source_ranks == (0,) and all(g.replicated for g in latent.groups)
 

@@ -21,6 +21,7 @@ from test_reblock_oracle import OFFSET, _ids, _trim, _with_regions
 
 from kvxfer._exceptions import PlanError
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, KVGroup
+from kvxfer.core.negotiation import negotiate
 from kvxfer.core.planner import TransferPlan, plan_transfer
 from kvxfer.core.profiles import layout_for_model
 
@@ -215,3 +216,39 @@ def test_a_rank_that_serves_nothing_and_an_unsplittable_side_are_refused() -> No
     spans = [BlockSpan(GroupId(0), 0, tuple(BlockId(b) for b in range(4)))]
     with pytest.raises(PlanError, match=r"groups\[0\].num_kv_heads: dst: the layout does not"):
         plan_transfer(src, unknown, spans, spans, 40, 0)
+
+
+def _latent_beside_heads(tp: int, rank: int) -> EngineLayout:
+    """Llama's attention group and DeepSeek-V2-Lite's first latent layer as group 1: an
+    mla latent beside head-split groups (no profile has one; the planner must not care)."""
+    llama = layout_for_model("llama-3.1-8b", tp_size=tp, tp_rank=rank)
+    latent = layout_for_model("deepseek-v2-lite", tp_size=tp, tp_rank=rank).groups[0]
+    latent = dataclasses.replace(
+        latent, group_id=GroupId(1), layers=(32,), tensors=(
+            dataclasses.replace(latent.tensors[0], name="layer.32.latent", layer=32),
+        ),
+    )  # fmt: skip
+    layout = dataclasses.replace(llama, groups=(_trim(llama.groups[0]), latent))
+    return _with_regions(layout, 5, "s" if tp == 4 else "d")
+
+
+def test_an_mla_latent_beside_heads_is_read_whole_from_a_rank_already_read() -> None:
+    """TP 4 -> 2, decode rank 1: heads 4..7 come from prefill ranks 2 and 3, so the latent
+    comes from rank 2 (not 1 = d mod 4, which would add a source); the agreement holds."""
+    dst = _latent_beside_heads(2, 1)
+    spans = [BlockSpan(GroupId(g), 0, tuple(BlockId(b) for b in range(4))) for g in (0, 1)]
+    moved: dict[int, list[int]] = {}
+    for rank in range(4):
+        src = _latent_beside_heads(4, rank)
+        if rank < 2:
+            with pytest.raises(PlanError, match=f"prefill rank {rank} of 4 holds none"):
+                plan_transfer(src, dst, spans, spans, 60, 0)
+            continue
+        plan = plan_transfer(src, dst, spans, spans, 60, 0)
+        moved[rank] = [len(g.blocks) for g in plan.groups]
+        latent = [c for c in plan.chunks if c.group_id == 1]
+        for chunk in latent:  # whole blocks, coalesced: the same latent on every rank
+            assert chunk.num_descriptors == len(chunk.runs)
+    assert moved == {2: [4, 4], 3: [4, 0]}
+    agreement = negotiate(dst, _latent_beside_heads(4, 2))
+    assert agreement.source_ranks == (2, 3)

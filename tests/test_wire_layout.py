@@ -126,3 +126,35 @@ def test_chunked_local_round_trips_and_needs_its_chunk_size() -> None:
     message.groups[1].chunk_size = 64  # a full-attention group with a chunk size
     with pytest.raises(LayoutError, match=r"^layout.groups\[1\].chunk_size: must be unset"):
         layout_from_proto(message)
+
+
+def test_state_cuts_round_trip_are_optional_and_validated_by_name() -> None:
+    """A state tensor's cut over TP ranks crosses the wire; unset stays unset; a bad one
+    is refused naming the field."""
+    layout = layout_for_model("falcon-h1-7b", tp_size=4, tp_rank=1)
+    back = layout_from_proto(layout_to_proto(layout))
+    assert back == layout and back.groups[1].tensors[0].shard is not None
+    message = layout_to_proto(layout)
+    message.groups[1].tensors[0].ClearField("shard")
+    assert layout_from_proto(message).groups[1].tensors[0].shard is None
+    message = layout_to_proto(layout)
+    message.groups[1].tensors[0].shard.rows = 0
+    with pytest.raises(LayoutError, match=r"layout.groups\[1\].tensors\[0\].shard.rows"):
+        layout_from_proto(message)
+    message = layout_to_proto(layout)
+    message.groups[1].tensors[0].shard.rows = 2  # 2 rows no longer add up to the bytes
+    with pytest.raises(LayoutError, match=r"tensors\['layer.0.conv'\].shard: 2 rows"):
+        layout_from_proto(message)
+    message = layout_to_proto(layout)
+    message.groups[1].tensors[0].shard.segments.extend(
+        [pb.ShardSegment(heads=1, head_bytes=1)] * 70
+    )
+    with pytest.raises(LayoutError, match=r"shard.segments: 73 segments, at most 64"):
+        layout_from_proto(message)
+    message = layout_to_proto(layout)
+    message.groups[0].tensors[0].shard.rows = 1  # an attention tensor has no cut
+    message.groups[0].tensors[0].shard.segments.add(heads=2, head_bytes=1)
+    with pytest.raises(
+        LayoutError, match=r"groups\[0\].tensors\['layer.0.k'\].shard: must be unset"
+    ):
+        layout_from_proto(message)

@@ -1,7 +1,8 @@
 """Run under .venv-vllm: vLLM's own state sizes for the configs on stdin.
 
 Input: JSON {case: {"config": {...}, "tp": int, "dtype": str}}. Output: JSON
-{case: [bytes of each state tensor of one layer]}, from each model class's
+{case: {"bytes": [bytes of each state tensor of one layer], "shapes": [its per-rank shape
+in vLLM's default (SD) conv layout]}}, from each model class's
 `get_mamba_state_shape_from_config` / `get_mamba_state_dtype_from_config` (MiniMax, whose
 model vLLM 0.23 removed, from `linear_attention_state_shape` / `_dtype` as its lightning
 layer calls them; Qwen3.5, whose module needs torchvision, from
@@ -46,7 +47,7 @@ def _hf_config(config: dict[str, Any]) -> Any:
     return AutoConfig.for_model(text.pop("model_type"), **text)
 
 
-def _state_bytes(config: dict[str, Any], tp: int, dtype: str) -> list[int]:
+def _state(config: dict[str, Any], tp: int, dtype: str) -> dict[str, list[Any]]:
     hf = _hf_config(config)
     model_type = config.get("model_type")
     cache = SimpleNamespace(
@@ -88,15 +89,16 @@ def _state_bytes(config: dict[str, Any], tp: int, dtype: str) -> list[int]:
         cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
         shapes = cls.get_mamba_state_shape_from_config(vllm_config)
         dtypes = cls.get_mamba_state_dtype_from_config(vllm_config)
-    return [
+    sizes = [
         int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
         for shape, dt in zip(shapes, dtypes, strict=True)
     ]
+    return {"bytes": sizes, "shapes": [list(shape) for shape in shapes]}
 
 
 def main() -> None:
     cases = json.load(sys.stdin)
-    out = {name: _state_bytes(c["config"], c["tp"], c["dtype"]) for name, c in cases.items()}
+    out = {name: _state(c["config"], c["tp"], c["dtype"]) for name, c in cases.items()}
     json.dump(out, sys.stdout)
 
 

@@ -165,8 +165,8 @@ def _handshake_text(address: str, report: dict[str, Any]) -> str:
             )
             if group["replicated"]:
                 lines.append(
-                    "    latent replicated on every TP rank: decode rank d reads prefill "
-                    "rank d mod (prefill TP size)"
+                    "    latent replicated on every TP rank: read whole from one prefill "
+                    "rank (the lowest this rank reads for other groups, else d mod TP)"
                 )
             for read in group["head_reads"]:
                 src, dst = read["src_heads"], read["dst_heads"]
@@ -174,6 +174,7 @@ def _handshake_text(address: str, report: dict[str, Any]) -> str:
                     f"    heads {dst[0]}..{dst[1] - 1} <- prefill rank {read['src_rank']} "
                     f"heads {src[0]}..{src[1] - 1}"
                 )
+            lines += _state_text(group["state_reads"])
         return "\n".join(lines)
     lines.append(f"NOT compatible: {len(report['mismatches'])} mismatch(es)")
     for m in report["mismatches"]:
@@ -182,10 +183,24 @@ def _handshake_text(address: str, report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _state_text(reads: list[dict[str, Any]]) -> list[str]:
+    """Different TP sizes, a state group: each tensor's byte ranges and their source."""
+    lines = []
+    for read in reads:
+        start, length = read["dst_at"], read["length"]
+        lines.append(
+            f"    {read['tensor']} bytes {start}..{start + length - 1} <- prefill rank "
+            f"{read['src_rank']} bytes {read['src_at']}..{read['src_at'] + length - 1}"
+        )
+    return lines
+
+
 def _block_mapping(group: dict[str, Any]) -> str:
     """How this group's blocks map to the peer's (docs/sidecar.md, Negotiation)."""
     mine, theirs = group["local_block_size"], group["peer_block_size"]
     if group["block_mapping"] == "state":
+        if group["state_reads"]:  # different TP sizes
+            return "state block by byte ranges, each from the prefill rank holding it"
         return "state block moves whole"
     if group["block_mapping"] == "same":
         return f"block i <- peer block i ({mine} tokens)"

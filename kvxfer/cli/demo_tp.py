@@ -1,5 +1,6 @@
 """`kvxfer-cli demo --prefill-tp P --decode-tp D` with P != D: decode ranks read their
-KV heads from every prefill rank holding them (docs/planning.md, Different TP sizes).
+KV heads, and the byte ranges of their state blocks, from every prefill rank holding
+them; an mla latent from one rank (docs/planning.md, Different TP sizes).
 
 One prefill and one decode sidecar, an engine-sim per rank on each. What the engines
 do, as a real engine would: for each request, each prefill rank publishes it once per
@@ -8,7 +9,8 @@ decode rank it serves (each reader gets its own lease, request id
 params. The sidecars plan and move only the source's head runs of every token. The
 request is complete when all its pulls are done; its `valid_tokens` is the minimum of
 the pulls' (`tp_map.request_valid_tokens`). Every decode block is checked head by head
-against the prefill ranks' bytes, and every other decode byte against its pattern.
+against the prefill ranks' bytes (a state block range by range), and every other
+decode byte against its pattern.
 Requests run one at a time.
 """
 
@@ -32,11 +34,13 @@ from kvxfer.cli.fleet import EngineView, Fleet
 from kvxfer.cli.main import EXIT_FAILED, EXIT_OK
 from kvxfer.cli.planning import human_bytes
 from kvxfer.client.engine import EngineClient
-from kvxfer.core.layout import BlockId, BlockSpan, GroupId
+from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind, KVGroup
 from kvxfer.core.planner import GroupPlan, plan_between
 from kvxfer.core.recompute import valid_tokens
 from kvxfer.core.requests import EngineEvent, PullDone, Released
-from kvxfer.core.tp_map import request_valid_tokens, served_slices
+from kvxfer.core.tp_map import pairing_sources, request_valid_tokens, served_slices, served_state
+
+Piece = tuple[int, int, int]  # offset in the source unit, in the destination unit, bytes
 
 Images = dict[tuple[str, int], npt.NDArray[np.uint8]]
 
@@ -159,7 +163,9 @@ class _Runner:
                 )
                 for p in sources
             }
-            first = next(iter(plans.values()))
+            # Each group's spans from a source that moves some of it (one may move none).
+            groups = zip(*plans.values(), strict=True)
+            first = [next((g for g in each if g.blocks), each[0]) for each in groups]
             src, dst = self._spans(first, sources[0].view.layout.block_size)
             dones = []
             for p_rank in sources:
@@ -244,30 +250,29 @@ class _Runner:
         for plan in plans:
             gid = plan.group.group_id
             lost = set(done.failed_blocks.get(gid, ()))
-            assert plan.tokens is not None  # different TP sizes map by heads, token by token
-            slices = served_slices(pe.layout, de.layout, plan.group)
+            state = plan.group.kind is GroupKind.MAMBA
+            p_unit, d_unit = (1, 1) if state else (p_size, d_size)  # a state block is whole
             for logical in plan.blocks:
                 if logical in lost:
                     continue
                 d_id = dst_by[gid].block_id(logical)
-                tokens = range(
-                    max(plan.tokens.start, logical * d_size),
-                    min(plan.tokens.stop, (logical + 1) * d_size),
-                )
+                units = range(logical * d_unit, (logical + 1) * d_unit)
+                if plan.tokens is not None:
+                    units = range(
+                        max(plan.tokens.start, units.start), min(plan.tokens.stop, units.stop)
+                    )
                 for tensor in plan.group.tensors:
-                    head = de.layout.head_bytes(plan.group, tensor)
-                    assert head is not None
-                    p_token = pe.regions[tensor.name].block_bytes // p_size
-                    d_token = tensor.bytes_per_block // d_size
+                    pieces = _pieces(pe.layout, de.layout, plan.group, tensor.name)
+                    p_bytes = pe.regions[tensor.name].block_bytes // p_unit
+                    d_bytes = tensor.bytes_per_block // d_unit
                     want = images.get((tensor.name, d_id))
                     want = de.pattern_block(tensor.name, d_id) if want is None else want
-                    for t in tokens:
-                        block = pe.block(tensor.name, src_by[gid].block_id(t // p_size))
-                        for piece in slices:
-                            s_at, d_at, size = piece.byte_range(head)
-                            s_at += t % p_size * p_token
-                            d_at += t % d_size * d_token
-                            want[d_at : d_at + size] = block[s_at : s_at + size]
+                    for t in units:
+                        block = pe.block(tensor.name, src_by[gid].block_id(t // p_unit))
+                        s_base, d_base = t % p_unit * p_bytes, t % d_unit * d_bytes
+                        for s_at, d_at, size in pieces:
+                            s_at_t, d_at_t = s_base + s_at, d_base + d_at
+                            want[d_at_t : d_at_t + size] = block[s_at_t : s_at_t + size]
                             verified += size
                     images[(tensor.name, d_id)] = want
                     self.touched[(tensor.name, d_id)] = logical
@@ -296,9 +301,24 @@ def _differing(de: EngineView, images: Images, touched: dict[tuple[str, int], in
     ]
 
 
+def _pieces(src: EngineLayout, dst: EngineLayout, group: KVGroup, tensor: str) -> list[Piece]:
+    """What this source serves of one token (attention), or of the state block."""
+    if group.kind is GroupKind.MAMBA:
+        return [
+            (p.src_at, p.dst_at, p.length) for p in served_state(src, dst, group).get(tensor, [])
+        ]
+    spec = next(t for t in group.tensors if t.name == tensor)
+    token = spec.bytes_per_block // dst.block_size_of(group)
+    if group.kind is GroupKind.MLA:
+        return [(0, 0, token)]  # the replicated latent: the whole token
+    head = dst.head_bytes(group, spec)
+    assert head is not None
+    return [piece.byte_range(head) for piece in served_slices(src, dst, group)]
+
+
 def _serves(p_rank: _Rank, d_rank: _Rank) -> bool:
-    layout = d_rank.view.layout
-    return any(served_slices(p_rank.view.layout, layout, g) for g in layout.groups)
+    layout = p_rank.view.layout
+    return layout.tp_rank in pairing_sources(layout.tp_size, d_rank.view.layout)
 
 
 def summary_tp(report: dict[str, Any]) -> str:

@@ -64,18 +64,72 @@ def check_int(name: str, value: int, lo: int, hi: int = MAX_BYTES) -> None:
 
 
 @dataclass(frozen=True)
+class ShardSegment:
+    """One stretch of a state tensor's row, split over TP ranks like KV heads: `heads`
+    units for the whole model (heads, channels or B/C groups), `head_bytes` bytes of one
+    unit in one row. Rank r of T holds units as `tp_map.rank_heads(heads, T, r)` says:
+    a contiguous 1/T of them when T divides `heads`, else (T a multiple of `heads`) one
+    unit replicated on T/heads consecutive ranks (Mamba-2's single B/C group)."""
+
+    heads: int
+    head_bytes: int
+
+
+@dataclass(frozen=True)
+class StateShard:
+    """How one state tensor is cut over TP ranks: on every rank its block is `rows` equal
+    rows, each row this rank's part of every segment in order. A conv state stored
+    (kernel - 1, channels) has kernel - 1 rows of [x | B | C] (Mamba-2) or [q | k | v]
+    (Gated DeltaNet) channels; stored (channels, kernel - 1), or a recurrent state
+    (heads, ...), it is one row. vLLM's MambaStateShapeCalculator gives the per-rank
+    shapes; docs/planning.md, State under different TP sizes."""
+
+    rows: int
+    segments: tuple[ShardSegment, ...]
+
+    def check(self, where: str) -> None:
+        check_int(f"{where}.rows", self.rows, 1, 1 << 16)
+        if not self.segments:
+            raise LayoutError(f"{where}.segments", "a shard needs at least one segment")
+        for i, segment in enumerate(self.segments):
+            check_int(f"{where}.segments[{i}].heads", segment.heads, 1, 1 << 24)
+            check_int(f"{where}.segments[{i}].head_bytes", segment.head_bytes, 1, 1 << 32)
+
+    def rank_units(self, tp_size: int) -> tuple[int, ...]:
+        """Units of each segment one rank of `tp_size` holds."""
+        return tuple(max(1, s.heads // tp_size) for s in self.segments)
+
+    def row_bytes(self, tp_size: int) -> int:
+        """Bytes of one row on one rank of `tp_size`."""
+        units = self.rank_units(tp_size)
+        return sum(n * s.head_bytes for n, s in zip(units, self.segments, strict=True))
+
+    def placement_problem(self, tp_size: int) -> str | None:
+        """Why some segment cannot be placed on `tp_size` ranks, or None."""
+        for i, s in enumerate(self.segments):
+            if s.heads % tp_size and tp_size % s.heads:
+                return f"segments[{i}]: {s.heads} units cannot be placed on tp_size {tp_size}"
+        return None
+
+
+@dataclass(frozen=True)
 class TensorSpec:
-    """One per-layer sub-tensor of a group; `name` is the region that holds it."""
+    """One per-layer sub-tensor of a group; `name` is the region that holds it. `shard`
+    says how a state tensor is cut over TP ranks (None: not known, and different TP
+    sizes are refused naming it)."""
 
     name: str
     layer: int
     bytes_per_block: int
+    shard: StateShard | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
             raise LayoutError("tensor.name", "must not be empty")
         check_int(f"tensor '{self.name}'.layer", self.layer, 0, 1 << 16)
         check_int(f"tensor '{self.name}'.bytes_per_block", self.bytes_per_block, 1)
+        if self.shard is not None:
+            self.shard.check(f"tensor '{self.name}'.shard")
 
 
 @dataclass(frozen=True)
@@ -134,6 +188,13 @@ class KVGroup:
             raise LayoutError(f"{where}.tensors", "tensor names repeat within the group")
         if self.kind is GroupKind.MLA:
             self._check_one_latent_per_layer(where)
+        if self.kind is not GroupKind.MAMBA:
+            for tensor in self.tensors:
+                if tensor.shard is not None:
+                    raise LayoutError(
+                        f"{where}.tensors['{tensor.name}'].shard",
+                        f"must be unset for a {self.kind.value} group (only state is sharded)",
+                    )
         if self.num_kv_heads is not None:
             check_int(f"{where}.num_kv_heads", self.num_kv_heads, 1, 1 << 16)
             if self.kind in (GroupKind.MAMBA, GroupKind.MLA):
@@ -267,13 +328,28 @@ class EngineLayout:
 
     def _check_heads(self, group: KVGroup) -> None:
         """A group's head count must place on this TP size (whether its tokens split into
-        heads is asked by negotiation, `head_bytes`, where TP sizes differ)."""
+        heads is asked by negotiation, `head_bytes`, where TP sizes differ), and a state
+        tensor's shard must place and add up to its bytes on this rank."""
         heads = group.num_kv_heads
         if heads is not None and heads % self.tp_size and self.tp_size % heads:
             raise LayoutError(
                 f"groups[{group.group_id}].num_kv_heads",
                 f"{heads} KV heads cannot be placed on tp_size {self.tp_size}",
             )
+        for tensor in group.tensors:
+            shard = tensor.shard
+            if shard is None:
+                continue
+            where = f"groups[{group.group_id}].tensors['{tensor.name}'].shard"
+            problem = shard.placement_problem(self.tp_size)
+            if problem is not None:
+                raise LayoutError(where, problem)
+            if shard.rows * shard.row_bytes(self.tp_size) != tensor.bytes_per_block:
+                raise LayoutError(
+                    where,
+                    f"{shard.rows} rows of {shard.row_bytes(self.tp_size)} bytes on tp_size "
+                    f"{self.tp_size}, but the tensor holds {tensor.bytes_per_block} bytes/block",
+                )
 
     def rank_heads(self, group: KVGroup) -> int:
         """KV heads of `group` this rank holds (1 where heads are replicated)."""

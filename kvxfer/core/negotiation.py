@@ -9,8 +9,7 @@ treated as full attention, and a group that exists on one side only is a
 mismatch, not something to drop.
 
 An mla group's latent is the same on every TP rank (`GroupMapping.replicated`):
-any decode rank could read any prefill rank's copy, though a pull still goes
-rank r <- rank r until heterogeneous TP exists.
+with equal TP sizes rank r reads rank r; with different ones see below.
 
 Different block sizes are agreed group by group (`GroupMapping.block_mapping`,
 kvxfer/core/reblock.py): equal sizes map block to block; different sizes map by
@@ -21,11 +20,15 @@ Different tensor-parallel sizes (kvxfer/core/tp_map.py) are agreed for attention
 groups whose layouts carry `num_kv_heads` and are token-major and contiguous: the
 decode rank reads its heads as byte ranges of every token from the prefill ranks
 holding them (`Agreement.source_ranks`, `GroupMapping.head_reads`); an mla latent is
-replicated, so decode rank d reads prefill rank d mod T. State groups and layouts
-that cannot be cut into heads are refused with the reason. `NOT_YET_TRANSFERABLE` names group
-kinds the planner sizes but no pull has moved end to end; it is empty now that
-chunked_local and mla pulls are byte-checked between simulated engines (the
-demo and tests/test_sidecar_kinds.py).
+replicated, so decode rank d reads it whole from one prefill rank (tp_map.mla_server:
+the lowest it reads for its other groups, else d mod T). A state group is agreed when
+both layouts say how each state tensor is cut over TP ranks (`TensorSpec.shard`), the
+same cut on both sides: the decode rank reads byte ranges of the state block from the
+prefill ranks holding them (`GroupMapping.state_reads`, tp_map.state_pieces). Layouts
+that cannot be cut into heads, and state without a cut, are refused with the reason.
+`NOT_YET_TRANSFERABLE` names group kinds the planner sizes but no pull has moved end to
+end; it is empty now that chunked_local and mla pulls are byte-checked between
+simulated engines (the demo and tests/test_sidecar_kinds.py).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from dataclasses import dataclass
 from kvxfer._exceptions import NegotiationError
 from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup
 from kvxfer.core.reblock import BlockMapping, mapping_of, slice_tokens, slicing_problem
-from kvxfer.core.tp_map import head_sources, source_ranks, split_problem
+from kvxfer.core.tp_map import pairing_sources, split_problem, state_problem
+from kvxfer.core.tp_reads import HeadRead, StateRead, head_reads, state_reads
 
 PROTOCOL_VERSION = 1
 SUPPORTED_PROTOCOLS = frozenset({1})
@@ -78,16 +82,9 @@ class GroupMapping:
     # Different TP sizes ("heads"): every run of this decode rank's heads and the
     # prefill rank it comes from, all sources (the peer is one of them).
     head_reads: tuple[HeadRead, ...] = ()
-
-
-@dataclass(frozen=True)
-class HeadRead:
-    """Heads [start, stop) of prefill rank `src_rank` land on this rank's heads
-    `dst_heads` (each side numbers its own heads from 0)."""
-
-    src_rank: int
-    src_heads: tuple[int, int]
-    dst_heads: tuple[int, int]
+    # Different TP sizes, a state group: the byte ranges of each distinct tensor (named by
+    # its suffix: conv, ssm, ...) of the state block and the prefill rank each comes from.
+    state_reads: tuple[StateRead, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,17 +143,7 @@ def negotiate(
 
 def _source_ranks(local: EngineLayout, peer: EngineLayout) -> tuple[int, ...]:
     """The prefill ranks decode rank `local.tp_rank` reads, over all its groups."""
-    if local.tp_size == peer.tp_size:
-        return (local.tp_rank,)
-    ranks: set[int] = set()
-    for group in local.groups:
-        if group.kind is GroupKind.MLA:
-            ranks.add(local.tp_rank % peer.tp_size)  # replicated: any rank serves
-        elif group.num_kv_heads is not None:
-            ranks.update(
-                source_ranks(group.num_kv_heads, peer.tp_size, local.tp_size, local.tp_rank)
-            )
-    return tuple(sorted(ranks))
+    return pairing_sources(peer.tp_size, local)
 
 
 def find_mismatches(
@@ -241,16 +228,14 @@ def _tp_split(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
     """Different TP sizes: every group must map by heads (or be a replicated latent),
     and the peer must be a rank this decode rank reads."""
     found: list[Mismatch] = []
-    kinds = {g.kind for g in local.groups}
     for a, b in zip(local.groups, peer.groups, strict=False):
         where = f"layout.groups[{a.group_id}]"
         if a.kind is not b.kind:
             continue  # named by _groups
         if a.kind is GroupKind.MAMBA:
-            found.append(Mismatch(f"{where}.kind", a.kind.value, b.kind.value, _STATE_TP))
+            found += _state_problems(where, a, b)
         elif a.kind is GroupKind.MLA:
-            if len(kinds) > 1:
-                found.append(Mismatch(f"{where}.kind", a.kind.value, b.kind.value, _MIXED_MLA))
+            continue  # replicated: read whole from one rank (tp_map.mla_server)
         elif a.num_kv_heads is None or a.num_kv_heads != b.num_kv_heads:
             found.append(
                 Mismatch(
@@ -277,14 +262,36 @@ def _tp_split(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
     return found
 
 
-_STATE_TP = (
-    "different TP sizes: a state group is sharded by its own heads, which kvxfer does "
-    "not split yet; run prefill and decode with equal TP"
-)
-_MIXED_MLA = (
-    "different TP sizes: an mla latent beside head-split groups is not planned yet "
-    "(its one serving rank would differ from theirs); run equal TP"
-)
+def _state_problems(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
+    """A state group under different TP sizes: both sides must say how every state
+    tensor is cut over TP ranks, the same cut (the model's, not one rank's)."""
+    for side, group in (("local", a), ("peer", b)):
+        problem = state_problem(group)
+        if problem is not None:
+            return [
+                Mismatch(
+                    f"{where}.tensors",
+                    "shard set" if side == "peer" else "shard unset",
+                    "shard unset" if side == "peer" else "shard set",
+                    f"different TP sizes read a state block as byte ranges of each rank's "
+                    f"heads and channels, but the {side} side's layout cannot say which: "
+                    f"{problem}; register the layout with state cuts (kvxfer's profiles "
+                    "give them) or run equal TP",
+                )
+            ]
+    theirs = {t.name: t.shard for t in b.tensors}
+    for tensor in a.tensors:
+        if tensor.name in theirs and theirs[tensor.name] != tensor.shard:
+            return [
+                Mismatch(
+                    f"{where}.tensors['{tensor.name}'].shard",
+                    str(tensor.shard),
+                    str(theirs[tensor.name]),
+                    "the two sides cut this state differently (head counts, head sizes or "
+                    "conv state layout SD/DS differ); configure both engines the same way",
+                )
+            ]
+    return []
 
 
 def _split_problems(
@@ -533,7 +540,8 @@ def _mapping(
         peer_block_size=theirs,
         block_mapping=mapping.value,
         slice_tokens=_slice_tokens(mapping, mine, theirs),
-        head_reads=_head_reads(local, group, peer) if mapping is BlockMapping.HEADS else (),
+        head_reads=head_reads(local, group, peer) if mapping is BlockMapping.HEADS else (),
+        state_reads=state_reads(local, group, peer) if group.kind is GroupKind.MAMBA else (),
     )
 
 
@@ -541,18 +549,6 @@ def _slice_tokens(mapping: BlockMapping, mine: int, theirs: int) -> int:
     if mapping is BlockMapping.HEADS:
         return 1  # a head run is a byte range of each token
     return slice_tokens(mine, theirs) if mapping is BlockMapping.TOKENS else mine
-
-
-def _head_reads(local: EngineLayout, group: KVGroup, peer: EngineLayout) -> tuple[HeadRead, ...]:
-    assert group.num_kv_heads is not None  # negotiation refused it otherwise
-    return tuple(
-        HeadRead(
-            s.src_rank,
-            (s.src_heads.start, s.src_heads.stop),
-            (s.dst_heads.start, s.dst_heads.stop),
-        )
-        for s in head_sources(group.num_kv_heads, peer.tp_size, local.tp_size, local.tp_rank)
-    )
 
 
 def _region_sizes(local: EngineLayout, peer: EngineLayout) -> tuple[RegionSizes, ...]:

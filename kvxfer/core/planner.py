@@ -23,6 +23,11 @@ When the two sides' block sizes differ (kvxfer/core/reblock.py), the plan's
 blocks are the destination's, the moved tokens of each attention group are a
 token range (`GroupPlan.tokens`), and runs are made of token slices of
 gcd(Bs, Bd) tokens, so whole blocks still coalesce where boundaries line up.
+
+When the two sides' TP sizes differ (kvxfer/core/tp_map.py), a plan is one source
+rank's share: each attention token's run of heads it holds, each state block's byte
+ranges it holds (`tp_map.state_pieces`, coalesced), and nothing of a group it serves
+none of (that group's plan is empty; another source rank's plan moves it).
 """
 
 from __future__ import annotations
@@ -51,7 +56,15 @@ from kvxfer.core.reblock import (
     slice_span,
     slice_tokens,
 )
-from kvxfer.core.tp_map import check_head_split, served_slices
+from kvxfer.core.tp_map import (
+    StatePiece,
+    check_head_split,
+    check_serves,
+    check_state_split,
+    mla_server,
+    served_slices,
+    served_state,
+)
 
 DEFAULT_CHUNK_BLOCKS = 1024  # 16k tokens at B=16; see docs/dataplane.md "Chunks"
 
@@ -338,6 +351,22 @@ def plan_between(
     for plan, src_group in zip(plans, src.groups, strict=True):
         group = plan.group
         mapping = mapping_of(dst, group, src, src_group)
+        if _state_split(src, dst, group):
+            served = served_state(src, dst, group)
+            moved = sum(p.length for pieces in served.values() for p in pieces)
+            blocks = plan.blocks if moved else range(0)
+            out.append(GroupPlan(group, blocks, None, len(blocks) * moved))
+            continue
+        if (
+            group.kind is GroupKind.MLA
+            and src.tp_size != dst.tp_size
+            and src.tp_rank != mla_server(src.tp_size, dst)
+        ):
+            out.append(GroupPlan(group, range(0)))  # the latent comes from one rank
+            continue
+        if mapping is BlockMapping.HEADS and not served_slices(src, dst, group):
+            out.append(GroupPlan(group, range(0)))  # another source rank serves it
+            continue
         if mapping not in (BlockMapping.TOKENS, BlockMapping.HEADS):
             out.append(plan)
             continue
@@ -373,7 +402,9 @@ def _group_chunks(
     _check_ids(dst_span, plan.blocks, [p.dst for p in pairs], "dst_spans")
     chunks = []
     unit = slice_tokens(src_size, dst_size)
-    if mapping_of(dst, plan.group, src, src.group(gid)) is BlockMapping.HEADS:
+    if _state_split(src, dst, plan.group):
+        pairs = _state_pairs(pairs, served_state(src, dst, plan.group), plan.group)
+    elif mapping_of(dst, plan.group, src, src.group(gid)) is BlockMapping.HEADS:
         unit, pairs = 1, _head_pairs(src, dst, plan.group)
     elif tokens is not None:
         pairs = tuple(
@@ -425,6 +456,39 @@ def _head_pairs(src: EngineLayout, dst: EngineLayout, group: KVGroup) -> tuple[R
     return tuple(out)
 
 
+def _state_split(src: EngineLayout, dst: EngineLayout, group: KVGroup) -> bool:
+    """A state group between different TP sizes: cut into byte ranges (tp_map)."""
+    return group.kind is GroupKind.MAMBA and src.tp_size != dst.tp_size
+
+
+def _state_pairs(
+    pairs: Sequence[RegionPair], served: Mapping[str, Sequence[StatePiece]], group: KVGroup
+) -> tuple[RegionPair, ...]:
+    """Every state tensor's regions narrowed to each byte range this source serves."""
+    out = []
+    for pair, tensor in zip(pairs, group.tensors, strict=True):
+        for piece in served.get(tensor.name, ()):
+            out.append(
+                RegionPair(
+                    _narrow(pair.src, piece.src_at, piece.length),
+                    _narrow(pair.dst, piece.dst_at, piece.length),
+                )
+            )
+    return tuple(out)
+
+
+def _narrow(region: Region, offset: int, length: int) -> Region:
+    """`region` with each block narrowed to `length` bytes at `offset` inside it."""
+    return Region(
+        name=region.name,
+        buffer=region.buffer,
+        offset_bytes=region.offset_bytes + offset,
+        num_blocks=region.num_blocks,
+        stride_bytes=region.stride_bytes,
+        block_bytes=length,
+    )
+
+
 def _check_same_shape(src: EngineLayout, dst: EngineLayout) -> None:
     """The planner's own precondition; negotiation explains mismatches in detail."""
     if len(src.groups) != len(dst.groups):
@@ -438,7 +502,9 @@ def _check_same_shape(src: EngineLayout, dst: EngineLayout) -> None:
                 f"dst is {b.kind.value} (window {b.sliding_window}, chunk {b.chunk_size})",
             )
         mapping = mapping_of(dst, b, src, a)
-        if mapping is BlockMapping.HEADS:
+        if _state_split(src, dst, b):
+            check_state_split(src, a, dst, b, where)
+        elif mapping is BlockMapping.HEADS:
             check_head_split(src, a, dst, b, where)
         elif mapping is BlockMapping.TOKENS:
             check_sliceable(src, a, dst, b, where)
@@ -448,6 +514,8 @@ def _check_same_shape(src: EngineLayout, dst: EngineLayout) -> None:
             raise PlanError(f"{where}.tensors", "tensor names or sizes differ between src and dst")
     if not src.regions or not dst.regions:
         raise PlanError("regions", "both layouts must have registered regions to plan a transfer")
+    if src.tp_size != dst.tp_size:
+        check_serves(src, dst)
 
 
 def _spans_by_group(spans: Sequence[BlockSpan], name: str, num_groups: int) -> dict[int, BlockSpan]:

@@ -33,9 +33,11 @@ from kvxfer.core.layout import (
     GroupId,
     GroupKind,
     KVGroup,
+    StateShard,
     TensorSpec,
     dtype_bytes,
 )
+from kvxfer.core.state_shards import check_conv_layout
 
 Config = Mapping[str, Any]
 
@@ -49,6 +51,7 @@ class _LayerTensors:
     tensors: tuple[tuple[str, int], ...]
     chunk: int | None = None
     kv_heads: int | None = None  # the model's KV heads, for a split by head
+    shards: tuple[StateShard | None, ...] = ()  # per tensor, a state's cut over TP
 
 
 def builtin_profiles() -> list[str]:
@@ -95,6 +98,7 @@ def layout_for_model(
     tp_size: int = 1,
     tp_rank: int = 0,
     state_dtype: str | None = None,
+    conv_state_layout: str = "SD",
 ) -> EngineLayout:
     """Layout of a built-in profile name or a config.json path."""
     name, config = load_config(model)
@@ -106,6 +110,7 @@ def layout_for_model(
         tp_size=tp_size,
         tp_rank=tp_rank,
         state_dtype=state_dtype,
+        conv_state_layout=conv_state_layout,
     )
 
 
@@ -118,9 +123,12 @@ def layout_from_config(
     tp_size: int = 1,
     tp_rank: int = 0,
     state_dtype: str | None = None,
+    conv_state_layout: str = "SD",
 ) -> EngineLayout:
     """Layout of one engine rank. Mamba / linear-attention state is sized in its own
-    dtypes (`_StateDtypes`), never in `kv_dtype`; `state_dtype` overrides both."""
+    dtypes (`_StateDtypes`), never in `kv_dtype`; `state_dtype` overrides both. A conv
+    state is stored as `conv_state_layout` says (vLLM's VLLM_SSM_CONV_STATE_LAYOUT: "SD",
+    its default, or "DS"), which only changes how it is cut over TP ranks."""
     text = config.get("text_config", config)
     if not isinstance(text, Mapping):
         raise ProfileError("text_config", "must be a JSON object")
@@ -132,6 +140,7 @@ def layout_from_config(
         raise ProfileError("tp_size", f"must be a positive integer, got {tp_size!r}")
     state = _StateDtypes(config, text, state_dtype, family.ssm_dtype_default)
     sizing = _Sizing(text, elem, block_size, tp_size, state.element_bytes, model_type)
+    sizing.conv_layout = check_conv_layout(conv_state_layout)
     groups = _groups(family, sizing)
     return EngineLayout(
         model=name,
@@ -191,6 +200,7 @@ class _Sizing:
         self.state_bytes = state_bytes  # (conv, ssm) element bytes, read on first use
         self.block_size = block_size
         self.tp = tp_size
+        self.conv_layout = "SD"  # how a conv state is stored (state_shards.conv_cut)
         self.num_layers = self.positive("num_hidden_layers")
 
     def positive(self, key: str) -> int:
@@ -249,15 +259,6 @@ def _attention(
 ) -> _LayerTensors:
     size, kv_heads = sizing.attention_bytes()
     return _LayerTensors(kind, window, (("k", size), ("v", size)), chunk, kv_heads)
-
-
-def _state(conv_elems: int, ssm_elems: int, sizing: _Sizing) -> _LayerTensors:
-    conv_bytes, ssm_bytes = sizing.state_bytes()
-    return _LayerTensors(
-        GroupKind.MAMBA,
-        None,
-        (("conv", conv_elems * conv_bytes), ("ssm", ssm_elems * ssm_bytes)),
-    )
 
 
 class _StateDtypes:
@@ -329,13 +330,17 @@ def _layer_tensors(family: Family, sizing: _Sizing, index: int) -> list[_LayerTe
     """The group kinds layer `index` takes part in, with its tensors for each."""
     text = sizing.text
     layer_types = text.get("layer_types")
-    from kvxfer.core.state_families import READERS  # noqa: PLC0415 (it imports this module)
+    from kvxfer.core.state_families import (  # noqa: PLC0415 (it imports this module)
+        READERS,
+        falcon_h1,
+        jamba,
+    )
 
     state_reader = READERS.get(family.reader)
     if state_reader is not None:
         return state_reader(sizing, index)
     if family.reader == "falcon_h1":
-        return _falcon_h1(text, sizing, index)
+        return falcon_h1(text, sizing, index)
     if family.reader == "llama4":
         return [_llama4(text, sizing, index)]
     if family.reader == "gemma3n":
@@ -347,7 +352,7 @@ def _layer_tensors(family: Family, sizing: _Sizing, index: int) -> list[_LayerTe
     if layer_types is not None:
         return [_from_layer_type(layer_types, sizing, index)]
     if family.reader == "jamba":
-        return [_jamba(text, sizing, index)]
+        return [jamba(text, sizing, index)]
     if family.reader == "qwen3_next":
         interval = sizing.positive("full_attention_interval")
         kind = FULL if (index + 1) % interval == 0 else LINEAR
@@ -527,79 +532,10 @@ def _from_layer_type(layer_types: Any, sizing: _Sizing, index: int) -> _LayerTen
     if kind == SLIDING:
         return _attention(GroupKind.SLIDING_WINDOW, _window(sizing), sizing)
     if kind == LINEAR:  # recognise() lets it through only for Qwen3-Next
-        return _gated_deltanet(sizing)
+        from kvxfer.core.state_families import gated_deltanet  # noqa: PLC0415 (a cycle)
+
+        return gated_deltanet(sizing)
     raise UnsupportedModelError(f"layer_types[{index}]", f"layer type {kind!r} is not supported")
-
-
-def _gated_deltanet(sizing: _Sizing) -> _LayerTensors:
-    """Qwen3-Next linear attention: a recurrent conv + ssm state instead of KV."""
-    key_dim = sizing.positive("linear_key_head_dim")
-    value_dim = sizing.positive("linear_value_head_dim")
-    key_heads = sizing.split("linear_num_key_heads", sizing.positive("linear_num_key_heads"))
-    value_heads = sizing.split("linear_num_value_heads", sizing.positive("linear_num_value_heads"))
-    conv_dim = 2 * key_dim * key_heads + value_dim * value_heads
-    kernel = sizing.positive("linear_conv_kernel_dim")
-    return _state((kernel - 1) * conv_dim, value_heads * value_dim * key_dim, sizing)
-
-
-def _jamba(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
-    period = sizing.positive("attn_layer_period")
-    offset = text.get("attn_layer_offset", 0)
-    if index % period == offset:
-        return _attention(GroupKind.FULL_ATTENTION, None, sizing)
-    intermediate = sizing.split(
-        "mamba_expand", sizing.positive("mamba_expand") * sizing.positive("hidden_size")
-    )
-    conv = (sizing.positive("mamba_d_conv") - 1) * intermediate
-    return _state(conv, intermediate * sizing.positive("mamba_d_state"), sizing)
-
-
-def _falcon_h1(text: Config, sizing: _Sizing, index: int) -> list[_LayerTensors]:
-    """Falcon-H1: a Mamba-2 mixer in every layer, attention beside it (all layers by default)."""
-    attn_layers = text.get("attn_layer_indices")
-    kinds: list[_LayerTensors] = []
-    if attn_layers is None or index in attn_layers:
-        kinds.append(_attention(GroupKind.FULL_ATTENTION, None, sizing))
-    kinds.append(
-        _mamba2_state(
-            sizing,
-            ("mamba_d_ssm", sizing.positive("mamba_d_ssm")),
-            ("mamba_n_groups", sizing.positive("mamba_n_groups")),
-            ("mamba_n_heads", sizing.positive("mamba_n_heads")),
-            sizing.positive("mamba_d_head"),
-            sizing.positive("mamba_d_state"),
-            sizing.positive("mamba_d_conv"),
-        )
-    )
-    return kinds
-
-
-def _mamba2_state(
-    sizing: _Sizing,
-    intermediate: tuple[str, int],
-    groups: tuple[str, int],
-    heads: tuple[str, int],
-    head_dim: int,
-    d_state: int,
-    d_conv: int,
-) -> _LayerTensors:
-    """One Mamba-2 layer's state on one TP rank, as vLLM's
-    MambaStateShapeCalculator.mamba2_state_shape sizes it: conv (d_conv - 1) rows of
-    intermediate/tp + 2 x groups_per_rank x d_state channels; ssm heads/tp x head_dim x
-    d_state. `intermediate`, `groups` and `heads` are (config key, value)."""
-    channels = sizing.split(*intermediate) + 2 * _groups_per_rank(*groups, sizing) * d_state
-    ssm = sizing.split(*heads) * head_dim * d_state
-    return _state((d_conv - 1) * channels, ssm, sizing)
-
-
-def _groups_per_rank(key: str, groups: int, sizing: _Sizing) -> int:
-    """Mamba-2 B/C groups on one TP rank: split when they divide, else replicated so every
-    rank holds one (vLLM adds the missing groups rather than splitting one)."""
-    if groups % sizing.tp == 0:
-        return groups // sizing.tp
-    if sizing.tp % groups == 0:
-        return 1
-    raise ProfileError(key, f"{groups} groups cannot be placed on tp_size {sizing.tp}")
 
 
 def _group_layers(per_layer: list[list[_LayerTensors]]) -> tuple[KVGroup, ...]:
@@ -611,9 +547,14 @@ def _group_layers(per_layer: list[list[_LayerTensors]]) -> tuple[KVGroup, ...]:
     groups = []
     for group_id, ((kind, window, chunk), layers) in enumerate(members.items()):
         tensors = tuple(
-            TensorSpec(name=f"layer.{index}.{suffix}", layer=index, bytes_per_block=size)
+            TensorSpec(
+                name=f"layer.{index}.{suffix}",
+                layer=index,
+                bytes_per_block=size,
+                shard=part.shards[i] if part.shards else None,
+            )
             for index, part in layers
-            for suffix, size in part.tensors
+            for i, (suffix, size) in enumerate(part.tensors)
         )
         heads = {part.kv_heads for _, part in layers}  # one count for all, or unknown
         groups.append(

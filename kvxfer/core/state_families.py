@@ -1,14 +1,18 @@
 """Readers of the families whose layers keep recurrent state, sized as vLLM allocates it.
 
 Pure Mamba-1 and Mamba-2 models, Nemotron-H, Granite-4.0-H, Bamba, Zamba2, MiniMax
-lightning attention and LFM2 short convolution. Each reader maps one layer to the group
-kinds it takes part in (`profiles._LayerTensors`): a `mamba` state group (one block per
-request holding the latest state) and/or attention KV. Shapes follow vLLM's
+lightning attention and LFM2 short convolution; and the state layers profiles.py
+dispatches to here: Qwen3-Next's Gated DeltaNet, Jamba's Mamba-1, Falcon-H1's Mamba-2.
+Each reader maps one layer to the group kinds it takes part in
+(`profiles._LayerTensors`): a `mamba` state group (one block per request holding the
+latest state) and/or attention KV. Shapes follow vLLM's
 `MambaStateShapeCalculator` (vllm/model_executor/layers/mamba/mamba_utils.py) as each
 model's `get_mamba_state_shape_from_config` calls it; dtypes follow
 `MambaStateDtypeCalculator` through `profiles._StateDtypes` (conv-like states in the
 conv dtype, the Mamba ssm state in the ssm dtype). Under TP, heads and channels split by
-tp_size and Mamba-2 B/C groups that do not divide are replicated, as vLLM does.
+tp_size and Mamba-2 B/C groups that do not divide are replicated, as vLLM does; each
+state tensor carries that cut (`TensorSpec.shard`, kvxfer/core/state_shards.py), which
+a pairing of different TP sizes reads.
 
 A field vLLM reads differently from the config class, or two fields that would have to
 agree and do not, is refused by name rather than guessed.
@@ -22,7 +26,8 @@ from typing import Any
 from kvxfer._exceptions import ProfileError, UnsupportedModelError
 from kvxfer.core.hf_config import FULL, LINEAR, STATE_DTYPE_KEYS, refusal
 from kvxfer.core.layout import GroupKind
-from kvxfer.core.profiles import _LayerTensors, _mamba2_state, _Sizing, _state
+from kvxfer.core.profiles import Config, _attention, _LayerTensors, _Sizing
+from kvxfer.core.state_shards import Cut, channel_units, conv_cut, head_cut
 
 Reader = Callable[[_Sizing, int], list[_LayerTensors]]
 
@@ -55,11 +60,14 @@ def _hidden_over_heads(sizing: _Sizing) -> int:
     return head_dim
 
 
-def _single_state(name: str, elements: int, sizing: _Sizing) -> _LayerTensors:
+def _single_state(name: str, elements: int, sizing: _Sizing, cut: Cut) -> _LayerTensors:
     """A state with one tensor, in the conv dtype (vLLM's short_conv_state_dtype and
-    linear_attention_state_dtype both take mamba_cache_dtype, else the model dtype)."""
+    linear_attention_state_dtype both take mamba_cache_dtype, else the model dtype),
+    cut over TP ranks as `cut` says."""
     conv_bytes, _ = sizing.state_bytes()
-    return _LayerTensors(GroupKind.MAMBA, None, ((name, elements * conv_bytes),))
+    return _LayerTensors(
+        GroupKind.MAMBA, None, ((name, elements * conv_bytes),), shards=(cut.shard(conv_bytes),)
+    )
 
 
 def _kinds(sizing: _Sizing, key: str, allowed: Mapping[Any, str], values: Any = None) -> list[str]:
@@ -72,6 +80,123 @@ def _kinds(sizing: _Sizing, key: str, allowed: Mapping[Any, str], values: Any = 
             raise _refuse(sizing, f"layer type {value!r}", f"{key}[{index}]")
         kinds.append(allowed[value])
     return kinds
+
+
+# --- Shared state shapes and the families profiles.py dispatches ---------------------
+
+
+def _state(
+    conv_elems: int, ssm_elems: int, sizing: _Sizing, cuts: tuple[Cut, Cut] | None = None
+) -> _LayerTensors:
+    """A conv + ssm state; `cuts` says how each is cut over TP ranks (state_shards)."""
+    conv_bytes, ssm_bytes = sizing.state_bytes()
+    shards = (cuts[0].shard(conv_bytes), cuts[1].shard(ssm_bytes)) if cuts else ()
+    return _LayerTensors(
+        GroupKind.MAMBA,
+        None,
+        (("conv", conv_elems * conv_bytes), ("ssm", ssm_elems * ssm_bytes)),
+        shards=shards,
+    )
+
+
+def gated_deltanet(sizing: _Sizing) -> _LayerTensors:
+    """Qwen3-Next linear attention: a recurrent conv + ssm state instead of KV."""
+    key_dim = sizing.positive("linear_key_head_dim")
+    value_dim = sizing.positive("linear_value_head_dim")
+    key_heads = sizing.split("linear_num_key_heads", sizing.positive("linear_num_key_heads"))
+    value_heads = sizing.split("linear_num_value_heads", sizing.positive("linear_num_value_heads"))
+    conv_dim = 2 * key_dim * key_heads + value_dim * value_heads
+    kernel = sizing.positive("linear_conv_kernel_dim")
+    all_keys, all_values = key_heads * sizing.tp, value_heads * sizing.tp
+    cuts = (
+        conv_cut(
+            kernel,
+            ((all_keys, key_dim), (all_keys, key_dim), (all_values, value_dim)),
+            sizing.conv_layout,
+        ),
+        head_cut(all_values, value_dim * key_dim),
+    )
+    return _state((kernel - 1) * conv_dim, value_heads * value_dim * key_dim, sizing, cuts)
+
+
+def jamba(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
+    period = sizing.positive("attn_layer_period")
+    offset = text.get("attn_layer_offset", 0)
+    if index % period == offset:
+        return _attention(GroupKind.FULL_ATTENTION, None, sizing)
+    intermediate = sizing.split(
+        "mamba_expand", sizing.positive("mamba_expand") * sizing.positive("hidden_size")
+    )
+    kernel, d_state = sizing.positive("mamba_d_conv"), sizing.positive("mamba_d_state")
+    return _state(
+        (kernel - 1) * intermediate,
+        intermediate * d_state,
+        sizing,
+        mamba1_cuts(sizing, intermediate * sizing.tp, kernel, d_state),
+    )
+
+
+def mamba1_cuts(sizing: _Sizing, channels: int, kernel: int, d_state: int) -> tuple[Cut, Cut]:
+    """Mamba-1: conv over `channels` split one by one, ssm (channels/tp, d_state)."""
+    return conv_cut(kernel, ((channels, 1),), sizing.conv_layout), head_cut(channels, d_state)
+
+
+def falcon_h1(text: Config, sizing: _Sizing, index: int) -> list[_LayerTensors]:
+    """Falcon-H1: a Mamba-2 mixer in every layer, attention beside it (all layers by default)."""
+    attn_layers = text.get("attn_layer_indices")
+    kinds: list[_LayerTensors] = []
+    if attn_layers is None or index in attn_layers:
+        kinds.append(_attention(GroupKind.FULL_ATTENTION, None, sizing))
+    kinds.append(
+        _mamba2_state(
+            sizing,
+            ("mamba_d_ssm", sizing.positive("mamba_d_ssm")),
+            ("mamba_n_groups", sizing.positive("mamba_n_groups")),
+            ("mamba_n_heads", sizing.positive("mamba_n_heads")),
+            sizing.positive("mamba_d_head"),
+            sizing.positive("mamba_d_state"),
+            sizing.positive("mamba_d_conv"),
+        )
+    )
+    return kinds
+
+
+def _mamba2_state(
+    sizing: _Sizing,
+    intermediate: tuple[str, int],
+    groups: tuple[str, int],
+    heads: tuple[str, int],
+    head_dim: int,
+    d_state: int,
+    d_conv: int,
+) -> _LayerTensors:
+    """One Mamba-2 layer's state on one TP rank, as vLLM's
+    MambaStateShapeCalculator.mamba2_state_shape sizes it: conv (d_conv - 1) rows of
+    intermediate/tp + 2 x groups_per_rank x d_state channels; ssm heads/tp x head_dim x
+    d_state. `intermediate`, `groups` and `heads` are (config key, value)."""
+    channels = sizing.split(*intermediate) + 2 * _groups_per_rank(*groups, sizing) * d_state
+    ssm = sizing.split(*heads) * head_dim * d_state
+    x = channel_units(intermediate[1], heads[1])
+    cuts = (
+        conv_cut(d_conv, (x, (groups[1], d_state), (groups[1], d_state)), sizing.conv_layout),
+        head_cut(heads[1], head_dim * d_state),
+    )
+    return _state((d_conv - 1) * channels, ssm, sizing, cuts)
+
+
+def _groups_per_rank(key: str, groups: int, sizing: _Sizing) -> int:
+    """Mamba-2 B/C groups on one TP rank: split when they divide, else a single group
+    replicated on every rank (vLLM adds the missing groups rather than splitting one, and
+    MambaMixer2 asserts that only one group is ever replicated)."""
+    if groups % sizing.tp == 0:
+        return groups // sizing.tp
+    if groups == 1:
+        return 1
+    raise ProfileError(
+        key,
+        f"{groups} groups on tp_size {sizing.tp}: vLLM splits B/C groups evenly or "
+        "replicates a single one, nothing else",
+    )
 
 
 # --- Mamba-1 -------------------------------------------------------------------------
@@ -89,8 +214,9 @@ def _mamba1(sizing: _Sizing, index: int) -> list[_LayerTensors]:
     else:
         intermediate = sizing.positive("expand") * sizing.positive("hidden_size")
     channels = sizing.split("intermediate_size", intermediate)
-    conv = (sizing.positive("conv_kernel") - 1) * channels
-    return [_state(conv, channels * sizing.positive("state_size"), sizing)]
+    kernel, d_state = sizing.positive("conv_kernel"), sizing.positive("state_size")
+    cuts = mamba1_cuts(sizing, intermediate, kernel, d_state)
+    return [_state((kernel - 1) * channels, channels * d_state, sizing, cuts)]
 
 
 # --- Mamba-2 families ----------------------------------------------------------------
@@ -349,7 +475,8 @@ def _minimax(sizing: _Sizing, index: int) -> list[_LayerTensors]:
     if sources[0][1][index] == FULL:
         return [_full_attention(sizing, head_dim)]
     state_heads = sizing.split("num_attention_heads", heads)
-    return [_single_state("state", state_heads * head_dim * head_dim, sizing)]
+    cut = head_cut(heads, head_dim * head_dim)
+    return [_single_state("state", state_heads * head_dim * head_dim, sizing, cut)]
 
 
 def _lfm2(sizing: _Sizing, index: int) -> list[_LayerTensors]:
@@ -361,7 +488,9 @@ def _lfm2(sizing: _Sizing, index: int) -> list[_LayerTensors]:
         return [_full_attention(sizing, _hidden_over_heads(sizing))]
     dim_key = "hidden_size" if sizing.model_type == "lfm2_moe" else "conv_dim"
     channels = sizing.split(dim_key, sizing.positive(dim_key))
-    return [_single_state("conv", (sizing.positive("conv_L_cache") - 1) * channels, sizing)]
+    kernel = sizing.positive("conv_L_cache")
+    cut = conv_cut(kernel, ((sizing.positive(dim_key), 1),), sizing.conv_layout)
+    return [_single_state("conv", (kernel - 1) * channels, sizing, cut)]
 
 
 def _declared_dtypes_read_by_vllm(reader: Reader, honoured: frozenset[str] = frozenset()) -> Reader:

@@ -15,17 +15,24 @@ Negotiation and the planner use it for groups whose blocks map by heads
 
 Inside a token-major block a rank's token is its heads one after another, so a
 run of heads read from one prefill rank is one byte range of each token:
-`HeadSlice.byte_range` says which. An MLA latent is the same on every rank (any
-rank serves); a state group sharded by heads would map the same way.
+`HeadSlice.byte_range` says which. An mla latent is read whole from one rank
+(`mla_server`). A state tensor (`layout.StateShard`) is rows of segments, each
+split over the ranks like KV heads: `state_pieces` says which byte ranges of a
+decode rank's state block come from which prefill rank. A unit replicated on the
+prefill side (Mamba-2's single B/C group) is read from the lowest replica the decode
+rank already reads for the tensor's split segments, so replication never adds a
+source.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvxfer._exceptions import LayoutError, PlanError
-from kvxfer.core.layout import EngineLayout, KVGroup, check_int
-from kvxfer.core.reblock import slicing_problem
+from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup, StateShard, check_int
+from kvxfer.core.reblock import HEAD_SPLIT_KINDS, slicing_problem
 
 
 def rank_heads(num_kv_heads: int, tp_size: int, rank: int) -> range:
@@ -157,9 +164,163 @@ def check_head_split(
         (t.name, dst.head_bytes(b, t)) for t in b.tensors
     ]:
         raise PlanError(f"{where}.tensors", "tensor names or bytes per head differ")
-    if not served_slices(src, dst, b):
+
+
+def check_state_split(
+    src: EngineLayout, a: KVGroup, dst: EngineLayout, b: KVGroup, where: str
+) -> None:
+    """Different TP sizes, a state group: both sides say how every tensor is cut, the
+    same tensors and the same cut (the planner's precondition)."""
+    for side, group in (("src", a), ("dst", b)):
+        problem = state_problem(group)
+        if problem is not None:
+            raise PlanError(f"{where}.tensors", f"{side}: {problem}")
+    if [(t.name, t.shard) for t in a.tensors] != [(t.name, t.shard) for t in b.tensors]:
+        raise PlanError(f"{where}.tensors", "tensor names or state cuts (shard) differ")
+
+
+def check_serves(src: EngineLayout, dst: EngineLayout) -> None:
+    """The source rank serves the destination rank something (different TP sizes)."""
+    if src.tp_rank not in pairing_sources(src.tp_size, dst):
         raise PlanError(
             "tp_rank",
             f"prefill rank {src.tp_rank} of {src.tp_size} holds none of decode rank "
-            f"{dst.tp_rank}'s heads (of {dst.tp_size})",
+            f"{dst.tp_rank}'s heads or state (of {dst.tp_size})",
         )
+
+
+@dataclass(frozen=True)
+class StatePiece:
+    """`length` bytes at `src_at` of prefill rank `src_rank`'s state block land at `dst_at`
+    of the decode rank's (offsets inside one block of one tensor)."""
+
+    src_rank: int
+    src_at: int
+    dst_at: int
+    length: int
+
+
+@functools.lru_cache(maxsize=1024)
+def state_pieces(
+    shard: StateShard, src_tp: int, dst_tp: int, dst_rank: int
+) -> tuple[StatePiece, ...]:
+    """Every byte of decode rank `dst_rank`'s block of a state tensor cut as `shard`,
+    with the prefill rank it comes from: grouped by prefill rank, in decode order, runs
+    contiguous on both sides coalesced."""
+    row = _row_pieces(shard, src_tp, dst_tp, dst_rank)
+    src_row, dst_row = shard.row_bytes(src_tp), shard.row_bytes(dst_tp)
+    pieces = [
+        StatePiece(p.src_rank, r * src_row + p.src_at, r * dst_row + p.dst_at, p.length)
+        for r in range(shard.rows)
+        for p in row
+    ]
+    out: list[StatePiece] = []
+    for rank in sorted({p.src_rank for p in pieces}):
+        out += _coalesce(p for p in pieces if p.src_rank == rank)
+    return tuple(out)
+
+
+def _coalesce(pieces: Iterable[StatePiece]) -> list[StatePiece]:
+    out: list[StatePiece] = []
+    for p in sorted(pieces, key=lambda p: p.dst_at):
+        last = out[-1] if out else None
+        if last and last.src_at + last.length == p.src_at and last.dst_at + last.length == p.dst_at:
+            out[-1] = StatePiece(p.src_rank, last.src_at, last.dst_at, last.length + p.length)
+        else:
+            out.append(p)
+    return out
+
+
+def _row_pieces(shard: StateShard, src_tp: int, dst_tp: int, dst_rank: int) -> list[StatePiece]:
+    """One row's pieces: split segments by intersecting rank ranges, then replicated
+    units from a replica this decode rank already reads where there is one."""
+    pieces: list[StatePiece] = []
+    replicated: list[tuple[int, int, int, int]] = []  # (segment, unit, src_at, dst_at)
+    src_at = dst_at = 0
+    for index, segment in enumerate(shard.segments):
+        heads, size = segment.heads, segment.head_bytes
+        mine = rank_heads(heads, dst_tp, dst_rank)
+        if heads >= src_tp:
+            per = heads // src_tp
+            for rank in range(mine.start // per, (mine.stop - 1) // per + 1):
+                lo, hi = max(mine.start, rank * per), min(mine.stop, (rank + 1) * per)
+                at = src_at + (lo - rank * per) * size
+                pieces.append(
+                    StatePiece(rank, at, dst_at + (lo - mine.start) * size, (hi - lo) * size)
+                )
+        else:
+            replicated += [(index, h, src_at, dst_at + i * size) for i, h in enumerate(mine)]
+        src_at += max(1, heads // src_tp) * size
+        dst_at += max(1, heads // dst_tp) * size
+    read = {p.src_rank for p in pieces}
+    for index, unit, at, to in replicated:
+        heads = shard.segments[index].heads
+        replicas = src_tp // heads
+        holders = set(range(unit * replicas, (unit + 1) * replicas)) & read
+        rank = min(holders) if holders else serving_rank(heads, src_tp, unit, dst_rank)
+        pieces.append(StatePiece(rank, at, to, shard.segments[index].head_bytes))
+    return pieces
+
+
+def state_problem(group: KVGroup) -> str | None:
+    """Why `group`'s state cannot be cut over TP ranks, or None."""
+    for tensor in group.tensors:
+        if tensor.shard is None:
+            return (
+                f"tensor '{tensor.name}': the layout does not say how it is cut over TP "
+                "ranks (shard)"
+            )
+    return None
+
+
+def served_state(
+    src: EngineLayout, dst: EngineLayout, group: KVGroup
+) -> dict[str, list[StatePiece]]:
+    """Per tensor, the pieces prefill rank `src.tp_rank` serves decode rank `dst.tp_rank`
+    (only tensors it serves something)."""
+    out: dict[str, list[StatePiece]] = {}
+    for tensor in group.tensors:
+        if tensor.shard is None:
+            raise LayoutError(f"groups[{group.group_id}].tensors['{tensor.name}'].shard", "unset")
+        pieces = state_pieces(tensor.shard, src.tp_size, dst.tp_size, dst.tp_rank)
+        mine = [p for p in pieces if p.src_rank == src.tp_rank]
+        if mine:
+            out[tensor.name] = mine
+    return out
+
+
+def group_sources(src_tp: int, dst: EngineLayout, group: KVGroup) -> set[int]:
+    """The prefill ranks (of `src_tp`) decode rank `dst.tp_rank` reads for `group`."""
+    if src_tp == dst.tp_size:
+        return {dst.tp_rank}
+    if group.kind is GroupKind.MLA:
+        return {mla_server(src_tp, dst)}
+    if group.kind in HEAD_SPLIT_KINDS:
+        if group.num_kv_heads is None:
+            return set()
+        return set(source_ranks(group.num_kv_heads, src_tp, dst.tp_size, dst.tp_rank))
+    return {
+        p.src_rank
+        for t in group.tensors
+        if t.shard is not None
+        for p in state_pieces(t.shard, src_tp, dst.tp_size, dst.tp_rank)
+    }
+
+
+def mla_server(src_tp: int, dst: EngineLayout) -> int:
+    """The prefill rank decode rank `dst.tp_rank` reads an mla latent from: it is the
+    same on every rank, so the lowest rank it reads for its other groups, else
+    rank d mod Tp (spreading latent-only readers over the prefill ranks)."""
+    others: set[int] = set()
+    for group in dst.groups:
+        if group.kind is not GroupKind.MLA:
+            others |= group_sources(src_tp, dst, group)
+    return min(others) if others else dst.tp_rank % src_tp
+
+
+def pairing_sources(src_tp: int, dst: EngineLayout) -> tuple[int, ...]:
+    """The prefill ranks decode rank `dst.tp_rank` reads, over all its groups."""
+    ranks: set[int] = set()
+    for group in dst.groups:
+        ranks |= group_sources(src_tp, dst, group)
+    return tuple(sorted(ranks))

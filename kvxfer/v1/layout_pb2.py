@@ -24,23 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvxfer/v1/layout.proto\x12\tkvxfer.v1\"B\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x04\"\xa3\x02\n\x07KVGroup\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.kvxfer.v1.GroupKind\x12\x1b\n\x0esliding_window\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06layers\x18\x04 \x03(\r\x12&\n\x07tensors\x18\x05 \x03(\x0b\x32\x15.kvxfer.v1.TensorSpec\x12\x17\n\nblock_size\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nchunk_size\x18\x07 \x01(\rH\x02\x88\x01\x01\x12\x19\n\x0cnum_kv_heads\x18\x08 \x01(\rH\x03\x88\x01\x01\x42\x11\n\x0f_sliding_windowB\r\n\x0b_block_sizeB\r\n\x0b_chunk_sizeB\x0f\n\r_num_kv_heads\"{\n\x06Region\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x62uffer\x18\x02 \x01(\t\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x14\n\x0cstride_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x06 \x01(\x04\"\xd7\x01\n\x0c\x45ngineLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\"\n\x06groups\x18\x07 \x03(\x0b\x32\x12.kvxfer.v1.KVGroup\x12\"\n\x07regions\x18\x08 \x03(\x0b\x32\x11.kvxfer.v1.Region\x12\x13\n\x0btoken_major\x18\t \x01(\x08\"E\n\tBlockSpan\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\x04*\xad\x01\n\tGroupKind\x12\x1a\n\x16GROUP_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19GROUP_KIND_FULL_ATTENTION\x10\x01\x12\x1d\n\x19GROUP_KIND_SLIDING_WINDOW\x10\x02\x12\x14\n\x10GROUP_KIND_MAMBA\x10\x03\x12\x12\n\x0eGROUP_KIND_MLA\x10\x04\x12\x1c\n\x18GROUP_KIND_CHUNKED_LOCAL\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvxfer/v1/layout.proto\x12\tkvxfer.v1\"1\n\x0cShardSegment\x12\r\n\x05heads\x18\x01 \x01(\r\x12\x12\n\nhead_bytes\x18\x02 \x01(\x04\"E\n\nStateShard\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12)\n\x08segments\x18\x02 \x03(\x0b\x32\x17.kvxfer.v1.ShardSegment\"w\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x04\x12)\n\x05shard\x18\x04 \x01(\x0b\x32\x15.kvxfer.v1.StateShardH\x00\x88\x01\x01\x42\x08\n\x06_shard\"\xa3\x02\n\x07KVGroup\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.kvxfer.v1.GroupKind\x12\x1b\n\x0esliding_window\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06layers\x18\x04 \x03(\r\x12&\n\x07tensors\x18\x05 \x03(\x0b\x32\x15.kvxfer.v1.TensorSpec\x12\x17\n\nblock_size\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nchunk_size\x18\x07 \x01(\rH\x02\x88\x01\x01\x12\x19\n\x0cnum_kv_heads\x18\x08 \x01(\rH\x03\x88\x01\x01\x42\x11\n\x0f_sliding_windowB\r\n\x0b_block_sizeB\r\n\x0b_chunk_sizeB\x0f\n\r_num_kv_heads\"{\n\x06Region\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x62uffer\x18\x02 \x01(\t\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x14\n\x0cstride_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x06 \x01(\x04\"\xd7\x01\n\x0c\x45ngineLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\"\n\x06groups\x18\x07 \x03(\x0b\x32\x12.kvxfer.v1.KVGroup\x12\"\n\x07regions\x18\x08 \x03(\x0b\x32\x11.kvxfer.v1.Region\x12\x13\n\x0btoken_major\x18\t \x01(\x08\"E\n\tBlockSpan\x12\x10\n\x08group_id\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\x04*\xad\x01\n\tGroupKind\x12\x1a\n\x16GROUP_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19GROUP_KIND_FULL_ATTENTION\x10\x01\x12\x1d\n\x19GROUP_KIND_SLIDING_WINDOW\x10\x02\x12\x14\n\x10GROUP_KIND_MAMBA\x10\x03\x12\x12\n\x0eGROUP_KIND_MLA\x10\x04\x12\x1c\n\x18GROUP_KIND_CHUNKED_LOCAL\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvxfer.v1.layout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GROUPKIND']._serialized_start=814
-  _globals['_GROUPKIND']._serialized_end=987
-  _globals['_TENSORSPEC']._serialized_start=37
-  _globals['_TENSORSPEC']._serialized_end=103
-  _globals['_KVGROUP']._serialized_start=106
-  _globals['_KVGROUP']._serialized_end=397
-  _globals['_REGION']._serialized_start=399
-  _globals['_REGION']._serialized_end=522
-  _globals['_ENGINELAYOUT']._serialized_start=525
-  _globals['_ENGINELAYOUT']._serialized_end=740
-  _globals['_BLOCKSPAN']._serialized_start=742
-  _globals['_BLOCKSPAN']._serialized_end=811
+  _globals['_GROUPKIND']._serialized_start=989
+  _globals['_GROUPKIND']._serialized_end=1162
+  _globals['_SHARDSEGMENT']._serialized_start=37
+  _globals['_SHARDSEGMENT']._serialized_end=86
+  _globals['_STATESHARD']._serialized_start=88
+  _globals['_STATESHARD']._serialized_end=157
+  _globals['_TENSORSPEC']._serialized_start=159
+  _globals['_TENSORSPEC']._serialized_end=278
+  _globals['_KVGROUP']._serialized_start=281
+  _globals['_KVGROUP']._serialized_end=572
+  _globals['_REGION']._serialized_start=574
+  _globals['_REGION']._serialized_end=697
+  _globals['_ENGINELAYOUT']._serialized_start=700
+  _globals['_ENGINELAYOUT']._serialized_end=915
+  _globals['_BLOCKSPAN']._serialized_start=917
+  _globals['_BLOCKSPAN']._serialized_end=986
 # @@protoc_insertion_point(module_scope)

@@ -11,6 +11,9 @@ History:
   GROUP_KIND_CHUNKED_LOCAL and KVGroup.chunk_size (added within protocol 1):
   Llama 4's chunked local attention. An old reader refuses the unknown kind
   ("unknown group kind 5"), so it is never mistaken for another kind.
+  TensorSpec.shard (optional, added within protocol 1): how a state tensor is cut
+  over TP ranks, what a pairing of different TP sizes needs for a mamba group. An
+  old reader ignores it and refuses different TP sizes for state, as it always did.
 """
 
 from collections import abc as _abc
@@ -61,6 +64,62 @@ GROUP_KIND_CHUNKED_LOCAL: GroupKind.ValueType  # 5
 Global___GroupKind: _TypeAlias = GroupKind  # noqa: Y015
 
 @_typing.final
+class ShardSegment(_message.Message):
+    """One stretch of a state tensor's row, split over TP ranks like KV heads: `heads`
+    units for the whole model (heads, channels or B/C groups), `head_bytes` bytes of one
+    unit in one row. With T ranks, rank r holds a contiguous 1/T of the units when T
+    divides `heads`, else (T a multiple of `heads`) unit r / (T / heads), replicated.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADS_FIELD_NUMBER: _builtins.int
+    HEAD_BYTES_FIELD_NUMBER: _builtins.int
+    heads: _builtins.int
+    head_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        heads: _builtins.int = ...,
+        head_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["head_bytes", b"head_bytes", "heads", b"heads"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardSegment: _TypeAlias = ShardSegment  # noqa: Y015
+
+@_typing.final
+class StateShard(_message.Message):
+    """How a state tensor is cut over TP ranks: on every rank its block is `rows` equal
+    rows, each row the rank's part of every segment in order (a conv state stored
+    (kernel - 1, channels) has kernel - 1 rows; a recurrent state one row of heads).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROWS_FIELD_NUMBER: _builtins.int
+    SEGMENTS_FIELD_NUMBER: _builtins.int
+    rows: _builtins.int
+    @_builtins.property
+    def segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardSegment]: ...
+    def __init__(
+        self,
+        *,
+        rows: _builtins.int = ...,
+        segments: _abc.Iterable[Global___ShardSegment] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rows", b"rows", "segments", b"segments"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StateShard: _TypeAlias = StateShard  # noqa: Y015
+
+@_typing.final
 class TensorSpec(_message.Message):
     """One per-layer sub-tensor of a group; `name` is the region that holds it."""
 
@@ -69,21 +128,29 @@ class TensorSpec(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     LAYER_FIELD_NUMBER: _builtins.int
     BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    SHARD_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     layer: _builtins.int
     bytes_per_block: _builtins.int
+    @_builtins.property
+    def shard(self) -> Global___StateShard:
+        """Set only on a state (mamba) group's tensors; unset: different TP sizes are refused."""
+
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         layer: _builtins.int = ...,
         bytes_per_block: _builtins.int = ...,
+        shard: Global___StateShard | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_shard", b"_shard", "shard", b"shard"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_block", b"bytes_per_block", "layer", b"layer", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_shard", b"_shard", "bytes_per_block", b"bytes_per_block", "layer", b"layer", "name", b"name", "shard", b"shard"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__shard: _TypeAlias = _typing.Literal["shard"]  # noqa: Y015
+    _WhichOneofArgType__shard: _TypeAlias = _typing.Literal["_shard", b"_shard"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__shard) -> _WhichOneofReturnType__shard | None: ...
 
 Global___TensorSpec: _TypeAlias = TensorSpec  # noqa: Y015
 

@@ -11,6 +11,9 @@ History:
   GROUP_KIND_CHUNKED_LOCAL and KVGroup.chunk_size (added within protocol 1):
   Llama 4's chunked local attention. An old reader refuses the unknown kind
   ("unknown group kind 5"), so it is never mistaken for another kind.
+  TensorSpec.shard (optional, added within protocol 1): how a state tensor is cut
+  over TP ranks, what a pairing of different TP sizes needs for a mamba group. An
+  old reader ignores it and refuses different TP sizes for state, as it always did.
 """
 
 from collections import abc as _abc

@@ -18,6 +18,8 @@ from kvxfer.core.layout import (
     GroupKind,
     KVGroup,
     Region,
+    ShardSegment,
+    StateShard,
     TensorSpec,
 )
 from kvxfer.v1 import layout_pb2 as pb
@@ -51,10 +53,7 @@ def _group_to_proto(group: KVGroup) -> pb.KVGroup:
         group_id=group.group_id,
         kind=_KIND_TO_PB[group.kind],
         layers=list(group.layers),
-        tensors=[
-            pb.TensorSpec(name=t.name, layer=t.layer, bytes_per_block=t.bytes_per_block)
-            for t in group.tensors
-        ],
+        tensors=[_tensor_to_proto(t) for t in group.tensors],
     )
     if group.sliding_window is not None:
         message.sliding_window = group.sliding_window
@@ -124,13 +123,49 @@ def _group_from_proto(message: pb.KVGroup, index: int) -> KVGroup:
         kind=kind,
         sliding_window=message.sliding_window if message.HasField("sliding_window") else None,
         layers=tuple(message.layers),
-        tensors=tuple(
-            TensorSpec(name=t.name, layer=t.layer, bytes_per_block=t.bytes_per_block)
-            for t in message.tensors
-        ),
+        tensors=tuple(_tensor_from_proto(t, index, i) for i, t in enumerate(message.tensors)),
         block_size=message.block_size if message.HasField("block_size") else None,
         chunk_size=message.chunk_size if message.HasField("chunk_size") else None,
         num_kv_heads=message.num_kv_heads if message.HasField("num_kv_heads") else None,
+    )
+
+
+# Segments of one state tensor's row: [x | B | C] or [q | k | v] need three; a bound
+# keeps a hostile message from costing more than it could mean.
+MAX_SHARD_SEGMENTS = 64
+
+
+def _tensor_to_proto(tensor: TensorSpec) -> pb.TensorSpec:
+    message = pb.TensorSpec(
+        name=tensor.name, layer=tensor.layer, bytes_per_block=tensor.bytes_per_block
+    )
+    if tensor.shard is not None:
+        message.shard.rows = tensor.shard.rows
+        message.shard.segments.extend(
+            pb.ShardSegment(heads=s.heads, head_bytes=s.head_bytes) for s in tensor.shard.segments
+        )
+    return message
+
+
+def _tensor_from_proto(message: pb.TensorSpec, group: int, index: int) -> TensorSpec:
+    shard = None
+    if message.HasField("shard"):
+        where = f"groups[{group}].tensors[{index}].shard"
+        if len(message.shard.segments) > MAX_SHARD_SEGMENTS:
+            raise LayoutError(
+                f"{where}.segments",
+                f"{len(message.shard.segments)} segments, at most {MAX_SHARD_SEGMENTS}",
+            )
+        shard = StateShard(
+            message.shard.rows,
+            tuple(ShardSegment(s.heads, s.head_bytes) for s in message.shard.segments),
+        )
+        shard.check(where)  # named by position here, before the tensor's name is known
+    return TensorSpec(
+        name=message.name,
+        layer=message.layer,
+        bytes_per_block=message.bytes_per_block,
+        shard=shard,
     )
 
 
