@@ -242,8 +242,7 @@ class _TpCase:
         peers: dict[bytes, str] = {}
         for reader in self.decode:
             for source in self.prefill:
-                if not any(served_slices(source.layout, reader.layout, g)
-                           for g in reader.layout.groups):  # fmt: skip
+                if not _serves(source.layout, reader.layout):
                     continue
                 hello = await fetch_hello(
                     self.run.prefill.ready["peer_address"], reader.layout, dry_run=False,
@@ -360,7 +359,16 @@ async def _pump(rank: _Rank) -> None:
             future.set_result(event)
 
 
+def _serves(source: EngineLayout, reader: EngineLayout) -> bool:
+    """Whether this prefill rank serves this decode rank any heads (equal TP: its own
+    rank, whatever the groups, state groups included)."""
+    if source.tp_size == reader.tp_size:
+        return source.tp_rank == reader.tp_rank
+    return any(served_slices(source, reader, g) for g in reader.groups)
+
+
 async def _cancel(tasks: Sequence[asyncio.Task[None]]) -> None:
+    """Stop the event pumps; bounded, so that a failed case never hangs the bench."""
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.wait(tasks, timeout=5)
