@@ -127,7 +127,9 @@ def test_bench_reports_tp_pairings_beside_equal_tp() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(hosts.unavailable() is not None, reason=f"{hosts.unavailable()}")
 def test_multihost_bench_moves_its_bytes_over_the_veth() -> None:
-    report = _bench("--multihost", "--tp", "2:1", "--concurrency", "1,2")
+    report = _bench(
+        "--multihost", "--tp", "2:1", "--concurrency", "1,2", "--concurrency-sizes", "1k"
+    )
     _check_pairings(report, [(1, 1), (2, 1)])
     assert [level["concurrency"] for level in report["concurrency"]] == [1, 2]
     assert all(level["errors"] == 0 for level in report["concurrency"])
