@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvxfer.cli import hosts
+from kvxfer._exceptions import InvalidInputError
+from kvxfer.cli import bench_multihost, hosts
 from kvxfer.cli.bench_table import report_text
 from kvxfer.cli.bench_tp import Pairing, min_bytes, pairings, refusal
 from kvxfer.cli.fleet import BIN
@@ -141,3 +142,11 @@ def test_multihost_bench_moves_its_bytes_over_the_veth() -> None:
     assert link["prefill_link_tx_bytes"] > 3 * case["bytes"] + 2 * sum(
         r["bytes"] for r in report["pairings"]
     )
+
+
+def test_multihost_without_namespaces_is_refused_naming_the_option(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bench_multihost, "unavailable", lambda: "creating namespaces needs root")
+    with pytest.raises(InvalidInputError, match=r"--multihost.*needs root"):
+        bench_multihost.run_in_hosts(["bench", "--multihost"])
