@@ -125,12 +125,18 @@ def raw_posts(agent: Any, posts: Sequence[tuple[str, DescArray, DescArray]]) -> 
     in the order they finished."""
     start = time.perf_counter()
     pending = []
-    for peer, local, remote in posts:
-        handle = agent.initialize_xfer(
-            "READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer
-        )
-        agent.transfer(handle)
-        pending.append(handle)
+    try:
+        for peer, local, remote in posts:
+            handle = agent.initialize_xfer(
+                "READ",
+                agent.get_xfer_descs(local, "DRAM"),
+                agent.get_xfer_descs(remote, "DRAM"),
+                peer,
+            )
+            agent.transfer(handle)
+            pending.append(handle)
+    except Exception as exc:  # NIXL's own errors (a peer that went away): the bench's report
+        raise KvxferError(f"raw NIXL could not post a read: {type(exc).__name__}: {exc}") from exc
     done: list[float] = []
     while pending:
         still = []
