@@ -2,7 +2,7 @@
 
 The data plane alone (two processes, no sidecars, no gRPC); `kvxfer-cli bench`
 measures kvxfer end to end through both sidecars. The raw and per-block
-methods are shared with it (`kvxfer.cli.bench`).
+methods are shared with it (`kvxfer.cli.bench`, `kvxfer.cli.bench_raw`).
 
 One run, the same two processes and the same shared-memory buffers for every
 method, so the ratios are side by side:
@@ -36,14 +36,16 @@ from kvxfer.cli.bench import (
     SHM_BUDGET,
     Method,
     engine_bytes,
-    handle_setup,
     mem_available,
     memcpy_round,
+    run_rounds,
+    summarize,
+)
+from kvxfer.cli.bench_raw import (
+    handle_setup,
     per_block_read,
     raw_read,
-    run_rounds,
     split_per_block,
-    summarize,
     whole_descriptors,
 )
 from kvxfer.cli.bench_table import rounds_text

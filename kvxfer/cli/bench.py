@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import mmap
 import os
@@ -42,7 +43,9 @@ from kvxfer.cli.bench_concurrency import (
     measure_levels,
     raw_burst,
 )
+from kvxfer.cli.bench_raw import per_block_read, raw_read, split_per_block, whole_descriptors
 from kvxfer.cli.bench_table import report_text
+from kvxfer.cli.bench_tp import Pairing, PairingRun, measure_pairings, pairings
 from kvxfer.cli.fleet import (
     EngineView,
     Fleet,
@@ -55,7 +58,7 @@ from kvxfer.cli.fleet import (
 from kvxfer.cli.main import EXIT_OK
 from kvxfer.cli.render import Progress
 from kvxfer.client.engine import EngineClient
-from kvxfer.core.buffers import BoundBuffer, BufferHandle, MemoryKind
+from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
 from kvxfer.core.planner import (
     TransferPlan,
@@ -67,7 +70,7 @@ from kvxfer.core.planner import (
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
 from kvxfer.dataplane.adapter import NixlAgent
-from kvxfer.dataplane.descriptors import DescArray, chunk_arrays
+from kvxfer.dataplane.descriptors import DescArray
 from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
 from kvxfer.wire.sidecar import PeerHello
 
@@ -75,113 +78,6 @@ MODELS = ("gpt-oss-20b", "gemma-3-4b-it", "llama-3.1-8b", "qwen3-next-80b-a3b")
 SIZES = {"1k": 1024, "16k": 16384, "128k": 131072}
 BLOCK = 16
 SHM_BUDGET = 0.6  # of MemAvailable, for both engines of a model together
-
-
-# -- raw NIXL, run on the bench agent's thread (no nixl import here) -------------
-
-
-def _wait(agent: Any, handle: Any) -> None:
-    while (state := agent.check_xfer_state(handle)) == "PROC":
-        pass
-    agent.release_xfer_handle(handle)
-    if state != "DONE":
-        raise KvxferError(f"raw NIXL transfer ended {state}")
-
-
-def raw_read(agent: Any, peer: str, local: DescArray, remote: DescArray) -> float:
-    """One READ handle over coalesced descriptors; seconds from create to done."""
-    start = time.perf_counter()
-    handle = agent.initialize_xfer(
-        "READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer
-    )
-    agent.transfer(handle)
-    _wait(agent, handle)
-    return time.perf_counter() - start
-
-
-def per_block_read(agent: Any, peer: str, local: DescArray, remote: DescArray) -> float:
-    """Prepared per-block lists (prepared once per peer by a connector, so not timed),
-    then one make_prepped_xfer with every index."""
-    local_list = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
-    remote_list = agent.prep_xfer_dlist(peer, remote, "DRAM")
-    indices = np.arange(len(local), dtype=np.int32)
-    start = time.perf_counter()
-    handle = agent.make_prepped_xfer("READ", local_list, indices, remote_list, indices)
-    agent.transfer(handle)
-    _wait(agent, handle)
-    elapsed = time.perf_counter() - start
-    agent.release_dlist_handle(local_list)
-    agent.release_dlist_handle(remote_list)
-    return elapsed
-
-
-def handle_setup(
-    agent: Any,
-    peer: str,
-    chunks: Sequence[tuple[DescArray, DescArray]],
-    block_local: DescArray,
-    block_remote: DescArray,
-) -> dict[str, float]:
-    """What it costs NIXL to set a request's handles up, transferring nothing (seconds):
-
-    - coalesced: kvxfer's way, per request: descriptor lists and a handle per chunk
-      from its coalesced (src, dst) arrays
-    - prepped:   the prepared-list way, per request: one make_prepped_xfer over every
-      (region, block) index of lists prepared beforehand
-    - prep_once: preparing those per-block lists (once per peer and registration)
-    """
-    start = time.perf_counter()
-    for src, dst in chunks:
-        handle = agent.initialize_xfer(
-            "READ", agent.get_xfer_descs(dst, "DRAM"), agent.get_xfer_descs(src, "DRAM"), peer
-        )
-        agent.release_xfer_handle(handle)
-    coalesced = time.perf_counter() - start
-    start = time.perf_counter()
-    local_list = agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_local, "DRAM")
-    remote_list = agent.prep_xfer_dlist(peer, block_remote, "DRAM")
-    prep_once = time.perf_counter() - start
-    indices = np.arange(len(block_local), dtype=np.int32)
-    start = time.perf_counter()
-    handle = agent.make_prepped_xfer("READ", local_list, indices, remote_list, indices)
-    agent.release_xfer_handle(handle)
-    prepped = time.perf_counter() - start
-    agent.release_dlist_handle(local_list)
-    agent.release_dlist_handle(remote_list)
-    return {"coalesced": coalesced, "prepped": prepped, "prep_once": prep_once}
-
-
-def split_per_block(
-    src: DescArray, dst: DescArray, block_bytes: Sequence[int]
-) -> tuple[DescArray, DescArray]:
-    """Cut each coalesced descriptor into block-sized ones."""
-    out_s, out_d = [], []
-    for (s_addr, length, s_dev), (d_addr, _, d_dev), size in zip(
-        src, dst, block_bytes, strict=True
-    ):
-        offsets = np.arange(int(length) // size, dtype=np.uint64) * np.uint64(size)
-        out_s.append(_blocks(s_addr + offsets, size, int(s_dev)))
-        out_d.append(_blocks(d_addr + offsets, size, int(d_dev)))
-    return np.concatenate(out_s), np.concatenate(out_d)
-
-
-def _blocks(addresses: DescArray, size: int, device: int) -> DescArray:
-    count = len(addresses)
-    columns = [addresses, np.full(count, size, np.uint64), np.full(count, device, np.uint64)]
-    return np.stack(columns, axis=1)
-
-
-def whole_descriptors(
-    plan: TransferPlan, src: dict[str, BoundBuffer], dst: dict[str, BoundBuffer]
-) -> tuple[DescArray, DescArray, list[int]]:
-    """Coalesced (src, dst) descriptors of a plan planned as one chunk per group, and
-    each descriptor's block size."""
-    pieces = [chunk_arrays(c, src, dst) for c in plan.chunks]
-    sizes = []
-    for chunk, (s, _) in zip(plan.chunks, pieces, strict=True):
-        per_region = len(s) // len(chunk.regions)
-        sizes += [pair.src.block_bytes for pair in chunk.regions for _ in range(per_region)]
-    return np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces]), sizes
 
 
 def memcpy_round(plan: TransferPlan, src: Callable[[str], Any], dst: Callable[[str], Any]) -> float:
@@ -275,9 +171,23 @@ def run_bench(args: argparse.Namespace) -> int:
         level_sizes=args.concurrency_sizes or ["1k", "16k"],
         level_rounds=1 if args.quick else 2,
         level_max_bytes=int((args.concurrency_max_gib or DEFAULT_MAX_GIB) * 2**30),
+        pairings=tuple(pairings(args.tp, args.modes)) if args.tp else (),
     )
-    with local_fleet("kvxfer-bench-", "kvxfer-cli bench") as fleet:
+    scope: contextlib.AbstractContextManager[Fleet] = local_fleet(
+        "kvxfer-bench-", "kvxfer-cli bench"
+    )
+    hosts = None
+    if args.multihost:
+        from kvxfer.cli import bench_multihost as multihost  # noqa: PLC0415
+
+        hosts = multihost.inside()
+        if hosts is None:  # make the hosts and run again inside the decode one
+            return multihost.run_in_hosts(args.argv)
+        scope = multihost.host_fleet(hosts)
+    with scope as fleet:
         report = run_until_interrupted(_bench(models, options, fleet))
+        if hosts is not None:
+            report["multihost"] = multihost.describe(hosts)
     if args.json:
         print(json.dumps(report))
     else:
@@ -294,6 +204,7 @@ class _Options:
     level_sizes: Sequence[str] = ("1k",)
     level_rounds: int = 1
     level_max_bytes: int = int(DEFAULT_MAX_GIB * 2**30)
+    pairings: tuple[Pairing, ...] = ()  # TP sizes and modes, beside equal TP (bench_tp)
 
 
 async def _bench(models: Sequence[str], options: _Options, fleet: Fleet) -> dict[str, Any]:
@@ -321,6 +232,8 @@ async def _measure(
     }
     if options.levels:
         report["concurrency"] = []
+    if options.pairings:
+        report["pairings"] = []
     agent = NixlAgent("kvxfer-bench")
     try:
         for setup in setups:
@@ -355,6 +268,13 @@ async def _measure(
                     asyncio.to_thread(fleet.stop_engine, pe),
                     asyncio.to_thread(fleet.stop_engine, de),
                 )
+            if options.pairings:
+                run = PairingRun(fleet, p, d, agent, BLOCK, setup.engine_args, repeat, run_rounds)
+                tokens = [SIZES[s] for s in setup.sizes if s in sizes]
+                rows, skipped = await measure_pairings(run, setup.model, tokens, options.pairings)
+                report["pairings"] += rows
+                report["skipped"] += skipped
+                progress.note(f"{setup.model}: {len(rows)} TP pairing cases")
     finally:
         await agent.close()
     report["handshake_ms_p50"] = _median_of(report["handshakes"], "handshake_ms")
@@ -425,7 +345,6 @@ class _Case:
 
     @classmethod
     def open(cls, agent: NixlAgent, p: Proc, d: Proc, pe: EngineView, de: EngineView) -> Any:
-        import contextlib  # noqa: PLC0415
 
         @contextlib.asynccontextmanager
         async def scope() -> Any:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvxfer._exceptions import KvxferError
+from kvxfer.cli.bench_raw import raw_posts
 from kvxfer.cli.fleet import rss_excluding_shm_bytes
 from kvxfer.dataplane.descriptors import DescArray
 
@@ -87,29 +88,9 @@ def summarize_bursts(
 def raw_burst(agent: Any, peer: str, local: DescArray, remote: DescArray, level: int) -> Burst:
     """On the bench agent's thread: `level` READ handles created and posted one after
     the other, then polled until every one is done; each one's time is from the start."""
-    burst = Burst()
     start = time.perf_counter()
-    pending = []
-    for _ in range(level):
-        handle = agent.initialize_xfer(
-            "READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer
-        )
-        agent.transfer(handle)
-        pending.append(handle)
-    while pending:
-        still = []
-        for handle in pending:
-            state = agent.check_xfer_state(handle)
-            if state == "PROC":
-                still.append(handle)
-                continue
-            agent.release_xfer_handle(handle)
-            if state != "DONE":
-                raise KvxferError(f"raw NIXL transfer ended {state}")
-            burst.latencies_s.append(time.perf_counter() - start)
-        pending = still
-    burst.wall_s = time.perf_counter() - start
-    return burst
+    latencies = raw_posts(agent, [(peer, local, remote)] * level)
+    return Burst(time.perf_counter() - start, latencies)
 
 
 PullOnce = Callable[[], Awaitable[None]]

@@ -24,6 +24,13 @@ _CASE_COLUMNS = [
     *_right("per round (min-max)", "overhead", "vs full attn"),
 ]
 
+_PAIRING_COLUMNS = [
+    Column("model"),
+    *_right("tokens", "TP p->d", "mode", "pulls", "descs", "MiB", "vs min", "raw GB/s"),
+    *_right("kvxfer"),
+    *_right("kvx/raw", "per round (min-max)", "raw p50/p99 ms", "kvxfer p50/p99 ms"),
+]
+
 _LEVEL_COLUMNS = [
     Column("model"),
     *_right("tokens", "pulls", "raw GB/s", "kvxfer", "kvx/raw", "raw p50/p99 ms"),
@@ -53,11 +60,17 @@ def report_text(report: dict[str, Any]) -> str:
             f"{h['model']}: handshake {h['handshake_ms']} ms; first pull {h['first_pull_ms']} ms, "
             f"next {h['next_pull_ms']} ms (one block)"
         )
+    if report.get("pairings"):
+        lines += ["", *pairings_table(report["pairings"])]
     if report.get("concurrency"):
         lines += ["", *levels_table(report["concurrency"])]
     for s in report["skipped"]:
-        size = f"{s['tokens']} x {s['concurrency']}" if "concurrency" in s else s["tokens"]
-        lines.append(f"skipped {s['model']} {size}: {s['reason']}")
+        what = s.get("pairing") or (
+            f"{s['tokens']} x {s['concurrency']}" if "concurrency" in s else s["tokens"]
+        )
+        lines.append(f"skipped {s['model']} {what}: {s['reason']}")
+    if "multihost" in report:
+        lines.append(f"between hosts: {report['multihost']['transport']}")
     return "\n".join(lines)
 
 
@@ -77,6 +90,25 @@ def levels_table(rows: Sequence[dict[str, Any]]) -> list[str]:
         *table(_LEVEL_COLUMNS, cells).splitlines(),
         "(pulls at once; GB/s of all pulls over the burst's wall time; latency from the "
         "burst's start; CPU in cores and RSS without shared memory, prefill/decode sidecar)",
+    ]
+
+
+def pairings_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The TP pairing rows as text lines."""
+    cells = []
+    for r in rows:
+        cells.append([
+            r["model"], str(r["tokens"]), f"{r['prefill_tp']}->{r['decode_tp']}", r["mode"],
+            str(r["pulls"]), str(r["descriptors"]), f"{r['bytes'] / 2**20:.1f}",
+            f"{r['bytes_vs_min']:.3f}", f"{r['raw_nixl_gbps']:.2f}", f"{r['kvxfer_gbps']:.2f}",
+            f"{r['kvxfer_vs_raw']:.3f}", rounds_text(r), _pair(r["raw_ms_p50"], r["raw_ms_p99"]),
+            _pair(r["kvxfer_ms_p50"], r["kvxfer_ms_p99"]),
+        ])  # fmt: skip
+    return [
+        *table(_PAIRING_COLUMNS, cells).splitlines(),
+        "(one request: every (prefill rank, decode rank) pull at once, until the last is "
+        "done; raw posts the same descriptors; vs min = bytes moved / the decode ranks' "
+        "exact need)",
     ]
 
 

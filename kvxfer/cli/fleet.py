@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -247,6 +247,17 @@ def rss_excluding_shm_bytes(pid: int) -> int:
     return fields["RssAnon"] + fields["RssFile"]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a sidecar and its engines run: `prefix` before their command lines (e.g.
+    `ip netns exec NS env ...`), the address the sidecar serves peers on, and flags
+    the sidecar needs there."""
+
+    prefix: tuple[str, ...] = ()
+    peer_host: str = "127.0.0.1"
+    sidecar_args: tuple[str, ...] = ()
+
+
 class Fleet:
     """The processes of one demo, bench or test; `close()` leaves nothing behind."""
 
@@ -256,13 +267,22 @@ class Fleet:
         self.engines: list[EngineView] = []
         self.keep_logs = False  # local_fleet keeps workdir (and says where) when set
 
+    def placement(self, sidecar_id: str) -> Placement:
+        """Where sidecar `sidecar_id` and its engines run: here (a subclass may say
+        elsewhere, as the multi-host bench does)."""
+        del sidecar_id
+        return Placement()
+
     def sidecar(self, name: str, *args: str, peer_port: int = 0) -> Proc:
+        where = self.placement(name)
         argv = [
+            *where.prefix,
             str(BIN / "kvxfer-server"),
-            "--peer-address", f"127.0.0.1:{peer_port}",
+            "--peer-address", f"{where.peer_host}:{peer_port}",
             "--engine-address", f"unix:{self.workdir / name}.sock",
             "--metrics-address", "127.0.0.1:0",
             "--sidecar-id", name,
+            *where.sidecar_args,
             *args,
         ]  # fmt: skip
         proc = spawn(f"sidecar {name}", argv, _fresh(self.workdir / f"{name}.log"))
@@ -271,6 +291,7 @@ class Fleet:
 
     def engine(self, sidecar: Proc, model: str, role: str, *args: str) -> EngineView:
         argv = [
+            *self.placement(str(sidecar.ready["sidecar_id"])).prefix,
             str(BIN / "kvxfer-cli"), "engine-sim",
             "--sidecar", sidecar.ready["engine_address"],
             "--model", model,
@@ -319,12 +340,13 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def local_fleet(prefix: str, label: str) -> Iterator[Fleet]:
-    """A Fleet in a fresh /tmp/PREFIX* directory. On the way out every process is stopped
-    (SIGINT is ignored meanwhile: a second Ctrl-C cannot cut the cleanup short) and the
-    directory removed, unless the run failed (an error, or `fleet.keep_logs` set): then
-    its logs are kept and `label` names where. Ctrl-C is not a failure."""
-    fleet = Fleet(Path(tempfile.mkdtemp(prefix=prefix)))
+def local_fleet(prefix: str, label: str, make: Callable[[Path], Fleet] = Fleet) -> Iterator[Fleet]:
+    """A Fleet (`make(workdir)`) in a fresh /tmp/PREFIX* directory. On the way out every
+    process is stopped (SIGINT is ignored meanwhile: a second Ctrl-C cannot cut the
+    cleanup short) and the directory removed, unless the run failed (an error, or
+    `fleet.keep_logs` set): then its logs are kept and `label` names where. Ctrl-C is
+    not a failure."""
+    fleet = make(Path(tempfile.mkdtemp(prefix=prefix)))
     failed = interrupted = False
     try:
         yield fleet

@@ -104,6 +104,31 @@ def concurrency_levels(text: str) -> tuple[int, ...]:
     return levels
 
 
+MODES = ("pull",)  # transfer modes the bench measures; push joins with issue 15, item 3
+NOT_YET = {"push": "push (WRITE) is not available yet (issue 15, item 3); only pull"}
+
+
+def tp_pair(text: str) -> tuple[int, int]:
+    """`--tp` entries: PREFILL_TP:DECODE_TP, both positive."""
+    p, sep, d = text.partition(":")
+    if not (sep and p.isdigit() and d.isdigit() and int(p) > 0 and int(d) > 0):
+        raise argparse.ArgumentTypeError(
+            f"--tp: expected PREFILL_TP:DECODE_TP (positive integers, e.g. 1:2), got {text!r}"
+        )
+    return int(p), int(d)
+
+
+def transfer_mode(text: str) -> str:
+    """`--modes` entries."""
+    if text in NOT_YET:
+        raise argparse.ArgumentTypeError(f"--modes: {NOT_YET[text]}")
+    if text not in MODES:
+        raise argparse.ArgumentTypeError(
+            f"--modes: expected one of {', '.join(MODES)}, got {text!r}"
+        )
+    return text
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -154,7 +179,31 @@ def _add_bench(commands: Any) -> None:
         type=positive_float,
         help="skip a burst that would move more than this (32 GiB)",
     )
+    _add_bench_pairings(bench)
     bench.set_defaults(run=_lazy("kvxfer.cli.bench", "run_bench"))
+
+
+def _add_bench_pairings(bench: Any) -> None:
+    bench.add_argument(
+        "--tp",
+        nargs="+",
+        type=tp_pair,
+        metavar="P:D",
+        help="also prefill TP P -> decode TP D (e.g. 1:2 2:1), beside 1:1, per model and size",
+    )
+    bench.add_argument(
+        "--modes",
+        nargs="+",
+        type=transfer_mode,
+        default=["pull"],
+        metavar="MODE",
+        help="transfer modes of the --tp cases (pull; push is not available yet)",
+    )
+    bench.add_argument(
+        "--multihost",
+        action="store_true",
+        help="sidecars in two network namespaces over UCX TCP (root; docs/benchmarks.md)",
+    )
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -397,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except UsageError as exc:
         return report_error(exc, as_json)
+    args.argv = argv  # as given: `bench --multihost` runs itself again inside a namespace
     if args.command is None:  # bare `kvxfer-cli`: what can it do?
         print(parser.format_help(), end="", file=sys.stderr)
         return EXIT_USAGE
