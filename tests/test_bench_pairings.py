@@ -45,8 +45,9 @@ def test_equal_tp_comes_first_once_and_every_mode_is_a_case() -> None:
 def test_a_pairing_negotiation_refuses_is_skipped_with_its_reason() -> None:
     assert refusal("gpt-oss-20b", Pairing(1, 2), 16) is None
     assert refusal("gemma-3-4b-it", Pairing(2, 1), 16) is None
-    reason = refusal("qwen3-next-80b-a3b", Pairing(1, 2), 16)  # a mamba state group
-    assert reason and "state" in reason.lower(), reason
+    assert refusal("qwen3-next-80b-a3b", Pairing(1, 2), 16) is None  # state ranges split
+    reason = refusal("falcon-h1-7b", Pairing(1, 16), 16)  # 24 Mamba heads over 16 ranks
+    assert reason and "mamba_n_heads" in reason, reason
 
 
 @pytest.mark.parametrize("model", ["gpt-oss-20b", "gemma-3-4b-it", "llama-3.1-8b"])

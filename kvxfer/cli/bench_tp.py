@@ -17,7 +17,8 @@ order, one warm-up round dropped:
 `bytes` is what the plans move, `min_bytes` the exact minimum: every token the decode
 ranks need, at each rank's own bytes per token (heads), summed over decode ranks. TP
 1 -> 1 is measured the same way so the three sit side by side. Pairings negotiation
-would refuse (state groups split by heads, ...) are skipped with the reason.
+would refuse (heads or state that do not split over the ranks) are skipped with
+the reason.
 
 `mode` is a case dimension: pull only today; push (WRITE, issue 15 item 3) is refused
 by `--modes` (`main.transfer_mode`) until the sidecars do it, and then becomes one more
@@ -47,7 +48,7 @@ from kvxfer.core.negotiation import find_mismatches
 from kvxfer.core.planner import group_blocks, plan_blocks, plan_transfer
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import PullDone, PullStatus
-from kvxfer.core.tp_map import request_valid_tokens, served_slices
+from kvxfer.core.tp_map import pairing_sources, request_valid_tokens
 from kvxfer.dataplane.adapter import NixlAgent
 from kvxfer.dataplane.descriptors import DescArray
 from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
@@ -360,11 +361,9 @@ async def _pump(rank: _Rank) -> None:
 
 
 def _serves(source: EngineLayout, reader: EngineLayout) -> bool:
-    """Whether this prefill rank serves this decode rank any heads (equal TP: its own
-    rank, whatever the groups, state groups included)."""
-    if source.tp_size == reader.tp_size:
-        return source.tp_rank == reader.tp_rank
-    return any(served_slices(source, reader, g) for g in reader.groups)
+    """Whether this prefill rank serves this decode rank anything: heads, state byte
+    ranges or the latent (equal TP: its own rank)."""
+    return source.tp_rank in pairing_sources(source.tp_size, reader)
 
 
 async def _cancel(tasks: Sequence[asyncio.Task[None]]) -> None:
