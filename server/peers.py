@@ -343,10 +343,29 @@ class PeerLinks:
         reply = await self._dialer.call(
             link.address, "begin read", lambda: stub.BeginRead(request, timeout=timeout)
         )
+        self._keep_token(link, request_id, reply.read_token)
+        return reply
+
+    async def begin_write(
+        self, link: PeerLink, request_id: str, writer_id: str
+    ) -> pb.BeginWriteResponse:
+        """Bind an expected request at the peer to this writer (push); its write token is
+        kept like a read token, so heartbeats renew the destination lease the same way."""
+        stub = self._dialer.stub(link.address)
+        request = pb.BeginWriteRequest(
+            epoch=link.epoch, tp_rank=link.tp_rank, request_id=request_id, writer_id=writer_id
+        )
+        timeout = self._settings.transfer.rpc_timeout_s
+        reply = await self._dialer.call(
+            link.address, "begin write", lambda: stub.BeginWrite(request, timeout=timeout)
+        )
+        self._keep_token(link, request_id, reply.write_token)
+        return reply
+
+    def _keep_token(self, link: PeerLink, request_id: str, token: str) -> None:
         if len(self._read_tokens) >= _MAX_READ_TOKENS:
             del self._read_tokens[next(iter(self._read_tokens))]  # the oldest
-        self._read_tokens[(link.address, link.tp_rank, request_id)] = reply.read_token
-        return reply
+        self._read_tokens[(link.address, link.tp_rank, request_id)] = token
 
     async def heartbeat(self, link: PeerLink, request_id: str) -> int:
         stub = self._dialer.stub(link.address)
@@ -367,13 +386,31 @@ class PeerLinks:
         request.read_token = self._read_tokens.get(key, "")
         stub = self._dialer.stub(link.address)
         timeout = self._settings.transfer.rpc_timeout_s
+        await self._ending(link, key, "end read", lambda: stub.EndRead(request, timeout=timeout))
+
+    async def end_write(self, link: PeerLink, request: pb.EndWriteRequest) -> pb.EndWriteResponse:
+        """End the write (push), as `end_read` ends a read."""
+        key = (link.address, link.tp_rank, request.request_id)
+        request.write_token = self._read_tokens.get(key, "")
+        stub = self._dialer.stub(link.address)
+        timeout = self._settings.transfer.rpc_timeout_s
+        return await self._ending(
+            link, key, "end write", lambda: stub.EndWrite(request, timeout=timeout)
+        )
+
+    async def _ending(
+        self,
+        link: PeerLink,
+        key: tuple[str, int, str],
+        what: str,
+        rpc: Callable[[], Awaitable[T]],
+    ) -> T:
         try:
-            await self._dialer.call(
-                link.address, "end read", lambda: stub.EndRead(request, timeout=timeout)
-            )
+            reply = await self._dialer.call(link.address, what, rpc)
         except PeerUnavailableError:
             raise
         except KvxferError:
             self._read_tokens.pop(key, None)
             raise
         self._read_tokens.pop(key, None)
+        return reply

@@ -16,6 +16,7 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from kvxfer._exceptions import (
     InvalidInputError,
@@ -26,7 +27,7 @@ from kvxfer._exceptions import (
 from kvxfer.core.buffers import BoundBuffer, BufferHandle
 from kvxfer.core.layout import BlockSpan, EngineLayout
 from kvxfer.core.negotiation import PROTOCOL_VERSION, SUPPORTED_PROTOCOLS
-from kvxfer.core.planner import check_span_ids, full_attention_bytes, plan_transfer
+from kvxfer.core.planner import full_attention_bytes, plan_transfer
 from kvxfer.core.requests import (
     MAX_EPOCH,
     AbortState,
@@ -34,8 +35,10 @@ from kvxfer.core.requests import (
     LeaseExpired,
     PullAccepted,
     PullDone,
+    PushAccepted,
     Released,
     ReleaseReason,
+    TransferMode,
     TransferParams,
     check_request_id,
 )
@@ -45,11 +48,19 @@ from kvxfer.dataplane.readers import Readers
 from kvxfer.dataplane.serving import ServingBackend
 from kvxfer.server.admission import Admission, PullGate
 from kvxfer.server.callers import Caller, ProcessWatch, identify_caller
-from kvxfer.server.engines import Engine, EventQueue, check_regions_fit, check_spans_cover
+from kvxfer.server.destinations import Destinations
+from kvxfer.server.engines import (
+    Engine,
+    EventQueue,
+    check_regions_fit,
+    check_span_ids_once,
+    check_spans_cover,
+)
 from kvxfer.server.leases import Lease, LeaseState, LeaseTable, LiveClock
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import Dialer, PeerLinks
 from kvxfer.server.pulls import Pull, PullContext, run_pull
+from kvxfer.server.pushes import Pushes
 from kvxfer.server.settings import Settings
 from kvxfer.wire.sidecar import PeerHello
 
@@ -102,6 +113,25 @@ class Sidecar:
             reader_id=self.sidecar_id,
             end_read_patience_s=settings.transfer.end_read_patience_s,
         )
+        # Push (docs/sidecar.md): writing our engines' blocks into peers' (pushes), and
+        # peers writing into blocks our engines announced (destinations).
+        self.pushes = Pushes(
+            settings=settings,
+            links=self.links,
+            writers=readers,
+            metrics=metrics,
+            writer_id=self.sidecar_id,
+            emit=self._emit,
+        )
+        self.destinations = Destinations(
+            settings=settings,
+            leases=self._leases,
+            backend=backend,
+            metrics=metrics,
+            emit=self._emit,
+            ended=self._lease_ended,
+            layout_of=lambda e: self._engines[e].layout if e in self._engines else None,
+        )
         self._draining = False
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -115,6 +145,9 @@ class Sidecar:
             await asyncio.sleep(self.settings.lease.sweep_s)
             self._clock.tick(self.settings.lease.sweep_s)
             for lease in self._leases.expire():
+                if lease.push:
+                    await self.destinations.expired(lease)
+                    continue
                 log.info("lease of %s expired unconsumed", lease.request_id)
                 self.metrics.expired_leases.inc()
                 self._emit(
@@ -130,6 +163,7 @@ class Sidecar:
         and only then release every lease (reported to its engine) and unmap memory."""
         self._draining = True
         end = time.monotonic() + grace_s
+        pushes = asyncio.create_task(self.pushes.shutdown(grace_s))
         pending = [p.task for p in self._pulls.values() if p.task is not None]
         if pending:
             _, late = await asyncio.wait(pending, timeout=grace_s)
@@ -138,6 +172,7 @@ class Sidecar:
                 pull.cancel.set()
             if late:
                 await asyncio.wait(late, timeout=self.settings.transfer.stall_deadline_s + 1)
+        await pushes
         await self._drain_reads(end)
         # Memory safety: every agent that could touch our engines' memory (readers write
         # into it, the serving agent reads from it for peers) is destroyed before any of
@@ -328,12 +363,7 @@ class Sidecar:
         engine = self.engine(engine_id)
         check_request_id(request_id)
         self._check_block_count(spans, "spans")
-        seen: set[int] = set()
-        for i, span in enumerate(spans):
-            if span.group_id in seen:
-                raise InvalidInputError(f"spans[{i}].group_id", f"group {span.group_id} repeats")
-            seen.add(span.group_id)
-            check_span_ids(engine.layout, span, f"spans[{i}]")
+        check_span_ids_once(engine.layout, spans, "spans")
         check_spans_cover(engine.layout, num_tokens, spans)
         params = TransferParams(
             peer_address=self.address,
@@ -347,6 +377,39 @@ class Sidecar:
         self._leases.add(engine_id, request_id, num_tokens, spans)
         self._lease_gauges()
         return params
+
+    def expect(
+        self,
+        engine_id: str,
+        request_id: str,
+        num_tokens: int,
+        spans: tuple[BlockSpan, ...],
+        computed_tokens: int,
+    ) -> TransferParams:
+        """Hold `spans` of the engine for a peer to push `request_id` into."""
+        self._check_open()
+        engine = self.engine(engine_id)
+        self._check_block_count(spans, "spans")
+        self.destinations.expect(engine, request_id, num_tokens, spans, computed_tokens)
+        self._lease_gauges()
+        return TransferParams(
+            self.address, engine_id, self.epoch, engine.layout.tp_rank, request_id,
+            num_tokens, spans, TransferMode.PUSH,
+        )  # fmt: skip
+
+    async def push(
+        self,
+        engine_id: str,
+        params: TransferParams,
+        local_spans: tuple[BlockSpan, ...],
+        tokens_ready: int,
+        final: bool,
+    ) -> PushAccepted:
+        self._check_open()
+        engine = self.engine(engine_id)
+        self._check_block_count(local_spans, "local_spans")
+        self._check_block_count(params.spans, "params.spans")
+        return await self.pushes.push(engine, params, local_spans, tokens_ready, final)
 
     async def pull(
         self,
@@ -362,6 +425,8 @@ class Sidecar:
             raise InvalidInputError(
                 "params.request_id", f"{params.request_id!r} is already being pulled"
             )
+        if params.mode is not TransferMode.PULL:
+            raise InvalidInputError("params.mode", "push params go to the prefill engine's Push")
         # params.tp_rank is the prefill rank read: rank r with equal TP sizes, one of the
         # decode rank's sources with different ones (negotiation refuses any other).
         self._check_block_count(local_spans, "local_spans")
@@ -432,6 +497,13 @@ class Sidecar:
             pull.aborted = True
             pull.cancel.set()
             return AbortState.PULLING
+        pushing = self.pushes.abort(engine_id, request_id)
+        if pushing is not None:
+            return pushing
+        if self._leases.get(engine_id, request_id).push:
+            state = self.destinations.abort(engine_id, request_id)
+            self._lease_gauges()
+            return state
         before, released = self._leases.abort(engine.engine_id, request_id)
         if released is not None:
             self._release(released, ReleaseReason.ABORTED, 0)
@@ -476,6 +548,8 @@ class Sidecar:
         if engine.watch is not None:
             engine.watch.close()
         cancelled = await self._cancel_pulls(engine)
+        pushes = await self.pushes.cancel_engine(engine.engine_id, self._reads_deadline_s())
+        cancelled = -1 if min(cancelled, pushes) < 0 else cancelled + pushes
         released = self._end_leases(engine)
         deadline = self._reads_deadline_s() if reads_deadline_s is None else reads_deadline_s
         await self._wait_reads(engine, deadline)
@@ -549,6 +623,8 @@ class Sidecar:
             # only READ this memory, so a read still posted after the deregistration
             # fails on their side; nothing can write into this process's memory.
             left = self._leases.drop_engine(engine.engine_id)
+            if any(lease.push for lease in left):  # a silent writer may still write here
+                await self._backend.revoke(f"engine {engine.engine_id} retires under a push")
             log.warning(
                 "engine %s: %d reads still open after %.1fs; their readers are presumed gone",
                 engine.engine_id,
@@ -605,6 +681,7 @@ class Sidecar:
             agent_metadata=metadata,
             lease_ttl_s=self.settings.lease.ttl_s,
             registration_version=version,
+            modes=frozenset(self.settings.transfer.modes),
         )
 
     def _serving_engine(self, tp_rank: int) -> Engine:
@@ -673,6 +750,8 @@ class Sidecar:
         self._check_epoch(epoch)
         engine = self._serving_engine(tp_rank)
         lease = self._leases.get(engine.engine_id, check_request_id(request_id))
+        if lease.push:
+            raise NotFoundError(f"request {request_id!r} is expected for a push: EndWrite it")
         held = sum(
             len(s.block_ids) * engine.layout.group(s.group_id).bytes_per_block for s in lease.spans
         )
@@ -686,6 +765,17 @@ class Sidecar:
         self.metrics.bytes_served.inc(bytes_read)
         self._release(lease, reason, bytes_read)
         self._lease_gauges()
+
+    def begin_write(self, epoch: int, tp_rank: int, request_id: str, writer: str) -> Lease:
+        self._check_epoch(epoch)
+        return self.destinations.begin_write(self._serving_engine(tp_rank), request_id, writer)
+
+    def end_write(self, epoch: int, tp_rank: int, request_id: str, **end: Any) -> int:
+        """End a peer's write (destinations.end_write has the fields)."""
+        self._check_epoch(epoch)
+        valid = self.destinations.end_write(self._serving_engine(tp_rank), request_id, **end)
+        self._lease_gauges()
+        return valid
 
     def lease_ttl_s(self) -> float:
         return self._leases.ttl_s

@@ -372,6 +372,19 @@ def _add_demo(commands: Any) -> None:
         default=1,
         help="sim: decode TP size; different from --prefill-tp, decode ranks read heads",
     )
+    demo.add_argument(
+        "--mode",
+        choices=("pull", "push"),
+        default="pull",
+        help="pull: the decode sidecar reads; push: the prefill sidecar writes into blocks "
+        "the decode engine announced (faults then go to the prefill sidecar)",
+    )
+    demo.add_argument(
+        "--push-steps",
+        type=positive_int,
+        default=3,
+        help="push: tokens_ready rises in this many steps, the last one final",
+    )
     demo.add_argument("--seed", type=non_negative_int, default=0, help="workload seed")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(run=_lazy("kvxfer.cli.demo", "run_demo"))
