@@ -109,6 +109,15 @@ def chunk_ready(chunk: Chunk, push: Push, dst: EngineLayout) -> bool:
     return min(chunk.blocks[-1] * size + size, push.plan.num_tokens) <= push.ready
 
 
+async def _first(*events: asyncio.Event) -> None:
+    waits = [asyncio.create_task(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
 class Pushes:
     """The pushes this sidecar's engines are making, by (engine id, request id)."""
 
@@ -302,7 +311,7 @@ class Pushes:
                 push.posted += len(ready)
             if push.posted == len(push.plan.chunks):
                 return
-            await push.changed.wait()
+            await _first(push.changed, push.cancel)  # the heartbeat cancels on its own
 
     def _all_failed(self, push: Push, status: PullStatus, reason: str) -> Pushed:
         done = all_failed(
