@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from sidecars import DecodeImage, EngineSim, Proc, engine_link, spans, start_engine, start_sidecar
 
 from kvxfer._exceptions import InvalidInputError, NotFoundError
+from kvxfer.cli.fleet import BIN
 from kvxfer.core.requests import (
     AbortState,
     PullStatus,
@@ -29,6 +31,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 MODEL = "gpt-oss-20b"
 B = 16
+CLI = str(BIN / "kvxfer-cli")
 LEASE = ("--lease.ttl-s", "3", "--transfer.stall-deadline-s", "2")
 
 
@@ -184,3 +187,20 @@ async def test_an_expected_request_nobody_writes_fails_at_its_ttl(pair: Pair) ->
     assert "no prefill sidecar began writing" in received.reason
     assert received.valid_tokens == 0 and set(received.failed_blocks) == {0, 1}
     await asyncio.sleep(0)
+
+
+def test_handshake_cli_shows_the_agreed_mode(pair: Pair) -> None:
+    def handshake(peer: Proc, mode: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [CLI, "handshake", "--peer", peer.ready["peer_address"], "--layout", MODEL,
+             "--mode", mode],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
+    agreed = handshake(pair.d, "push")
+    assert agreed.returncode == 0, agreed.stderr
+    assert "mode push agreed (peer's transfer.modes: pull, push)" in agreed.stdout
+    refused = handshake(pair.dp, "push")
+    assert refused.returncode != 0
+    assert "mode push REFUSED" in refused.stdout and "transfer.modes" in refused.stdout
+    assert handshake(pair.dp, "pull").returncode == 0

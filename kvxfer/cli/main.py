@@ -294,6 +294,12 @@ def _add_sidecar_commands(commands: Any) -> None:
         "--layout", required=True, help="the model of the engine asking (profile or config.json)"
     )
     handshake.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    handshake.add_argument(
+        "--mode",
+        choices=("pull", "push"),
+        default="pull",
+        help="the transfer mode to agree: pull (this side reads) or push (this side writes)",
+    )
     handshake.add_argument("--kv-dtype", default="bfloat16", help="KV cache dtype")
     handshake.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel size")
     handshake.add_argument("--tp-rank", type=non_negative_int, default=0, help="rank asking")
