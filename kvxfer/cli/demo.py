@@ -571,8 +571,8 @@ def _summary(report: dict[str, Any], args: argparse.Namespace) -> str:
         f"verified        {report['verified_requests']}/{report['requests']} requests byte for "
         f"byte; untouched decode bytes intact: {report['untouched_bytes_verified']}",
         f"throughput      {report['throughput_gbps']:.2f} GB/s (bytes over the wall time "
-        "with a pull in flight)",
-        f"pull latency    p50 {report['pull_latency_ms']['p50']:.1f} ms, "
+        f"with a {report['mode']} in flight)",
+        f"{report['mode']} latency    p50 {report['pull_latency_ms']['p50']:.1f} ms, "
         f"p99 {report['pull_latency_ms']['p99']:.1f} ms; handshake {report['handshake_ms']:.1f} ms",
     ]
     rss = ", ".join(f"{k} {v:.0f} MiB" for k, v in report["sidecar_peak_rss_mib"].items())
