@@ -226,15 +226,16 @@ class LeaseTable:
 
 
 def _check_reader(lease: Lease, reader: str, token: str) -> None:
+    what, who, doing = ("write", "writer", "written") if lease.push else ("read", "reader", "read")
     if lease.state is LeaseState.HELD:
         raise PermissionDeniedError(
-            f"request {lease.request_id!r} has no read of yours to renew or end"
+            f"request {lease.request_id!r} has no {what} of yours to renew or end"
         )
     # compare_digest: the token is a secret, its comparison must not leak a prefix by timing
     # (as bytes: compare_digest refuses str with non-ASCII characters, which a client sends)
     given = token.encode(errors="surrogateescape")
     if lease.reader != reader or not hmac.compare_digest(lease.read_token.encode(), given):
         raise PermissionDeniedError(
-            f"request {lease.request_id!r} is being read by another reader "
-            "(identity or read_token differs)"
+            f"request {lease.request_id!r} is being {doing} by another {who} "
+            f"(identity or {what}_token differs)"
         )

@@ -14,7 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc.aio
 import pytest
+from oracle import oracle_valid_tokens
 from sidecars import DecodeImage, EngineSim, Proc, engine_link, spans, start_engine, start_sidecar
 
 from kvxfer._exceptions import InvalidInputError, NotFoundError
@@ -26,6 +28,9 @@ from kvxfer.core.requests import (
     Received,
     TransferMode,
 )
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.sidecar import hello_from_proto, hello_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -204,3 +209,65 @@ def test_handshake_cli_shows_the_agreed_mode(pair: Pair) -> None:
     assert refused.returncode != 0
     assert "mode push REFUSED" in refused.stdout and "transfer.modes" in refused.stdout
     assert handshake(pair.dp, "pull").returncode == 0
+
+
+async def test_end_write_is_validated_by_field_and_capped_by_the_decode_side(pair: Pair) -> None:
+    """A writer speaking the peer protocol directly: every EndWrite field is checked,
+    only its writer (token) may end it, and the decode side's recompute rule bounds
+    the valid_tokens a writer claims."""
+    tokens = 200
+    async with engine_link(pair.d, pair.de) as (d, d_events):
+        await d.expect("end-write", tokens, _blocks(tokens, 100), 0)
+        async with grpc.aio.insecure_channel(pair.d.ready["peer_address"]) as channel:
+            peer = pb_grpc.PeerServiceStub(channel)
+            hello = hello_from_proto(
+                await peer.Handshake(
+                    hello_request(pair.de.layout, epoch=1, sidecar_id="w", dry_run=True)
+                ),
+                dry_run=True,
+            )
+            assert TransferMode.PUSH in hello.modes
+            with pytest.raises(grpc.aio.AioRpcError, match="published"):
+                await peer.BeginRead(
+                    pb.BeginReadRequest(epoch=hello.epoch, request_id="end-write", reader_id="r")
+                )  # a destination lease is never read
+            begun = await peer.BeginWrite(
+                pb.BeginWriteRequest(epoch=hello.epoch, request_id="end-write", writer_id="w")
+            )
+            assert begun.num_tokens == tokens and begun.write_token
+
+            def end(**fields: object) -> pb.EndWriteRequest:
+                base: dict[str, object] = {
+                    "epoch": hello.epoch, "request_id": "end-write",
+                    "write_token": begun.write_token, "reason": pb.RELEASE_REASON_CONSUMED,
+                    "valid_tokens": tokens,
+                }  # fmt: skip
+                return pb.EndWriteRequest(**{**base, **fields})  # type: ignore[arg-type]
+
+            bad = [
+                (end(reason=pb.RELEASE_REASON_UNREGISTERED), "reason"),
+                (end(bytes_written=1 << 40), "bytes_written"),
+                (end(valid_tokens=tokens + 1), "valid_tokens"),
+                (end(failed_blocks=[pb.GroupBlocks(group_id=1, logical_blocks=[99])]),
+                 "failed_blocks"),
+                (end(failed_blocks=[pb.GroupBlocks(group_id=7, logical_blocks=[0])]),
+                 "failed_blocks"),
+                (end(failed_blocks=[pb.GroupBlocks(group_id=1, logical_blocks=[2, 2])]),
+                 r"failed_blocks\[0\]\.logical_blocks"),
+                (end(write_token="not-the-token"), "write_token"),
+                (end(epoch=hello.epoch + 1), "epoch"),
+            ]  # fmt: skip
+            for request, field in bad:
+                with pytest.raises(grpc.aio.AioRpcError, match=field):
+                    await peer.EndWrite(request)
+            # A writer claiming everything valid although block 2 of the full-attention
+            # group failed: the decode side's rule answers (the sliding-window group
+            # moved only the window's blocks, so nothing before them is valid: 0).
+            reply = await peer.EndWrite(
+                end(failed_blocks=[pb.GroupBlocks(group_id=1, logical_blocks=[2])])
+            )
+        received = await d_events.next()
+    want = oracle_valid_tokens(pair.de.layout.groups, tokens, 0, B, {1: [2]})
+    assert reply.valid_tokens == want < tokens
+    assert isinstance(received, Received) and received.status is PullStatus.FAILED
+    assert received.valid_tokens == want and received.failed_blocks == {1: (2,)}
