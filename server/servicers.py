@@ -110,7 +110,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     @rpc
     async def Expect(self, request: pb.ExpectRequest, context: Context) -> pb.ExpectResponse:
         spans = spans_from_proto(request.spans, "spans")
-        params = self._sidecar.expect(
+        params = self._sidecar.push_side.expect(
             request.engine_id, request.request_id, request.num_tokens, spans,
             request.computed_tokens,
         )  # fmt: skip
@@ -121,7 +121,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def Push(self, request: pb.PushRequest, context: Context) -> pb.PushResponse:
         params = self._peer_params(request)
         local = spans_from_proto(request.local_spans, "local_spans")
-        accepted = await self._sidecar.push(
+        accepted = await self._sidecar.push_side.push(
             request.engine_id, params, local, request.tokens_ready, request.final
         )
         return pb.PushResponse(
@@ -228,7 +228,7 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
     async def BeginWrite(
         self, request: pb.BeginWriteRequest, context: Context
     ) -> pb.BeginWriteResponse:
-        lease = self._sidecar.begin_write(
+        lease = self._sidecar.push_side.begin_write(
             request.epoch, request.tp_rank, request.request_id, identity(context)
         )
         return pb.BeginWriteResponse(
@@ -242,7 +242,7 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
 
     @rpc
     async def EndWrite(self, request: pb.EndWriteRequest, context: Context) -> pb.EndWriteResponse:
-        valid = self._sidecar.end_write(
+        valid = self._sidecar.push_side.end_write(
             request.epoch,
             request.tp_rank,
             request.request_id,

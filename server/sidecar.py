@@ -16,7 +16,6 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 from kvxfer._exceptions import (
     InvalidInputError,
@@ -35,7 +34,6 @@ from kvxfer.core.requests import (
     LeaseExpired,
     PullAccepted,
     PullDone,
-    PushAccepted,
     Released,
     ReleaseReason,
     TransferMode,
@@ -48,7 +46,6 @@ from kvxfer.dataplane.readers import Readers
 from kvxfer.dataplane.serving import ServingBackend
 from kvxfer.server.admission import Admission, PullGate
 from kvxfer.server.callers import Caller, ProcessWatch, identify_caller
-from kvxfer.server.destinations import Destinations
 from kvxfer.server.engines import (
     Engine,
     EventQueue,
@@ -60,7 +57,7 @@ from kvxfer.server.leases import Lease, LeaseState, LeaseTable, LiveClock
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import Dialer, PeerLinks
 from kvxfer.server.pulls import Pull, PullContext, run_pull
-from kvxfer.server.pushes import Pushes
+from kvxfer.server.push_side import PushSide
 from kvxfer.server.settings import Settings
 from kvxfer.wire.sidecar import PeerHello
 
@@ -113,25 +110,8 @@ class Sidecar:
             reader_id=self.sidecar_id,
             end_read_patience_s=settings.transfer.end_read_patience_s,
         )
-        # Push (docs/sidecar.md): writing our engines' blocks into peers' (pushes), and
-        # peers writing into blocks our engines announced (destinations).
-        self.pushes = Pushes(
-            settings=settings,
-            links=self.links,
-            writers=readers,
-            metrics=metrics,
-            writer_id=self.sidecar_id,
-            emit=self._emit,
-        )
-        self.destinations = Destinations(
-            settings=settings,
-            leases=self._leases,
-            backend=backend,
-            metrics=metrics,
-            emit=self._emit,
-            ended=self._lease_ended,
-            layout_of=lambda e: self._engines[e].layout if e in self._engines else None,
-        )
+        self.push_side = PushSide(self)  # Expect, Push, BeginWrite, EndWrite
+        self.pushes, self.destinations = self.push_side.pushes, self.push_side.destinations
         self._draining = False
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -377,39 +357,6 @@ class Sidecar:
         self._leases.add(engine_id, request_id, num_tokens, spans)
         self._lease_gauges()
         return params
-
-    def expect(
-        self,
-        engine_id: str,
-        request_id: str,
-        num_tokens: int,
-        spans: tuple[BlockSpan, ...],
-        computed_tokens: int,
-    ) -> TransferParams:
-        """Hold `spans` of the engine for a peer to push `request_id` into."""
-        self._check_open()
-        engine = self.engine(engine_id)
-        self._check_block_count(spans, "spans")
-        self.destinations.expect(engine, request_id, num_tokens, spans, computed_tokens)
-        self._lease_gauges()
-        return TransferParams(
-            self.address, engine_id, self.epoch, engine.layout.tp_rank, request_id,
-            num_tokens, spans, TransferMode.PUSH,
-        )  # fmt: skip
-
-    async def push(
-        self,
-        engine_id: str,
-        params: TransferParams,
-        local_spans: tuple[BlockSpan, ...],
-        tokens_ready: int,
-        final: bool,
-    ) -> PushAccepted:
-        self._check_open()
-        engine = self.engine(engine_id)
-        self._check_block_count(local_spans, "local_spans")
-        self._check_block_count(params.spans, "params.spans")
-        return await self.pushes.push(engine, params, local_spans, tokens_ready, final)
 
     async def pull(
         self,
@@ -765,17 +712,6 @@ class Sidecar:
         self.metrics.bytes_served.inc(bytes_read)
         self._release(lease, reason, bytes_read)
         self._lease_gauges()
-
-    def begin_write(self, epoch: int, tp_rank: int, request_id: str, writer: str) -> Lease:
-        self._check_epoch(epoch)
-        return self.destinations.begin_write(self._serving_engine(tp_rank), request_id, writer)
-
-    def end_write(self, epoch: int, tp_rank: int, request_id: str, **end: Any) -> int:
-        """End a peer's write (destinations.end_write has the fields)."""
-        self._check_epoch(epoch)
-        valid = self.destinations.end_write(self._serving_engine(tp_rank), request_id, **end)
-        self._lease_gauges()
-        return valid
 
     def lease_ttl_s(self) -> float:
         return self._leases.ttl_s
