@@ -189,6 +189,7 @@ class Pushes:
             params.epoch,
             params.engine_id,
             params.tp_rank,
+            push=True,
         )
         if TransferMode.PUSH not in link.hello.modes:
             modes = ",".join(sorted(m.value for m in link.hello.modes))

@@ -15,6 +15,7 @@ import json
 import pytest
 from test_demo import Demos, demos  # noqa: F401 (the fixture)
 from test_reblock_e2e import check_demo_report
+from test_tp_e2e import check_tp_report
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -45,3 +46,29 @@ def test_push_byte_for_byte_with_failures(
     report = json.loads(result.stdout)
     assert report["mode"] == "push"
     check_demo_report(report, model, prefill_block, decode_block)
+
+
+@pytest.mark.parametrize(
+    ("model", "prefill_tp", "decode_tp", "blocks"),
+    [
+        ("llama-3.1-8b", 1, 2, (16, 16)),  # one announcement per (decode rank, source)
+        ("gpt-oss-20b", 2, 1, (16, 32)),  # two sources write heads into one decode rank
+    ],
+)
+def test_push_between_tp_sizes_head_by_head_with_failures(
+    demos: Demos,  # noqa: F811 (the fixture)
+    model: str,
+    prefill_tp: int,
+    decode_tp: int,
+    blocks: tuple[int, int],
+) -> None:
+    result = demos.run(
+        "--mode", "push", "--model", model, "--requests", "4", "--tokens-range", "100:1200",
+        "--prefix-hit-rate", "0.5", "--fail-rate", "0.25", "--seed", "2",
+        "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
+        "--prefill-block-size", str(blocks[0]), "--decode-block-size", str(blocks[1]),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["mode"] == "push"
+    check_tp_report(report, model, prefill_tp, decode_tp, blocks)

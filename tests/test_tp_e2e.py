@@ -73,7 +73,14 @@ def test_different_tp_sizes_pull_head_by_head_with_failures(
         "--prefill-block-size", str(blocks[0]), "--decode-block-size", str(blocks[1]),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)
+    check_tp_report(json.loads(result.stdout), model, prefill_tp, decode_tp, blocks)
+
+
+def check_tp_report(
+    report: dict[str, Any], model: str, prefill_tp: int, decode_tp: int, blocks: tuple[int, int]
+) -> None:
+    """Each transfer's bytes and valid_tokens of a TP `demo --json` report, from the
+    oracle alone, and one valid_tokens per request."""
     assert report["tp"] == {"prefill": prefill_tp, "decode": decode_tp}
     assert report["verified_requests"] == 4 and report["untouched_bytes_verified"] is True
     assert report["failed_blocks"] > 0, "seed 2 injects at least one failure"

@@ -110,8 +110,6 @@ def run_demo(args: argparse.Namespace) -> int:
         from kvxfer.cli.demo_tp import check_tp_args  # noqa: PLC0415
 
         check_tp_args(args)
-        if args.mode == "push":
-            raise InvalidInputError("--mode", "push with --prefill-tp/--decode-tp is not built yet")
     if args.engine == "vllm":
         from kvxfer.cli.vllm_demo import run_vllm  # noqa: PLC0415 (only this engine needs it)
 
