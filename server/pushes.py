@@ -300,7 +300,8 @@ class Pushes:
         )
 
     async def _post_as_ready(self, push: Push, poster: ChunkPoster) -> None:
-        """Post chunks as their tokens become ready, until all are posted or cancelled."""
+        """Post chunks as their tokens become ready, until all are posted and the engine
+        said `final` (so a later call never finds the push gone), or until cancelled."""
         dst = push.link.layout
         while not push.cancel.is_set():
             push.changed.clear()
@@ -310,7 +311,7 @@ class Pushes:
             if ready:
                 poster.post(ready)
                 push.posted += len(ready)
-            if push.posted == len(push.plan.chunks):
+            if push.posted == len(push.plan.chunks) and push.final:
                 return
             await _first(push.changed, push.cancel)  # the heartbeat cancels on its own
 
