@@ -175,6 +175,9 @@ class Destinations:
             raise InvalidInputError("failed_blocks", exc.detail) from exc
         lease = self._leases.end_read(engine.engine_id, request_id, writer, token)
         aborted = reason is ReleaseReason.ABORTED or lease.state is LeaseState.ABORTED
+        if aborted and not bytes_written and not failed:  # nothing was written
+            self._fail_all(lease, PullStatus.ABORTED, detail or "the writer aborted")
+            return lease.computed_tokens
         # The writer's rule knows where a block moved from (other block sizes); ours
         # bounds it, so a writer can never claim more than its failures leave valid.
         valid = max(lease.computed_tokens, min(writer_valid, ours))

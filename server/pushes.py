@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvxfer._exceptions import InvalidInputError, KvxferError
+from kvxfer._exceptions import InvalidInputError, KvxferError, PlanError
 from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind
 from kvxfer.core.planner import Chunk, TransferPlan, plan_transfer
 from kvxfer.core.requests import (
@@ -107,6 +107,24 @@ def chunk_ready(chunk: Chunk, push: Push, dst: EngineLayout) -> bool:
         return False
     size = dst.block_size_of(group)
     return min(chunk.blocks[-1] * size + size, push.plan.num_tokens) <= push.ready
+
+
+def _plan(
+    src: EngineLayout,
+    dst: EngineLayout,
+    local_spans: tuple[BlockSpan, ...],
+    params: TransferParams,
+    computed_tokens: int,
+    chunk_blocks: int,
+) -> TransferPlan:
+    """The pull's plan, with its span errors named as the Push call's fields."""
+    try:
+        return plan_transfer(
+            src, dst, local_spans, params.spans, params.num_tokens, computed_tokens, chunk_blocks
+        )
+    except PlanError as exc:
+        field = exc.field.replace("src_spans", "local_spans").replace("dst_spans", "params.spans")
+        raise PlanError(field, exc.detail) from exc
 
 
 async def _first(*events: asyncio.Event) -> None:
@@ -203,17 +221,10 @@ class Pushes:
             check_held(params, begun)
             if begun.registration_version != link.hello.registration_version:
                 await self._links.reload(link, engine.layout)
-            plan = plan_transfer(
-                engine.layout,
-                link.layout,
-                local_spans,
-                params.spans,
-                params.num_tokens,
-                begun.computed_tokens,
-                self._settings.transfer.chunk_blocks,
-            )
-        except BaseException:
-            await self._end_write(link, params.request_id, aborted=True)
+            plan = _plan(engine.layout, link.layout, local_spans, params, begun.computed_tokens,
+                         self._settings.transfer.chunk_blocks)  # fmt: skip
+        except BaseException as exc:  # the decode engine hears why its blocks are free
+            await self._end_write(link, params.request_id, aborted=True, detail=str(exc))
             raise
         push = Push(engine, params, link, plan, begun.lease_ttl_ms / 1000)
         key = (engine.engine_id, params.request_id)
@@ -329,7 +340,13 @@ class Pushes:
         return done
 
     async def _end_write(
-        self, link: PeerLink, request_id: str, *, aborted: bool, done: Pushed | None = None
+        self,
+        link: PeerLink,
+        request_id: str,
+        *,
+        aborted: bool,
+        done: Pushed | None = None,
+        detail: str = "",
     ) -> None:
         request = pb.EndWriteRequest(
             epoch=link.epoch,
@@ -344,6 +361,7 @@ class Pushes:
             request.detail = done.reason
         else:  # ended before any chunk: the decode side hears nothing moved
             request.valid_tokens = 0
+            request.detail = f"the writer could not start: {detail}"[:1024]
         await end_patiently(
             lambda: self._links.end_write(link, request),
             f"ending write of {request_id} at {link.address}",

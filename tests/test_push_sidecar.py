@@ -139,12 +139,20 @@ async def test_wire_validation_names_each_field(pair: Pair) -> None:
         params = await d.expect("valid", 100, _blocks(100, 60))
         with pytest.raises(InvalidInputError, match="tokens_ready"):
             await p.push(params, _blocks(100, 0), 101)
+        with pytest.raises(InvalidInputError, match=r"^local_spans\[group 0\]"):
+            await p.push(params, _blocks(30, 0), 100)  # too short for 100 tokens
+        # The write had begun: it is ended, and the decode engine hears why.
+        ended = await d_events.next()
+        assert isinstance(ended, Received) and ended.status is PullStatus.ABORTED
+        assert "local_spans" in ended.reason
+        assert set(ended.failed_blocks) == {0, 1} and ended.valid_tokens == 0
+        params = await d.expect("valid-again", 100, _blocks(100, 60))
         pull_params = dataclasses.replace(params, mode=TransferMode.PULL)
         with pytest.raises(InvalidInputError, match=r"params\.mode"):
             await p.push(pull_params, _blocks(100, 0), 100)
         with pytest.raises(InvalidInputError, match=r"params\.mode"):
             await dp.pull(params, _blocks(100, 0), 0)  # push params are not pulled
-        assert await d.abort("valid") is AbortState.EXPECTED
+        assert await d.abort("valid-again") is AbortState.EXPECTED
         aborted = await d_events.next()
         assert isinstance(aborted, Received) and aborted.status is PullStatus.ABORTED
         with pytest.raises(NotFoundError):
