@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from kvxfer._exceptions import InvalidInputError, NotFoundError, PlanError
 from kvxfer.core.layout import BlockSpan, EngineLayout
@@ -81,6 +82,19 @@ def check_spans_hold(
             )
 
 
+@dataclass(frozen=True)
+class WriteEnd:
+    """What a writer's EndWrite says (validated by `Destinations.end_write`)."""
+
+    writer: str  # the caller's identity
+    token: str
+    reason: ReleaseReason
+    failed: Mapping[int, tuple[int, ...]]  # in our engine's logical blocks
+    bytes_written: int
+    valid_tokens: int  # the writer's recompute rule
+    detail: str
+
+
 class Destinations:
     def __init__(
         self,
@@ -134,21 +148,11 @@ class Destinations:
             engine.engine_id, check_request_id(request_id), writer, push=True
         )
 
-    def end_write(
-        self,
-        engine: Engine,
-        request_id: str,
-        *,
-        writer: str,
-        token: str,
-        reason: ReleaseReason,
-        failed: Mapping[int, tuple[int, ...]],
-        bytes_written: int,
-        writer_valid: int,
-        detail: str,
-    ) -> int:
+    def end_write(self, engine: Engine, request_id: str, end: WriteEnd) -> int:
         """End a write; the engine hears `Received` now (the writer ended every chunk).
         Returns the valid_tokens it was told."""
+        reason, failed, bytes_written = end.reason, end.failed, end.bytes_written
+        writer_valid, detail = end.valid_tokens, end.detail
         if reason not in (ReleaseReason.CONSUMED, ReleaseReason.ABORTED):
             raise InvalidInputError(
                 "reason", f"a writer ends a write as consumed or aborted, not {reason.value}"
@@ -173,7 +177,7 @@ class Destinations:
             )
         except PlanError as exc:
             raise InvalidInputError("failed_blocks", exc.detail) from exc
-        lease = self._leases.end_read(engine.engine_id, request_id, writer, token)
+        lease = self._leases.end_read(engine.engine_id, request_id, end.writer, end.token)
         aborted = reason is ReleaseReason.ABORTED or lease.state is LeaseState.ABORTED
         if aborted and not bytes_written and not failed:  # nothing was written
             self._fail_all(lease, PullStatus.ABORTED, detail or "the writer aborted")

@@ -346,10 +346,7 @@ class PeerLinks:
         request = pb.BeginReadRequest(
             epoch=link.epoch, tp_rank=link.tp_rank, request_id=request_id, reader_id=reader_id
         )
-        timeout = self._settings.transfer.rpc_timeout_s
-        reply = await self._dialer.call(
-            link.address, "begin read", lambda: stub.BeginRead(request, timeout=timeout)
-        )
+        reply = await self._begin(link, "begin read", stub.BeginRead, request)
         self._keep_token(link, request_id, reply.read_token)
         return reply
 
@@ -362,12 +359,15 @@ class PeerLinks:
         request = pb.BeginWriteRequest(
             epoch=link.epoch, tp_rank=link.tp_rank, request_id=request_id, writer_id=writer_id
         )
-        timeout = self._settings.transfer.rpc_timeout_s
-        reply = await self._dialer.call(
-            link.address, "begin write", lambda: stub.BeginWrite(request, timeout=timeout)
-        )
+        reply = await self._begin(link, "begin write", stub.BeginWrite, request)
         self._keep_token(link, request_id, reply.write_token)
         return reply
+
+    async def _begin(
+        self, link: PeerLink, what: str, method: Callable[..., Awaitable[T]], request: object
+    ) -> T:
+        timeout = self._settings.transfer.rpc_timeout_s
+        return await self._dialer.call(link.address, what, lambda: method(request, timeout=timeout))
 
     def _keep_token(self, link: PeerLink, request_id: str, token: str) -> None:
         if len(self._read_tokens) >= _MAX_READ_TOKENS:

@@ -8,12 +8,11 @@ peers writing into blocks our engines announced), which it builds.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kvxfer.core.layout import BlockSpan
-from kvxfer.core.requests import PushAccepted, ReleaseReason, TransferMode, TransferParams
-from kvxfer.server.destinations import Destinations
+from kvxfer.core.requests import PushAccepted, TransferMode, TransferParams
+from kvxfer.server.destinations import Destinations, WriteEnd
 from kvxfer.server.leases import Lease
 from kvxfer.server.pushes import Pushes
 
@@ -65,32 +64,10 @@ class PushSide:
             self._sidecar._serving_engine(tp_rank), request_id, writer
         )
 
-    def end_write(
-        self,
-        epoch: int,
-        tp_rank: int,
-        request_id: str,
-        *,
-        writer: str,
-        token: str,
-        reason: ReleaseReason,
-        failed: Mapping[int, tuple[int, ...]],
-        bytes_written: int,
-        writer_valid: int,
-        detail: str,
-    ) -> int:
+    def end_write(self, epoch: int, tp_rank: int, request_id: str, end: WriteEnd) -> int:
         self._sidecar._check_epoch(epoch)
-        valid = self.destinations.end_write(
-            self._sidecar._serving_engine(tp_rank),
-            request_id,
-            writer=writer,
-            token=token,
-            reason=reason,
-            failed=failed,
-            bytes_written=bytes_written,
-            writer_valid=writer_valid,
-            detail=detail,
-        )
+        engine = self._sidecar._serving_engine(tp_rank)
+        valid = self.destinations.end_write(engine, request_id, end)
         self._sidecar._lease_gauges()
         return valid
 

@@ -18,6 +18,7 @@ import grpc.aio
 from kvxfer._exceptions import InvalidInputError, KvxferError
 from kvxfer.core.requests import TransferParams
 from kvxfer.server.callers import claimed_pid
+from kvxfer.server.destinations import WriteEnd
 from kvxfer.server.guard import identity
 from kvxfer.server.leases import LeaseState
 from kvxfer.server.sidecar import Sidecar
@@ -242,17 +243,17 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
 
     @rpc
     async def EndWrite(self, request: pb.EndWriteRequest, context: Context) -> pb.EndWriteResponse:
-        valid = self._sidecar.push_side.end_write(
-            request.epoch,
-            request.tp_rank,
-            request.request_id,
+        end = WriteEnd(
             writer=identity(context),
             token=request.write_token,
             reason=release_reason_from_proto(request.reason),
             failed=spans_failed_from_proto(request.failed_blocks, "failed_blocks"),
             bytes_written=request.bytes_written,
-            writer_valid=request.valid_tokens,
+            valid_tokens=request.valid_tokens,
             detail=request.detail[:1024],
+        )
+        valid = self._sidecar.push_side.end_write(
+            request.epoch, request.tp_rank, request.request_id, end
         )
         return pb.EndWriteResponse(valid_tokens=valid)
 

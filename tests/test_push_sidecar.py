@@ -159,37 +159,28 @@ async def test_wire_validation_names_each_field(pair: Pair) -> None:
             await p.push(params, _blocks(100, 0), 100)  # no longer expected
 
 
-async def test_abort_from_the_decode_side_during_a_push(pair: Pair) -> None:
-    """The decode engine aborts while the writer waits for readiness: the writer hears
-    it by heartbeat and ends the write; the engine hears Received only then."""
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+async def test_abort_from_either_side_during_a_push(pair: Pair, side: str) -> None:
+    """Either engine aborts while the writer waits for readiness. Decode: the writer
+    hears it by heartbeat; prefill: its own push stops. The write is ended as aborted,
+    and only then does the decode engine hear Received."""
+    request_id = f"abort-{side}"
     async with (
         engine_link(pair.p, pair.pe) as (p, p_events),
         engine_link(pair.d, pair.de) as (d, d_events),
     ):
-        params = await d.expect("abort-d", 800, _blocks(800, 60))
+        params = await d.expect(request_id, 800, _blocks(800, 60))
         await p.push(params, _blocks(800, 0), 0, final=False)
-        assert await d.abort("abort-d") is AbortState.WRITING
+        if side == "decode":
+            assert await d.abort(request_id) is AbortState.WRITING
+        else:
+            assert await p.abort(request_id) is AbortState.PUSHING
         pushed = await p_events.next()
         received = await d_events.next()
     assert isinstance(pushed, Pushed) and pushed.status is PullStatus.ABORTED
     assert isinstance(received, Received) and received.status is PullStatus.ABORTED
-    assert received.valid_tokens == 0
+    assert received.valid_tokens == 0 and received.bytes_moved == 0
     pair.image.check_all()  # nothing was written
-
-
-async def test_abort_from_the_prefill_side_during_a_push(pair: Pair) -> None:
-    async with (
-        engine_link(pair.p, pair.pe) as (p, p_events),
-        engine_link(pair.d, pair.de) as (d, d_events),
-    ):
-        params = await d.expect("abort-p", 800, _blocks(800, 60))
-        await p.push(params, _blocks(800, 0), 0, final=False)
-        assert await p.abort("abort-p") is AbortState.PUSHING
-        pushed = await p_events.next()
-        received = await d_events.next()
-    assert isinstance(pushed, Pushed) and pushed.status is PullStatus.ABORTED
-    assert isinstance(received, Received) and received.status is PullStatus.ABORTED
-    pair.image.check_all()
 
 
 async def test_an_expected_request_nobody_writes_fails_at_its_ttl(pair: Pair) -> None:

@@ -193,27 +193,15 @@ def _job(
     options: ExecOptions,
     write: bool = False,
 ) -> ChunkJob:
+    """A pull reads the peer's blocks into ours; a push (`write`) writes ours into the
+    peer's: the same descriptors, source and destination swapped."""
     pair = chunk.regions[0]
-    if write:  # push: the source blocks are ours, the destination the peer's
-        src, dst = chunk_arrays(chunk, local, remote)
-        return ChunkJob(
-            peer=peer,
-            local=src,
-            remote=dst,
-            local_kind=local[pair.src.buffer].kind,
-            remote_kind=remote[pair.dst.buffer].kind,
-            deadline_s=options.stall_deadline_s,
-            write=True,
-        )
-    src, dst = chunk_arrays(chunk, remote, local)
-    return ChunkJob(
-        peer=peer,
-        local=dst,
-        remote=src,
-        local_kind=local[pair.dst.buffer].kind,
-        remote_kind=remote[pair.src.buffer].kind,
-        deadline_s=options.stall_deadline_s,
-    )
+    src_side, dst_side = (local, remote) if write else (remote, local)
+    src, dst = chunk_arrays(chunk, src_side, dst_side)
+    src_kind, dst_kind = src_side[pair.src.buffer].kind, dst_side[pair.dst.buffer].kind
+    if write:
+        return ChunkJob(peer, src, dst, src_kind, dst_kind, options.stall_deadline_s, True)
+    return ChunkJob(peer, dst, src, dst_kind, src_kind, options.stall_deadline_s)
 
 
 def _status(failed: Mapping[int, list[int]], resume: int, plan: TransferPlan) -> RequestStatus:
