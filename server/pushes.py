@@ -97,16 +97,17 @@ class Push:
         self.changed.set()
 
 
-def chunk_ready(chunk: Chunk, push: Push, dst: EngineLayout) -> bool:
-    """A chunk may go once every token its destination blocks hold is computed; a state
-    group (the state after the last token) only when the prefill is final."""
-    if push.final or push.ready >= push.plan.num_tokens:
+def chunk_ready(chunk: Chunk, dst: EngineLayout, num_tokens: int, ready: int, final: bool) -> bool:
+    """A chunk may go once every token its destination blocks hold is computed (tokens
+    [0, ready) are); a state group (the state after the last token) only when the
+    prefill is final."""
+    if final or ready >= num_tokens:
         return True
     group = dst.group(chunk.group_id)
     if group.kind is GroupKind.MAMBA or not chunk.blocks:
         return False
     size = dst.block_size_of(group)
-    return min(chunk.blocks[-1] * size + size, push.plan.num_tokens) <= push.ready
+    return min(chunk.blocks[-1] * size + size, num_tokens) <= ready
 
 
 def _plan(
@@ -316,8 +317,11 @@ class Pushes:
         dst = push.link.layout
         while not push.cancel.is_set():
             push.changed.clear()
+            n, r, final = push.plan.num_tokens, push.ready, push.final
             ready = [
-                c for c in push.plan.chunks if not poster.posted(c) and chunk_ready(c, push, dst)
+                c
+                for c in push.plan.chunks
+                if not poster.posted(c) and chunk_ready(c, dst, n, r, final)
             ]
             if ready:
                 poster.post(ready)
