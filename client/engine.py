@@ -38,6 +38,7 @@ from kvxfer.core.requests import (
     AbortState,
     EngineEvent,
     PullAccepted,
+    PushAccepted,
     TransferParams,
     check_address,
 )
@@ -188,6 +189,46 @@ class EngineClient:
             descriptors=reply.descriptors,
         )
 
+    async def expect(
+        self,
+        request_id: str,
+        num_tokens: int,
+        spans: Sequence[BlockSpan],
+        computed_tokens: int = 0,
+    ) -> TransferParams:
+        """Announce this (decode) engine's blocks for a push: hand the params to the
+        prefill engine, whose sidecar writes into them; `Received` reports the outcome."""
+        request = pb.ExpectRequest(
+            engine_id=self._engine(),
+            request_id=request_id,
+            num_tokens=num_tokens,
+            spans=[span_to_proto(s) for s in spans],
+            computed_tokens=computed_tokens,
+        )
+        reply = await self._call(
+            "expect", lambda: self._stub.Expect(request, timeout=self._timeout_s)
+        )
+        return params_from_proto(reply.params, "params")
+
+    async def push(
+        self,
+        params: TransferParams,
+        local_spans: Sequence[BlockSpan],
+        tokens_ready: int,
+        final: bool = True,
+    ) -> PushAccepted:
+        """Push this (prefill) engine's blocks into what `params` announced: the first call
+        starts it, later ones add readiness; `Pushed` reports the end."""
+        request = pb.PushRequest(
+            engine_id=self._engine(),
+            params=params_to_proto(params),
+            local_spans=[span_to_proto(s) for s in local_spans],
+            tokens_ready=tokens_ready,
+            final=final,
+        )
+        reply = await self._call("push", lambda: self._stub.Push(request, timeout=self._timeout_s))
+        return PushAccepted(reply.bytes_planned, reply.chunks, reply.chunks_posted)
+
     async def abort(self, request_id: str) -> AbortState:
         request = pb.AbortRequest(engine_id=self._engine(), request_id=request_id)
         reply = await self._call(
@@ -272,6 +313,24 @@ class SyncEngineClient:
         self, params: TransferParams, local_spans: Sequence[BlockSpan], computed_tokens: int
     ) -> PullAccepted:
         return self._run(self._client.pull(params, local_spans, computed_tokens))
+
+    def expect(
+        self,
+        request_id: str,
+        num_tokens: int,
+        spans: Sequence[BlockSpan],
+        computed_tokens: int = 0,
+    ) -> TransferParams:
+        return self._run(self._client.expect(request_id, num_tokens, spans, computed_tokens))
+
+    def push(
+        self,
+        params: TransferParams,
+        local_spans: Sequence[BlockSpan],
+        tokens_ready: int,
+        final: bool = True,
+    ) -> PushAccepted:
+        return self._run(self._client.push(params, local_spans, tokens_ready, final))
 
     def abort(self, request_id: str) -> AbortState:
         return self._run(self._client.abort(request_id))

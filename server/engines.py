@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from kvxfer._exceptions import InvalidInputError, LayoutError
 from kvxfer.core.buffers import BoundBuffer, BufferHandle
 from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind
-from kvxfer.core.planner import group_blocks
+from kvxfer.core.planner import check_span_ids, group_blocks
 from kvxfer.core.requests import EngineEvent
 from kvxfer.dataplane.memory import MappedBuffer
 from kvxfer.server.callers import Caller, ProcessWatch
@@ -137,3 +137,13 @@ def check_spans_cover(layout: EngineLayout, num_tokens: int, spans: tuple[BlockS
                 f"covers logical blocks {span.first_block}..{span.end_block - 1} of group "
                 f"{group.group_id}; num_tokens {num_tokens} needs {what}",
             )
+
+
+def check_span_ids_once(layout: EngineLayout, spans: tuple[BlockSpan, ...], field: str) -> None:
+    """One span per group, each naming block ids the layout's regions hold."""
+    seen: set[int] = set()
+    for i, span in enumerate(spans):
+        if span.group_id in seen:
+            raise InvalidInputError(f"{field}[{i}].group_id", f"group {span.group_id} repeats")
+        seen.add(span.group_id)
+        check_span_ids(layout, span, f"{field}[{i}]")

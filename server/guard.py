@@ -48,6 +48,9 @@ MAX_REQUEST_BYTES: dict[str, int] = {
     "/kvxfer.v1.PeerService/BeginRead": 4 * _KIB,
     "/kvxfer.v1.PeerService/Heartbeat": 2048 * _KIB,
     "/kvxfer.v1.PeerService/EndRead": 4 * _KIB,
+    "/kvxfer.v1.PeerService/BeginWrite": 4 * _KIB,
+    # failed blocks of every group: up to limits.max_blocks_per_request ids of 10 bytes
+    "/kvxfer.v1.PeerService/EndWrite": 2048 * _KIB,
     "/kvxfer.v1.AdminService/GetStatus": 1 * _KIB,
     "/kvxfer.v1.AdminService/ListPeers": 1 * _KIB,
 }

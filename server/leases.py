@@ -85,6 +85,10 @@ class Lease:
     state: LeaseState = LeaseState.HELD
     reader: str = ""  # who began the read
     read_token: str = ""  # the secret that read's heartbeats and end must present
+    # A destination lease (push): blocks the decode engine announced for a writer; the
+    # reader fields are then the writer's (READING: being written).
+    push: bool = False
+    computed_tokens: int = 0
 
     @property
     def blocks(self) -> int:
@@ -114,12 +118,20 @@ class LeaseTable:
         return sum(1 for lease in self._leases.values() if lease.state is LeaseState.READING)
 
     def add(
-        self, engine_id: str, request_id: str, num_tokens: int, spans: tuple[BlockSpan, ...]
+        self,
+        engine_id: str,
+        request_id: str,
+        num_tokens: int,
+        spans: tuple[BlockSpan, ...],
+        *,
+        push: bool = False,
+        computed_tokens: int = 0,
     ) -> Lease:
         key = (engine_id, request_id)
         if key in self._leases:
+            what = "expected" if self._leases[key].push else "published"
             raise InvalidInputError(
-                "request_id", f"request {request_id!r} is already published and held"
+                "request_id", f"request {request_id!r} is already {what} and held"
             )
         if len(self._leases) >= self._max:
             raise LimitExceededError(
@@ -128,6 +140,7 @@ class LeaseTable:
             )
         now = self._clock()
         lease = Lease(engine_id, request_id, num_tokens, spans, now, now + self.ttl_s)
+        lease.push, lease.computed_tokens = push, computed_tokens
         self._leases[key] = lease
         self._held_blocks += lease.blocks
         return lease
@@ -141,13 +154,25 @@ class LeaseTable:
             )
         return lease
 
-    def begin_read(self, engine_id: str, request_id: str, reader: str) -> Lease:
-        """Start `reader`'s read; the lease's `read_token` goes back to it alone."""
+    def begin_read(
+        self, engine_id: str, request_id: str, reader: str, *, push: bool = False
+    ) -> Lease:
+        """Start `reader`'s read (or, `push`, its write of an expected request); the
+        lease's `read_token` goes back to it alone. A read never begins on a destination
+        lease, nor a write on a published one."""
         lease = self.get(engine_id, request_id)
+        if lease.push != push:
+            raise NotFoundError(
+                f"request {request_id!r} is not {'expected' if push else 'published'} here "
+                f"(it is {'expected for a push' if lease.push else 'published for a pull'})"
+            )
         if lease.state is LeaseState.ABORTED:
-            raise LeaseError(f"request {request_id!r} was aborted by its publisher")
+            who = "decode engine" if push else "publisher"
+            raise LeaseError(f"request {request_id!r} was aborted by its {who}")
         if lease.state is LeaseState.READING:
-            raise LeaseError(f"request {request_id!r} is already being read")
+            raise LeaseError(
+                f"request {request_id!r} is already being {'written' if push else 'read'}"
+            )
         lease.state = LeaseState.READING
         lease.reader, lease.read_token = reader, secrets.token_hex(16)
         lease.expires = self._clock() + self.ttl_s
@@ -201,15 +226,16 @@ class LeaseTable:
 
 
 def _check_reader(lease: Lease, reader: str, token: str) -> None:
+    what, who, doing = ("write", "writer", "written") if lease.push else ("read", "reader", "read")
     if lease.state is LeaseState.HELD:
         raise PermissionDeniedError(
-            f"request {lease.request_id!r} has no read of yours to renew or end"
+            f"request {lease.request_id!r} has no {what} of yours to renew or end"
         )
     # compare_digest: the token is a secret, its comparison must not leak a prefix by timing
     # (as bytes: compare_digest refuses str with non-ASCII characters, which a client sends)
     given = token.encode(errors="surrogateescape")
     if lease.reader != reader or not hmac.compare_digest(lease.read_token.encode(), given):
         raise PermissionDeniedError(
-            f"request {lease.request_id!r} is being read by another reader "
-            "(identity or read_token differs)"
+            f"request {lease.request_id!r} is being {doing} by another {who} "
+            f"(identity or {what}_token differs)"
         )

@@ -122,6 +122,17 @@ class Metrics:
         self.bytes_served = Counter(
             "kvxfer_bytes_served", "KV bytes peers reported reading from this sidecar", registry=r
         )
+        self.bytes_received = Counter(
+            "kvxfer_bytes_received",
+            "KV bytes peers reported writing into this sidecar's engines (push)",
+            registry=r,
+        )
+        self.push_revocations = Counter(
+            "kvxfer_push_revocations",
+            "Serving agents killed to revoke remote access, because a pushing peer went "
+            "silent past the lease TTL with writes possibly in flight",
+            registry=r,
+        )
         self.full_attention_bytes = Counter(
             "kvxfer_full_attention_bytes",
             "Bytes a transfer treating every attention group as full attention would move",

@@ -196,32 +196,39 @@ class PeerLinks:
         epoch: int,
         peer_engine: str,
         peer_rank: int | None = None,
+        *,
+        push: bool = False,
     ) -> tuple[PeerLink, Agreement]:
         """The link to `address`'s engine of rank `peer_rank` (default: `layout`'s rank),
         handshaking first when the cached one is missing, stale, or of another epoch or
         engine than the pull expects. Pulls that arrive during a handshake share its
         outcome (success or failure) instead of queuing one timeout each behind it; other
-        peers never wait on this one."""
+        peers never wait on this one. `push`: this side writes into the peer's engine,
+        so the agreement is negotiated from the peer's side (it is the reader there)."""
         rank = layout.tp_rank if peer_rank is None else peer_rank
         key = (address, rank)
         link = self._links.get(key)
         if link is None or link.stale or link.epoch != epoch or link.hello.engine_id != peer_engine:
             pending = self._pending.get(key)
             if pending is None:
-                pending = asyncio.ensure_future(self._handshake(address, layout, engine_id, rank))
+                pending = asyncio.ensure_future(
+                    self._handshake(address, layout, engine_id, rank, push)
+                )
                 self._pending[key] = pending
                 pending.add_done_callback(lambda _: self._pending.pop(key, None))
             link = await asyncio.shield(pending)
         agreement = link.agreements.get(engine_id)
         if agreement is None:
-            agreement = self._negotiate(address, engine_id, layout, link.hello)
+            agreement = self._negotiate(address, engine_id, layout, link.hello, push)
             link.agreements[engine_id] = agreement
         return link, agreement
 
     def _negotiate(
-        self, address: str, engine_id: str, layout: EngineLayout, hello: PeerHello
+        self, address: str, engine_id: str, layout: EngineLayout, hello: PeerHello, push: bool
     ) -> Agreement:
         try:
+            if push:  # the destination (the peer) is the side negotiation calls local
+                return negotiate(hello.layout, layout, hello.protocol_version, PROTOCOL_VERSION)
             return negotiate(layout, hello.layout, PROTOCOL_VERSION, hello.protocol_version)
         except NegotiationError as exc:
             self._metrics.negotiation_failures.labels(self.label(address)).inc()
@@ -258,7 +265,7 @@ class PeerLinks:
             raise PeerUnavailableError(f"peer {address} sent a bad handshake: {exc}") from exc
 
     async def _handshake(
-        self, address: str, layout: EngineLayout, engine_id: str, rank: int
+        self, address: str, layout: EngineLayout, engine_id: str, rank: int, push: bool
     ) -> PeerLink:
         """Hello, then negotiate, and only if they agree load the peer's NIXL agent: a
         refused peer adds no agent, no link and no `ok` handshake."""
@@ -271,7 +278,7 @@ class PeerLinks:
                 await self._forget_unlinked(address)
                 raise
             try:
-                agreement = self._negotiate(address, engine_id, layout, hello)
+                agreement = self._negotiate(address, engine_id, layout, hello, push)
             except NegotiationError:
                 self._metrics.handshakes.labels(self.label(address), "refused").inc()
                 await self._forget_unlinked(address)
@@ -339,14 +346,33 @@ class PeerLinks:
         request = pb.BeginReadRequest(
             epoch=link.epoch, tp_rank=link.tp_rank, request_id=request_id, reader_id=reader_id
         )
-        timeout = self._settings.transfer.rpc_timeout_s
-        reply = await self._dialer.call(
-            link.address, "begin read", lambda: stub.BeginRead(request, timeout=timeout)
+        reply = await self._begin(link, "begin read", stub.BeginRead, request)
+        self._keep_token(link, request_id, reply.read_token)
+        return reply
+
+    async def begin_write(
+        self, link: PeerLink, request_id: str, writer_id: str
+    ) -> pb.BeginWriteResponse:
+        """Bind an expected request at the peer to this writer (push); its write token is
+        kept like a read token, so heartbeats renew the destination lease the same way."""
+        stub = self._dialer.stub(link.address)
+        request = pb.BeginWriteRequest(
+            epoch=link.epoch, tp_rank=link.tp_rank, request_id=request_id, writer_id=writer_id
         )
+        reply = await self._begin(link, "begin write", stub.BeginWrite, request)
+        self._keep_token(link, request_id, reply.write_token)
+        return reply
+
+    async def _begin(
+        self, link: PeerLink, what: str, method: Callable[..., Awaitable[T]], request: object
+    ) -> T:
+        timeout = self._settings.transfer.rpc_timeout_s
+        return await self._dialer.call(link.address, what, lambda: method(request, timeout=timeout))
+
+    def _keep_token(self, link: PeerLink, request_id: str, token: str) -> None:
         if len(self._read_tokens) >= _MAX_READ_TOKENS:
             del self._read_tokens[next(iter(self._read_tokens))]  # the oldest
-        self._read_tokens[(link.address, link.tp_rank, request_id)] = reply.read_token
-        return reply
+        self._read_tokens[(link.address, link.tp_rank, request_id)] = token
 
     async def heartbeat(self, link: PeerLink, request_id: str) -> int:
         stub = self._dialer.stub(link.address)
@@ -367,13 +393,31 @@ class PeerLinks:
         request.read_token = self._read_tokens.get(key, "")
         stub = self._dialer.stub(link.address)
         timeout = self._settings.transfer.rpc_timeout_s
+        await self._ending(link, key, "end read", lambda: stub.EndRead(request, timeout=timeout))
+
+    async def end_write(self, link: PeerLink, request: pb.EndWriteRequest) -> pb.EndWriteResponse:
+        """End the write (push), as `end_read` ends a read."""
+        key = (link.address, link.tp_rank, request.request_id)
+        request.write_token = self._read_tokens.get(key, "")
+        stub = self._dialer.stub(link.address)
+        timeout = self._settings.transfer.rpc_timeout_s
+        return await self._ending(
+            link, key, "end write", lambda: stub.EndWrite(request, timeout=timeout)
+        )
+
+    async def _ending(
+        self,
+        link: PeerLink,
+        key: tuple[str, int, str],
+        what: str,
+        rpc: Callable[[], Awaitable[T]],
+    ) -> T:
         try:
-            await self._dialer.call(
-                link.address, "end read", lambda: stub.EndRead(request, timeout=timeout)
-            )
+            reply = await self._dialer.call(link.address, what, rpc)
         except PeerUnavailableError:
             raise
         except KvxferError:
             self._read_tokens.pop(key, None)
             raise
         self._read_tokens.pop(key, None)
+        return reply

@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from kvxfer._exceptions import InvalidInputError, KvxferError, PeerUnavailableError
 from kvxfer.core.planner import TransferPlan
@@ -31,6 +32,7 @@ from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.wire.layout import spans_from_proto
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -78,7 +80,7 @@ async def run_pull(pull: Pull, ctx: PullContext, report: Callable[[PullDone], No
         ctx.metrics.inflight_pulls.labels(peer).dec()
         ctx.metrics.active.stop()
     report(done)  # first: the engine is waiting for it, the metrics are not
-    _observe(pull, done, ctx.metrics, peer)
+    observe(pull.plan, done, ctx.metrics, peer, "read")
     if end_read:
         await _end_read(pull, ctx, done)
 
@@ -98,7 +100,7 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
     except KvxferError as exc:
         return _all_failed(pull, PullStatus.FAILED, str(exc)), False
     try:
-        _check_published(params, begun)
+        check_held(params, begun)
         if begun.registration_version != link.hello.registration_version:
             await ctx.links.reload(link, pull.engine.layout)
     except KvxferError as exc:
@@ -111,7 +113,7 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
     except KvxferError as exc:
         pull.aborted = True
         return _all_failed(pull, PullStatus.FAILED, f"no NIXL agent to read with: {exc}"), True
-    heartbeat = asyncio.create_task(_heartbeat(pull, ctx, begun.lease_ttl_ms / 1000))
+    renewing = asyncio.create_task(heartbeat(pull, ctx.links, begun.lease_ttl_ms / 1000))
     try:
         # PullDone goes out only after this returns: by then every chunk that failed has
         # severed its agent (adapter.py), so no byte can land in a block reported failed.
@@ -126,9 +128,7 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
             cancel=pull.cancel,
         )
     finally:
-        heartbeat.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await heartbeat
+        await stop_heartbeat(renewing)
     if TransferStatus.DISCONNECTED in result.chunk_statuses:
         ctx.links.invalidate(link)
     done = _from_result(pull, result)
@@ -142,41 +142,60 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
     return done, True
 
 
-def _check_published(params: TransferParams, begun: pb.BeginReadResponse) -> None:
-    """The router's params must match what the publisher holds, id for id."""
-    spans = spans_from_proto(begun.spans, "published.spans")
+def check_held(params: TransferParams, begun: pb.BeginReadResponse | pb.BeginWriteResponse) -> None:
+    """The router's params must match what the peer holds, id for id (what it published
+    for a pull, what its engine announced for a push)."""
+    what = "published" if isinstance(begun, pb.BeginReadResponse) else "announced"
+    spans = spans_from_proto(begun.spans, f"{what}.spans")
     if begun.num_tokens != params.num_tokens or spans != params.spans:
         raise InvalidInputError(
             "params",
-            f"num_tokens or spans differ from what {params.peer_address} published for "
-            f"{params.request_id!r} (published num_tokens={begun.num_tokens})",
+            f"num_tokens or spans differ from what {params.peer_address} {what} for "
+            f"{params.request_id!r} ({what} num_tokens={begun.num_tokens})",
         )
 
 
-async def _heartbeat(pull: Pull, ctx: PullContext, ttl_s: float) -> None:
+class Renewed(Protocol):
+    """What a heartbeat loop keeps alive: a pull's read or a push's write."""
+
+    link: PeerLink
+    cancel: asyncio.Event
+    aborted: bool
+    lease_lost: bool
+
+    @property
+    def request_id(self) -> str: ...
+
+
+async def heartbeat(transfer: Renewed, links: PeerLinks, ttl_s: float) -> None:
+    """Renew the peer's lease every TTL/3 until cancelled; a lease the peer aborted or
+    no longer holds cancels the transfer."""
     interval = max(ttl_s / 3, 0.05)
     while True:
         await asyncio.sleep(interval)
         try:
-            state = await ctx.links.heartbeat(pull.link, pull.request_id)
+            state = await links.heartbeat(transfer.link, transfer.request_id)
         except KvxferError as exc:
-            log.warning("heartbeat for %s failed: %s", pull.request_id, exc)
+            log.warning("heartbeat for %s failed: %s", transfer.request_id, exc)
             continue
         if state == pb.LEASE_STATE_ABORTED:
-            pull.aborted = True
-            pull.cancel.set()
+            transfer.aborted = True
+            transfer.cancel.set()
         elif state != pb.LEASE_STATE_HELD:
-            # The publisher no longer holds the blocks: nothing read can be trusted.
-            pull.lease_lost = True
-            pull.cancel.set()
+            # The peer no longer holds the blocks: nothing moved can be trusted.
+            transfer.lease_lost = True
+            transfer.cancel.set()
             return
 
 
+async def stop_heartbeat(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def _end_read(pull: Pull, ctx: PullContext, done: PullDone) -> None:
-    """Tell the publisher the read ended, retrying while it cannot be reached: a stalled or
-    frozen peer answers later, and its lease clock stops while it is frozen (LiveClock),
-    so without the retry it would report the consumed blocks as expired. Only a definite
-    answer, or `end_read_patience_s`, ends this."""
+    """Tell the publisher the read ended (consumed or aborted), patiently."""
     if pull.lease_lost:
         return
     reason = pb.RELEASE_REASON_ABORTED if pull.aborted else pb.RELEASE_REASON_CONSUMED
@@ -187,20 +206,31 @@ async def _end_read(pull: Pull, ctx: PullContext, done: PullDone) -> None:
         reason=reason,
         bytes_read=done.bytes_moved,
     )
-    give_up = time.monotonic() + ctx.end_read_patience_s
+    await end_patiently(
+        lambda: ctx.links.end_read(pull.link, request),
+        f"ending read of {pull.request_id} at {pull.link.address}",
+        ctx.end_read_patience_s,
+    )
+
+
+async def end_patiently(call: Callable[[], Awaitable[T]], what: str, patience_s: float) -> T | None:
+    """Retry `call` while the peer cannot be reached: a stalled or frozen peer answers
+    later, and its lease clock stops while it is frozen (LiveClock), so without the
+    retry it would report the finished transfer as expired. Only a definite answer, or
+    `patience_s`, ends this (None: no answer)."""
+    give_up = time.monotonic() + patience_s
     pause = 0.25
     while True:
         try:
-            await ctx.links.end_read(pull.link, request)
-            return
+            return await call()
         except PeerUnavailableError as exc:
             if time.monotonic() + pause > give_up:
-                log.warning("ending read of %s at %s: %s", pull.request_id, pull.link.address, exc)
-                return  # its lease expires there on its own
-            log.info("ending read of %s: %s; retrying in %.2f s", pull.request_id, exc, pause)
+                log.warning("%s: %s", what, exc)
+                return None  # its lease expires there on its own
+            log.info("%s: %s; retrying in %.2f s", what, exc, pause)
         except KvxferError as exc:  # a definite answer: the lease is gone or refused
-            log.warning("ending read of %s at %s: %s", pull.request_id, pull.link.address, exc)
-            return
+            log.warning("%s: %s", what, exc)
+            return None
         await asyncio.sleep(pause)
         pause = min(pause * 2, 2.0)
 
@@ -227,43 +257,57 @@ def _from_result(pull: Pull, result: TransferResult) -> PullDone:
 
 
 def _all_failed(pull: Pull, status: PullStatus, reason: str) -> PullDone:
-    plan = pull.plan
+    return all_failed(
+        pull.plan, pull.engine.layout.block_size, pull.request_id, pull.started, status, reason
+    )
+
+
+def all_failed(
+    plan: TransferPlan,
+    block_size: int,
+    request_id: str,
+    started: float,
+    status: PullStatus,
+    reason: str,
+    kind: type[PullDone] = PullDone,
+) -> PullDone:
+    """Every planned block failed: nothing moved (valid_tokens from the recompute rule,
+    in the destination's blocks, of which `block_size` is the layout's)."""
     failed: Mapping[int, tuple[int, ...]] = {
         g.group.group_id: tuple(g.blocks) for g in plan.groups if g.blocks
     }
     resume = valid_tokens(
-        [g.group for g in plan.groups],
-        plan.num_tokens,
-        plan.computed_tokens,
-        pull.engine.layout.block_size,
-        failed,
+        [g.group for g in plan.groups], plan.num_tokens, plan.computed_tokens, block_size, failed
     )
-    return PullDone(
-        request_id=pull.request_id,
+    return kind(
+        request_id=request_id,
         status=status if failed or status is PullStatus.ABORTED else PullStatus.FAILED,
         failed_blocks=failed,
         valid_tokens=resume,
         bytes_moved=0,
-        duration_s=time.monotonic() - pull.started,
+        duration_s=time.monotonic() - started,
         reason=reason,
     )
 
 
-def _observe(pull: Pull, done: PullDone, metrics: Metrics, peer: str) -> None:
+def observe(
+    plan: TransferPlan, done: PullDone, metrics: Metrics, peer: str, direction: str
+) -> None:
+    """A finished transfer's metrics; `direction` is read (pull) or write (push)."""
     moved_by_kind: dict[str, int] = {}
     failed = {g: set(b) for g, b in done.failed_blocks.items()}
-    kinds = {g.group.group_id: g.group.kind.value for g in pull.plan.groups}
-    for chunk in pull.plan.chunks:  # a chunk arrives or fails whole (one NIXL handle)
+    kinds = {g.group.group_id: g.group.kind.value for g in plan.groups}
+    for chunk in plan.chunks:  # a chunk arrives or fails whole (one NIXL handle)
         if not failed.get(chunk.group_id, set()) & set(chunk.blocks):
             kind = kinds[chunk.group_id]
             moved_by_kind[kind] = moved_by_kind.get(kind, 0) + chunk.nbytes
-    for group_plan in pull.plan.groups:
+    for group_plan in plan.groups:
         group = group_plan.group
         if group.group_id in failed:
             metrics.failed_blocks.labels(peer, group.kind.value).inc(len(failed[group.group_id]))
     for kind, nbytes in moved_by_kind.items():
-        metrics.bytes_moved.labels(peer, kind, "read").inc(nbytes)
+        metrics.bytes_moved.labels(peer, kind, direction).inc(nbytes)
     metrics.requests.labels(peer, done.status.value).inc()
     metrics.transfer_duration.labels(peer, done.status.value).observe(done.duration_s)
-    if done.valid_tokens < pull.plan.num_tokens:
+    if done.valid_tokens < plan.num_tokens:
         metrics.truncations.labels(peer).inc()

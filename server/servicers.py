@@ -16,7 +16,9 @@ import grpc
 import grpc.aio
 
 from kvxfer._exceptions import InvalidInputError, KvxferError
+from kvxfer.core.requests import TransferParams
 from kvxfer.server.callers import claimed_pid
+from kvxfer.server.destinations import WriteEnd
 from kvxfer.server.guard import identity
 from kvxfer.server.leases import LeaseState
 from kvxfer.server.sidecar import Sidecar
@@ -32,6 +34,7 @@ from kvxfer.wire.sidecar import (
     params_from_proto,
     params_to_proto,
     release_reason_from_proto,
+    spans_failed_from_proto,
 )
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -93,15 +96,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     @rpc
     async def Pull(self, request: pb.PullRequest, context: Context) -> pb.PullResponse:
-        if not request.HasField("params"):
-            raise InvalidInputError("params", "missing")
-        params = params_from_proto(request.params, "params")
-        if params.epoch == self._sidecar.epoch or params.peer_address == self._sidecar.address:
-            raise InvalidInputError(
-                "params.peer_address",
-                f"{params.peer_address} (epoch {params.epoch}) is this sidecar itself: "
-                "pull from the sidecar that published the request",
-            )
+        params = self._peer_params(request)
         local = spans_from_proto(request.local_spans, "local_spans")
         accepted = await self._sidecar.pull(
             request.engine_id, params, local, request.computed_tokens
@@ -112,6 +107,42 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             chunks=accepted.chunks,
             descriptors=accepted.descriptors,
         )
+
+    @rpc
+    async def Expect(self, request: pb.ExpectRequest, context: Context) -> pb.ExpectResponse:
+        spans = spans_from_proto(request.spans, "spans")
+        params = self._sidecar.push_side.expect(
+            request.engine_id, request.request_id, request.num_tokens, spans,
+            request.computed_tokens,
+        )  # fmt: skip
+        ttl_ms = round(self._sidecar.lease_ttl_s() * 1000)
+        return pb.ExpectResponse(params=params_to_proto(params), lease_ttl_ms=ttl_ms)
+
+    @rpc
+    async def Push(self, request: pb.PushRequest, context: Context) -> pb.PushResponse:
+        params = self._peer_params(request)
+        local = spans_from_proto(request.local_spans, "local_spans")
+        accepted = await self._sidecar.push_side.push(
+            request.engine_id, params, local, request.tokens_ready, request.final
+        )
+        return pb.PushResponse(
+            bytes_planned=accepted.bytes_planned,
+            chunks=accepted.chunks,
+            chunks_posted=accepted.chunks_posted,
+        )
+
+    def _peer_params(self, request: pb.PullRequest | pb.PushRequest) -> TransferParams:
+        """The params of another sidecar's request: never this sidecar's own."""
+        if not request.HasField("params"):
+            raise InvalidInputError("params", "missing")
+        params = params_from_proto(request.params, "params")
+        if params.epoch == self._sidecar.epoch or params.peer_address == self._sidecar.address:
+            raise InvalidInputError(
+                "params.peer_address",
+                f"{params.peer_address} (epoch {params.epoch}) is this sidecar itself: "
+                "transfer with the sidecar that published or expects the request",
+            )
+        return params
 
     @rpc
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
@@ -193,6 +224,38 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
             token=request.read_token,
         )
         return pb.EndReadResponse()
+
+    @rpc
+    async def BeginWrite(
+        self, request: pb.BeginWriteRequest, context: Context
+    ) -> pb.BeginWriteResponse:
+        lease = self._sidecar.push_side.begin_write(
+            request.epoch, request.tp_rank, request.request_id, identity(context)
+        )
+        return pb.BeginWriteResponse(
+            num_tokens=lease.num_tokens,
+            spans=[span_to_proto(s) for s in lease.spans],
+            computed_tokens=lease.computed_tokens,
+            lease_ttl_ms=round(self._sidecar.lease_ttl_s() * 1000),
+            registration_version=self._sidecar.registration_version,
+            write_token=lease.read_token,
+        )
+
+    @rpc
+    async def EndWrite(self, request: pb.EndWriteRequest, context: Context) -> pb.EndWriteResponse:
+        end = WriteEnd(
+            writer=identity(context),
+            token=request.write_token,
+            reason=release_reason_from_proto(request.reason),
+            failed=spans_failed_from_proto(request.failed_blocks, "failed_blocks"),
+            bytes_written=request.bytes_written,
+            valid_tokens=request.valid_tokens,
+            detail=request.detail[:1024],
+        )
+        valid = self._sidecar.push_side.end_write(
+            request.epoch, request.tp_rank, request.request_id, end
+        )
+        return pb.EndWriteResponse(valid_tokens=valid)
 
 
 class AdminServicer(pb_grpc.AdminServiceServicer):

@@ -31,7 +31,7 @@ from pydantic_settings import (
 
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.core.planner import DEFAULT_CHUNK_BLOCKS
-from kvxfer.core.requests import check_address
+from kvxfer.core.requests import TransferMode, check_address
 from kvxfer.server.settings_sources import (
     PREFIX,
     EnvSource,
@@ -64,6 +64,13 @@ class TransferSettings(_Group):
         32, ge=1, le=4096, description="chunks posted at once per pull"
     )
     rpc_timeout_s: float = Field(5.0, gt=0, le=300, description="deadline of each peer RPC")
+    modes: tuple[TransferMode, ...] = Field(
+        (TransferMode.PULL, TransferMode.PUSH),
+        min_length=1,
+        description="transfer modes this sidecar takes part in: pull (peers read what it "
+        "publishes, it reads from peers) and push (peers write what it expects, it writes "
+        "to peers); the engines choose per request, pull unless they Expect/Push",
+    )
     end_read_patience_s: float = Field(
         300.0,
         ge=0,

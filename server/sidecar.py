@@ -26,7 +26,7 @@ from kvxfer._exceptions import (
 from kvxfer.core.buffers import BoundBuffer, BufferHandle
 from kvxfer.core.layout import BlockSpan, EngineLayout
 from kvxfer.core.negotiation import PROTOCOL_VERSION, SUPPORTED_PROTOCOLS
-from kvxfer.core.planner import check_span_ids, full_attention_bytes, plan_transfer
+from kvxfer.core.planner import full_attention_bytes, plan_transfer
 from kvxfer.core.requests import (
     MAX_EPOCH,
     AbortState,
@@ -36,6 +36,7 @@ from kvxfer.core.requests import (
     PullDone,
     Released,
     ReleaseReason,
+    TransferMode,
     TransferParams,
     check_request_id,
 )
@@ -45,11 +46,18 @@ from kvxfer.dataplane.readers import Readers
 from kvxfer.dataplane.serving import ServingBackend
 from kvxfer.server.admission import Admission, PullGate
 from kvxfer.server.callers import Caller, ProcessWatch, identify_caller
-from kvxfer.server.engines import Engine, EventQueue, check_regions_fit, check_spans_cover
+from kvxfer.server.engines import (
+    Engine,
+    EventQueue,
+    check_regions_fit,
+    check_span_ids_once,
+    check_spans_cover,
+)
 from kvxfer.server.leases import Lease, LeaseState, LeaseTable, LiveClock
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import Dialer, PeerLinks
 from kvxfer.server.pulls import Pull, PullContext, run_pull
+from kvxfer.server.push_side import PushSide
 from kvxfer.server.settings import Settings
 from kvxfer.wire.sidecar import PeerHello
 
@@ -102,6 +110,8 @@ class Sidecar:
             reader_id=self.sidecar_id,
             end_read_patience_s=settings.transfer.end_read_patience_s,
         )
+        self.push_side = PushSide(self)  # Expect, Push, BeginWrite, EndWrite
+        self.pushes, self.destinations = self.push_side.pushes, self.push_side.destinations
         self._draining = False
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -115,6 +125,9 @@ class Sidecar:
             await asyncio.sleep(self.settings.lease.sweep_s)
             self._clock.tick(self.settings.lease.sweep_s)
             for lease in self._leases.expire():
+                if lease.push:
+                    await self.destinations.expired(lease)
+                    continue
                 log.info("lease of %s expired unconsumed", lease.request_id)
                 self.metrics.expired_leases.inc()
                 self._emit(
@@ -130,6 +143,7 @@ class Sidecar:
         and only then release every lease (reported to its engine) and unmap memory."""
         self._draining = True
         end = time.monotonic() + grace_s
+        pushes = asyncio.create_task(self.pushes.shutdown(grace_s))
         pending = [p.task for p in self._pulls.values() if p.task is not None]
         if pending:
             _, late = await asyncio.wait(pending, timeout=grace_s)
@@ -138,6 +152,7 @@ class Sidecar:
                 pull.cancel.set()
             if late:
                 await asyncio.wait(late, timeout=self.settings.transfer.stall_deadline_s + 1)
+        await pushes
         await self._drain_reads(end)
         # Memory safety: every agent that could touch our engines' memory (readers write
         # into it, the serving agent reads from it for peers) is destroyed before any of
@@ -335,12 +350,7 @@ class Sidecar:
         engine = self.engine(engine_id)
         check_request_id(request_id)
         self._check_block_count(spans, "spans")
-        seen: set[int] = set()
-        for i, span in enumerate(spans):
-            if span.group_id in seen:
-                raise InvalidInputError(f"spans[{i}].group_id", f"group {span.group_id} repeats")
-            seen.add(span.group_id)
-            check_span_ids(engine.layout, span, f"spans[{i}]")
+        check_span_ids_once(engine.layout, spans, "spans")
         check_spans_cover(engine.layout, num_tokens, spans)
         params = TransferParams(
             peer_address=self.address,
@@ -369,6 +379,8 @@ class Sidecar:
             raise InvalidInputError(
                 "params.request_id", f"{params.request_id!r} is already being pulled"
             )
+        if params.mode is not TransferMode.PULL:
+            raise InvalidInputError("params.mode", "push params go to the prefill engine's Push")
         # params.tp_rank is the prefill rank read: rank r with equal TP sizes, one of the
         # decode rank's sources with different ones (negotiation refuses any other).
         self._check_block_count(local_spans, "local_spans")
@@ -439,6 +451,13 @@ class Sidecar:
             pull.aborted = True
             pull.cancel.set()
             return AbortState.PULLING
+        pushing = self.pushes.abort(engine_id, request_id)
+        if pushing is not None:
+            return pushing
+        if self._leases.get(engine_id, request_id).push:
+            state = self.destinations.abort(engine_id, request_id)
+            self._lease_gauges()
+            return state
         before, released = self._leases.abort(engine.engine_id, request_id)
         if released is not None:
             self._release(released, ReleaseReason.ABORTED, 0)
@@ -483,6 +502,8 @@ class Sidecar:
         if engine.watch is not None:
             engine.watch.close()
         cancelled = await self._cancel_pulls(engine)
+        pushes = await self.pushes.cancel_engine(engine.engine_id, self._reads_deadline_s())
+        cancelled = -1 if min(cancelled, pushes) < 0 else cancelled + pushes
         released = self._end_leases(engine)
         deadline = self._reads_deadline_s() if reads_deadline_s is None else reads_deadline_s
         await self._wait_reads(engine, deadline)
@@ -556,6 +577,8 @@ class Sidecar:
             # only READ this memory, so a read still posted after the deregistration
             # fails on their side; nothing can write into this process's memory.
             left = self._leases.drop_engine(engine.engine_id)
+            if any(lease.push for lease in left):  # a silent writer may still write here
+                await self._backend.revoke(f"engine {engine.engine_id} retires under a push")
             log.warning(
                 "engine %s: %d reads still open after %.1fs; their readers are presumed gone",
                 engine.engine_id,
@@ -612,6 +635,7 @@ class Sidecar:
             agent_metadata=metadata,
             lease_ttl_s=self.settings.lease.ttl_s,
             registration_version=version,
+            modes=frozenset(self.settings.transfer.modes),
         )
 
     def _serving_engine(self, tp_rank: int) -> Engine:
@@ -680,6 +704,8 @@ class Sidecar:
         self._check_epoch(epoch)
         engine = self._serving_engine(tp_rank)
         lease = self._leases.get(engine.engine_id, check_request_id(request_id))
+        if lease.push:
+            raise NotFoundError(f"request {request_id!r} is expected for a push: EndWrite it")
         held = sum(
             len(s.block_ids) * engine.layout.group(s.group_id).bytes_per_block for s in lease.spans
         )

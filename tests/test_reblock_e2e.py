@@ -60,7 +60,14 @@ def test_different_block_sizes_pull_byte_for_byte_with_failures(
         "--prefill-block-size", str(prefill_block), "--decode-block-size", str(decode_block),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)
+    check_demo_report(json.loads(result.stdout), model, prefill_block, decode_block)
+
+
+def check_demo_report(
+    report: dict[str, Any], model: str, prefill_block: int, decode_block: int
+) -> None:
+    """Every request of a `demo --json` report against the token-level oracle: bytes
+    moved and valid_tokens, with at least one failure and one whole request."""
     assert report["block_sizes"] == {"prefill": prefill_block, "decode": decode_block}
     assert report["verified_requests"] == 5 and report["untouched_bytes_verified"] is True
     assert report["failed_blocks"] > 0, "seed 2 injects at least one failure"

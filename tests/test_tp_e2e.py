@@ -98,6 +98,29 @@ def test_different_tp_sizes_pull_head_by_head_with_failures(
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
+    check_tp_report(report, model, prefill_tp, decode_tp, blocks)
+    if faults[1] == "4":  # a failed state block fails that pull's state: it resumes at C
+        state = [
+            g.group_id
+            for g in layout_for_model(model, block_size=blocks[1]).groups
+            if g.kind is GroupKind.MAMBA
+        ]
+        lost = [
+            (row, pull)
+            for row in report["per_request"]
+            for pull in row["pulls"]
+            if pull["failed_blocks"].get(str(state[0]))
+        ]
+        assert lost, "seed 4 fails at least one state block"
+        for row, pull in lost:
+            assert pull["valid_tokens"] == row["valid_tokens"] == row["computed_tokens"]
+
+
+def check_tp_report(
+    report: dict[str, Any], model: str, prefill_tp: int, decode_tp: int, blocks: tuple[int, int]
+) -> None:
+    """Each transfer's bytes and valid_tokens of a TP `demo --json` report, from the
+    oracle alone, and one valid_tokens per request."""
     assert report["tp"] == {"prefill": prefill_tp, "decode": decode_tp}
     assert report["verified_requests"] == 4 and report["untouched_bytes_verified"] is True
     assert report["failed_blocks"] > 0, "the seed injects at least one failure"
@@ -130,17 +153,6 @@ def test_different_tp_sizes_pull_head_by_head_with_failures(
             assert pull["valid_tokens"] == want
             resume.append(want)
         assert row["valid_tokens"] == min(resume)  # one answer for the whole request
-    if faults[1] == "4":  # a failed state block fails that pull's state: it resumes at C
-        state = [g.group_id for g in layouts[0].groups if g.kind is GroupKind.MAMBA]
-        lost = [
-            (row, pull)
-            for row in report["per_request"]
-            for pull in row["pulls"]
-            if pull["failed_blocks"].get(str(state[0]))
-        ]
-        assert lost, "seed 4 fails at least one state block"
-        for row, pull in lost:
-            assert pull["valid_tokens"] == row["valid_tokens"] == row["computed_tokens"]
 
 
 @pytest.mark.parametrize(

@@ -109,8 +109,12 @@ def run_handshake(args: argparse.Namespace) -> int:
     elapsed_ms = (time.perf_counter() - start) * 1000
     mismatches = find_mismatches(local, hello.layout, PROTOCOL_VERSION, hello.protocol_version)
     agreement = None if mismatches else negotiate(local, hello.layout)
+    accepted = sorted(m.value for m in hello.modes)
     report: dict[str, Any] = {
         "compatible": not mismatches,
+        # Who would start the transfer: the peer must take part in that mode (its
+        # transfer.modes); the asking sidecar's own setting is checked when it transfers.
+        "mode": {"asked": args.mode, "peer_accepts": accepted, "agreed": args.mode in accepted},
         "mismatches": [asdict(m) for m in mismatches],
         "agreement": None if agreement is None else asdict(agreement),
         "peer": {
@@ -126,7 +130,17 @@ def run_handshake(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print(_handshake_text(args.peer, report))
-    return EXIT_OK if not mismatches else EXIT_FAILED
+    return EXIT_OK if not mismatches and report["mode"]["agreed"] else EXIT_FAILED
+
+
+def _mode_text(mode: dict[str, Any]) -> str:
+    accepts = ", ".join(mode["peer_accepts"])
+    if mode["agreed"]:
+        return f"mode {mode['asked']} agreed (peer's transfer.modes: {accepts})"
+    return (
+        f"mode {mode['asked']} REFUSED: the peer takes part only in {accepts} "
+        "(its transfer.modes setting)"
+    )
 
 
 def _tp_text(agreement: dict[str, Any]) -> str:
@@ -144,7 +158,8 @@ def _handshake_text(address: str, report: dict[str, Any]) -> str:
     peer = report["peer"]
     lines = [
         f"peer {address}: engine {peer['engine_id']} ({peer['model']}), epoch {peer['epoch']}, "
-        f"protocol {peer['protocol_version']}, {report['handshake_ms']:.1f} ms"
+        f"protocol {peer['protocol_version']}, {report['handshake_ms']:.1f} ms",
+        _mode_text(report["mode"]),
     ]
     if report["compatible"]:
         agreement = report["agreement"]

@@ -52,7 +52,15 @@ from kvxfer.core.planner import (
     pool_blocks,
 )
 from kvxfer.core.recompute import valid_tokens
-from kvxfer.core.requests import EngineEvent, PullDone, PullStatus, Released, TransferParams
+from kvxfer.core.requests import (
+    EngineEvent,
+    PullDone,
+    PullStatus,
+    Pushed,
+    Received,
+    Released,
+    TransferParams,
+)
 
 CONCURRENCY = 2
 EVENT_TIMEOUT_S = 60.0
@@ -69,7 +77,7 @@ class Request:
 class Outcome:
     request: Request
     done: PullDone
-    released: Released
+    released: Released | Pushed  # the prefill side's end: Released (pull), Pushed (push)
     pull_start: float  # perf_counter at the Pull call
     pull_end: float  # ... and when PullDone arrived
     exact_bytes: int
@@ -167,15 +175,18 @@ async def _run(
     progress: Progress,
 ) -> tuple[_Runner, list[Outcome], str]:
     """Start two sidecars and two engines, then run every request through them; also
-    returns the decode sidecar's metrics address."""
+    returns the metrics address of the sidecar that initiated the transfers."""
     p_block, d_block = _block_sizes(args)
     progress.note("starting 2 sidecars and 2 engines")
     faults: tuple[str, ...] = ()
     if args.fail_rate:
         faults = ("--faults.fail-rate", str(args.fail_rate), "--faults.seed", str(args.seed),
                   "--transfer.chunk-blocks", "16")  # fmt: skip
+    # Faults go where chunks are posted: the decode sidecar reads, the prefill one pushes.
+    p_faults, d_faults = (faults, ()) if args.mode == "push" else ((), faults)
     p, d = await asyncio.gather(
-        asyncio.to_thread(fleet.sidecar, "p"), asyncio.to_thread(fleet.sidecar, "d", *faults)
+        asyncio.to_thread(fleet.sidecar, "p", *p_faults),
+        asyncio.to_thread(fleet.sidecar, "d", *d_faults),
     )
     p_args = ("--block-size", str(p_block), *sizing.p_args)
     d_args = ("--block-size", str(d_block), *sizing.d_args, "--seed", "1")
@@ -190,7 +201,8 @@ async def _run(
         EngineClient(d.ready["engine_address"], engine_id=de.engine_id) as d_client,
     ):
         outcomes = await runner.run(requests, p_client, d_client)
-    return runner, outcomes, d.ready["metrics_address"]
+    initiator = p if args.mode == "push" else d  # the side that handshakes
+    return runner, outcomes, initiator.ready["metrics_address"]
 
 
 def _busy_s(outcomes: Sequence[Outcome]) -> float:
@@ -319,13 +331,18 @@ class _Runner:
         groups = plan_between(self.layout, self.de.layout, request.tokens, request.computed)
         src, dst = self._spans(groups, slot)
         released_f, done_f = self._expect("p", request_id), self._expect("d", request_id)
-        params: TransferParams = await p.publish(request_id, request.tokens, src)
         start = time.perf_counter()
-        await d.pull(params, dst, request.computed)
+        if self.args.mode == "push":
+            await self._push(request, request_id, src, dst, p, d)
+        else:
+            params: TransferParams = await p.publish(request_id, request.tokens, src)
+            start = time.perf_counter()
+            await d.pull(params, dst, request.computed)
         done = await asyncio.wait_for(done_f, EVENT_TIMEOUT_S)
         end = time.perf_counter()
         released = await asyncio.wait_for(released_f, EVENT_TIMEOUT_S)
-        assert isinstance(done, PullDone) and isinstance(released, Released)
+        want = (Received, Pushed) if self.args.mode == "push" else (PullDone, Released)
+        assert isinstance(done, want[0]) and isinstance(released, want[1]), (done, released)
         outcome = Outcome(request, done, released, start, end, sum(g.nbytes for g in groups), True)
         # Off the event loop: other pulls' events keep flowing while bytes are compared.
         await asyncio.to_thread(self._verify, outcome, groups, src, dst)
@@ -333,6 +350,23 @@ class _Runner:
             f"{request.tokens} tok, {human_bytes(done.bytes_moved)}, {done.status.value}"
         )
         return outcome
+
+    async def _push(
+        self,
+        request: Request,
+        request_id: str,
+        src: Sequence[BlockSpan],
+        dst: Sequence[BlockSpan],
+        p: EngineClient,
+        d: EngineClient,
+    ) -> None:
+        """The decode engine announces its blocks; the prefill engine pushes as its
+        prefill "proceeds": tokens_ready rises in --push-steps steps, the last final."""
+        params = await d.expect(request_id, request.tokens, dst, request.computed)
+        steps = self.args.push_steps
+        for step in range(1, steps + 1):
+            ready = request.tokens * step // steps
+            await p.push(params, src, ready, final=step == steps)
 
     def _spans(
         self, groups: Sequence[GroupPlan], slot: int
@@ -398,7 +432,12 @@ class _Runner:
             outcome.problems.append(
                 f"valid_tokens {done.valid_tokens}, the recompute rule says {expected_valid}"
             )
-        if done.bytes_moved != moved or outcome.released.bytes_read != moved:
+        prefill_saw = (
+            outcome.released.bytes_moved
+            if isinstance(outcome.released, Pushed)
+            else outcome.released.bytes_read
+        )
+        if done.bytes_moved != moved or prefill_saw != moved:
             outcome.problems.append(f"bytes_moved {done.bytes_moved}, verified {moved}")
         if done.status is PullStatus.OK and failed:
             outcome.problems.append("status ok with failed blocks")
@@ -438,6 +477,7 @@ def _report(
         exit_code = EXIT_FAILED
     return {
         "model": args.model,
+        "mode": args.mode,
         "requests": len(outcomes),
         "verified_requests": verified,
         "bytes_moved": moved,
@@ -502,8 +542,8 @@ def _per_group(layout: EngineLayout, outcomes: Sequence[Outcome]) -> list[dict[s
 
 def _summary(report: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
-        f"kvxfer demo: {report['requests']} requests of {report['model']} through 2 sidecars "
-        "(NIXL over shared memory, every byte checked)",
+        f"kvxfer demo: {report['requests']} requests of {report['model']} through 2 sidecars, "
+        f"{report['mode']} (NIXL over shared memory, every byte checked)",
         "",
     ]
     rows = []
@@ -529,8 +569,8 @@ def _summary(report: dict[str, Any], args: argparse.Namespace) -> str:
         f"verified        {report['verified_requests']}/{report['requests']} requests byte for "
         f"byte; untouched decode bytes intact: {report['untouched_bytes_verified']}",
         f"throughput      {report['throughput_gbps']:.2f} GB/s (bytes over the wall time "
-        "with a pull in flight)",
-        f"pull latency    p50 {report['pull_latency_ms']['p50']:.1f} ms, "
+        f"with a {report['mode']} in flight)",
+        f"{report['mode']} latency    p50 {report['pull_latency_ms']['p50']:.1f} ms, "
         f"p99 {report['pull_latency_ms']['p99']:.1f} ms; handshake {report['handshake_ms']:.1f} ms",
     ]
     rss = ", ".join(f"{k} {v:.0f} MiB" for k, v in report["sidecar_peak_rss_mib"].items())

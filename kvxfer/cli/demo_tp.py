@@ -37,7 +37,7 @@ from kvxfer.client.engine import EngineClient
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind, KVGroup
 from kvxfer.core.planner import GroupPlan, plan_between
 from kvxfer.core.recompute import valid_tokens
-from kvxfer.core.requests import EngineEvent, PullDone, Released
+from kvxfer.core.requests import EngineEvent, PullDone, Pushed, Received, Released
 from kvxfer.core.tp_map import pairing_sources, request_valid_tokens, served_slices, served_state
 
 Piece = tuple[int, int, int]  # offset in the source unit, in the destination unit, bytes
@@ -82,8 +82,9 @@ async def demo_tp(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
     if args.fail_rate:
         faults = ("--faults.fail-rate", str(args.fail_rate), "--faults.seed", str(args.seed),
                   "--transfer.chunk-blocks", "4")  # fmt: skip
-    p = await asyncio.to_thread(fleet.sidecar, "p")
-    d = await asyncio.to_thread(fleet.sidecar, "d", *faults)
+    push = args.mode == "push"  # faults go where chunks are posted
+    p = await asyncio.to_thread(fleet.sidecar, "p", *(faults if push else ()))
+    d = await asyncio.to_thread(fleet.sidecar, "d", *(() if push else faults))
     prefill, decode = [], []
     for rank in range(args.prefill_tp):
         tp = ("--tp-size", str(args.prefill_tp), "--tp-rank", str(rank), "--seed", str(rank + 2))
@@ -94,7 +95,7 @@ async def demo_tp(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
         d_args = ("--block-size", str(d_block), *sizing.d_args, *tp)
         decode.append(await asyncio.to_thread(fleet.engine, d, args.model, "decode", *d_args))
     async with _clients(p.ready, prefill) as p_ranks, _clients(d.ready, decode) as d_ranks:
-        runner = _Runner(p_ranks, d_ranks, sizing.pools, random.Random(args.seed + 1))
+        runner = _Runner(p_ranks, d_ranks, sizing.pools, random.Random(args.seed + 1), push)
         rows = [await runner.request(r) for r in requests]
     untouched = all(r.view.image_mismatch(runner.images[i]) is None for i, r in enumerate(d_ranks))
     verified = sum(not row["problems"] for row in rows)
@@ -102,6 +103,7 @@ async def demo_tp(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
     ok = verified == len(rows) and untouched and (args.fail_rate > 0 or failed == 0)
     return {
         "model": args.model,
+        "mode": args.mode,
         "tp": {"prefill": args.prefill_tp, "decode": args.decode_tp},
         "block_sizes": {"prefill": p_block, "decode": d_block},
         "requests": len(rows),
@@ -143,9 +145,15 @@ async def _pump(rank: _Rank) -> None:
 
 class _Runner:
     def __init__(
-        self, prefill: list[_Rank], decode: list[_Rank], pools: Any, rng: random.Random
+        self,
+        prefill: list[_Rank],
+        decode: list[_Rank],
+        pools: Any,
+        rng: random.Random,
+        push: bool = False,
     ) -> None:
         self.prefill, self.decode, self.pools, self.rng = prefill, decode, pools, rng
+        self.push = push  # each decode rank Expects once per source, which pushes
         self.images: list[Images] = [{} for _ in decode]
         self.touched: dict[tuple[str, int], int] = {}  # this decode rank's, this request
 
@@ -171,12 +179,19 @@ class _Runner:
             for p_rank in sources:
                 rank = p_rank.view.layout.tp_rank
                 request_id = f"demo-{request.index}-p{rank}-d{dst_layout.tp_rank}"
-                params = await p_rank.client.publish(request_id, request.tokens, src)
-                await d_rank.client.pull(params, dst, request.computed)
+                if self.push:
+                    params = await d_rank.client.expect(
+                        request_id, request.tokens, dst, request.computed
+                    )
+                    await p_rank.client.push(params, src, request.tokens)
+                else:
+                    params = await p_rank.client.publish(request_id, request.tokens, src)
+                    await d_rank.client.pull(params, dst, request.computed)
+            ends = (Received, Pushed) if self.push else (PullDone, Released)
             for p_rank in sources:
                 done = await asyncio.wait_for(d_rank.events.get(), EVENT_TIMEOUT_S)
                 released = await asyncio.wait_for(p_rank.events.get(), EVENT_TIMEOUT_S)
-                assert isinstance(done, PullDone) and isinstance(released, Released)
+                assert isinstance(done, ends[0]) and isinstance(released, ends[1])
                 dones.append(done)
             by_id = {done.request_id: done for done in dones}
             self.touched = {}
@@ -325,10 +340,12 @@ def summary_tp(report: dict[str, Any]) -> str:
     tp, sizes = report["tp"], report["block_sizes"]
     return "\n".join(
         [
-            f"{report['model']}: prefill TP {tp['prefill']} -> decode TP {tp['decode']}, "
+            f"{report['model']} ({report['mode']}): prefill TP {tp['prefill']} -> decode TP "
+            f"{tp['decode']}, "
             f"blocks {sizes['prefill']} -> {sizes['decode']} tokens",
             f"{report['verified_requests']}/{report['requests']} requests verified head by "
-            f"head ({report['pulls']} pulls, {human_bytes(report['bytes_moved'])} moved, "
+            f"head ({report['pulls']} {'pushes' if report['mode'] == 'push' else 'pulls'}, "
+            f"{human_bytes(report['bytes_moved'])} moved, "
             f"{report['failed_blocks']} failed blocks)",
             f"untouched decode bytes verified: {report['untouched_bytes_verified']}",
         ]

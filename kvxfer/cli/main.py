@@ -343,6 +343,12 @@ def _add_sidecar_commands(commands: Any) -> None:
         "--layout", required=True, help="the model of the engine asking (profile or config.json)"
     )
     handshake.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    handshake.add_argument(
+        "--mode",
+        choices=("pull", "push"),
+        default="pull",
+        help="the transfer mode to agree: pull (this side reads) or push (this side writes)",
+    )
     handshake.add_argument("--kv-dtype", default="bfloat16", help="KV cache dtype")
     handshake.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel size")
     handshake.add_argument("--tp-rank", type=non_negative_int, default=0, help="rank asking")
@@ -420,6 +426,19 @@ def _add_demo(commands: Any) -> None:
         type=positive_int,
         default=1,
         help="sim: decode TP size; different from --prefill-tp, decode ranks read heads",
+    )
+    demo.add_argument(
+        "--mode",
+        choices=("pull", "push"),
+        default="pull",
+        help="pull: the decode sidecar reads; push: the prefill sidecar writes into blocks "
+        "the decode engine announced (faults then go to the prefill sidecar)",
+    )
+    demo.add_argument(
+        "--push-steps",
+        type=positive_int,
+        default=3,
+        help="push: tokens_ready rises in this many steps, the last one final",
     )
     demo.add_argument("--seed", type=non_negative_int, default=0, help="workload seed")
     demo.add_argument("--json", action="store_true", help="print one JSON object")

@@ -65,6 +65,14 @@ class PullStatus(enum.StrEnum):
     ABORTED = "aborted"  # an engine aborted the request first
 
 
+class TransferMode(enum.StrEnum):
+    """Who starts a transfer: the decode side reads (pull) or the prefill side writes
+    (push, into blocks the decode engine announced)."""
+
+    PULL = "pull"
+    PUSH = "push"
+
+
 class AbortState(enum.StrEnum):
     """What an aborted request was doing when the abort arrived."""
 
@@ -72,6 +80,9 @@ class AbortState(enum.StrEnum):
     READING = "reading"  # a peer was reading it: released when that read ends
     ABORTED = "aborted"  # already aborted while being read
     PULLING = "pulling"  # this engine's own pull was in flight: cancelled
+    PUSHING = "pushing"  # this engine's own push was in flight: cancelled
+    EXPECTED = "expected"  # announced for a push, no writer yet: released at once
+    WRITING = "writing"  # a writer was writing it: reported when no byte can land
 
 
 class ReleaseReason(enum.StrEnum):
@@ -82,7 +93,8 @@ class ReleaseReason(enum.StrEnum):
 
 @dataclass(frozen=True)
 class TransferParams:
-    """Everything the decode side needs to pull one published request."""
+    """Everything the other side needs for one request: the published blocks to pull
+    (mode pull), or the announced blocks to push into (mode push)."""
 
     peer_address: str
     engine_id: str
@@ -91,6 +103,7 @@ class TransferParams:
     request_id: str
     num_tokens: int
     spans: tuple[BlockSpan, ...]
+    mode: TransferMode = TransferMode.PULL
 
     def __post_init__(self) -> None:
         check_address(self.peer_address, "params.peer_address")
@@ -120,6 +133,25 @@ class PullDone:
     bytes_moved: int
     duration_s: float
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class Received(PullDone):
+    """To the decode engine: a pushed request's outcome, in its own blocks. Sent only
+    once no byte can land in them any more (docs/sidecar.md, Push)."""
+
+
+@dataclass(frozen=True)
+class Pushed(PullDone):
+    """To the prefill engine: its push ended; its blocks are no longer read. Failed
+    blocks and valid_tokens are the decode side's."""
+
+
+@dataclass(frozen=True)
+class PushAccepted:
+    bytes_planned: int
+    chunks: int
+    chunks_posted: int
 
 
 @dataclass(frozen=True)

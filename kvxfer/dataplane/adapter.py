@@ -72,7 +72,10 @@ class TransferStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class ChunkJob:
-    """One NIXL handle: a READ of `remote` descriptors into `local` ones."""
+    """One NIXL handle: a READ of `remote` descriptors into `local` ones, or with
+    `write` a WRITE of `local` descriptors into `remote` ones (push). Either way a
+    failure severs the agent before it is reported: a late WRITE would land in the
+    peer's blocks as a late READ lands in ours."""
 
     peer: str
     local: DescArray
@@ -80,6 +83,7 @@ class ChunkJob:
     local_kind: MemoryKind
     remote_kind: MemoryKind
     deadline_s: float
+    write: bool = False
 
 
 @dataclass(frozen=True)
@@ -489,7 +493,7 @@ class NixlAgent:
         try:
             local = agent.get_xfer_descs(job.local, job.local_kind.value)
             remote = agent.get_xfer_descs(job.remote, job.remote_kind.value)
-            return agent.initialize_xfer("READ", local, remote, job.peer)
+            return agent.initialize_xfer("WRITE" if job.write else "READ", local, remote, job.peer)
         except Exception as exc:
             if _is_disconnect(exc):
                 raise PeerDisconnectedError(f"peer {job.peer} disconnected") from exc

@@ -16,7 +16,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvxfer._exceptions import DataPlaneError
@@ -74,26 +74,86 @@ async def execute_plan(
     cannot be told (gone, say) leaves `notified` False; the result stands."""
     options = options or ExecOptions()
     start = time.perf_counter()
-    # Bind every chunk before posting any: a bad address fails the request up front.
-    jobs = [(chunk, _job(chunk, peer, local, remote, options)) for chunk in plan.chunks]
-    bound = time.perf_counter()
-    gate = asyncio.Semaphore(options.max_inflight)
+    posting = ChunkPoster(backend, peer, local, remote, options, cancel=cancel)
+    posting.post(plan.chunks)  # binds every chunk before posting any
+    statuses = await posting.wait()
+    notified = notify is not None and await _notify(backend, peer, notify)
+    return summarize(
+        plan, statuses, block_size, start, posting.bind_s, posting.descriptors, notified
+    )
 
-    async def run(job: ChunkJob) -> TransferStatus:
-        async with gate:
-            if cancel is not None and cancel.is_set():
+
+class ChunkPoster:
+    """Posts chunks, at most `max_inflight` at once, as they are handed in: all at once
+    for a pull, as the prefill computes them for a push (`write`: the local buffers are
+    the source). A bad address fails the call that hands its chunk in, before any of
+    that call's chunks is posted."""
+
+    def __init__(
+        self,
+        backend: TransferBackend,
+        peer: str,
+        local: Mapping[str, BoundBuffer],
+        remote: Mapping[str, BoundBuffer],
+        options: ExecOptions,
+        *,
+        cancel: asyncio.Event | None = None,
+        write: bool = False,
+    ) -> None:
+        self._backend, self._peer, self._options = backend, peer, options
+        self._local, self._remote, self._write = local, remote, write
+        self._cancel = cancel
+        self._gate = asyncio.Semaphore(options.max_inflight)
+        self._tasks: dict[Chunk, asyncio.Task[TransferStatus]] = {}
+        self.bind_s = 0.0
+        self.descriptors = 0
+
+    def post(self, chunks: Sequence[Chunk]) -> None:
+        start = time.perf_counter()
+        jobs = [
+            (c, _job(c, self._peer, self._local, self._remote, self._options, self._write))
+            for c in chunks
+        ]
+        self.bind_s += time.perf_counter() - start
+        for chunk, job in jobs:
+            self.descriptors += len(job.local)
+            self._tasks[chunk] = asyncio.create_task(self._run(job))
+
+    async def _run(self, job: ChunkJob) -> TransferStatus:
+        async with self._gate:
+            if self._cancel is not None and self._cancel.is_set():
                 return TransferStatus.CANCELLED
-            return await backend.read(job)
+            return await self._backend.read(job)
 
-    statuses = await asyncio.gather(*(run(job) for _, job in jobs))
+    def posted(self, chunk: Chunk) -> bool:
+        return chunk in self._tasks
+
+    async def wait(self) -> dict[Chunk, TransferStatus]:
+        """Every posted chunk's status, once each has ended."""
+        chunks = list(self._tasks)
+        statuses = await asyncio.gather(*(self._tasks[c] for c in chunks))
+        return dict(zip(chunks, statuses, strict=True))
+
+
+def summarize(
+    plan: TransferPlan,
+    statuses: Mapping[Chunk, TransferStatus],
+    block_size: int,
+    start: float,
+    bind_s: float = 0.0,
+    descriptors: int = 0,
+    notified: bool = False,
+) -> TransferResult:
+    """The outcome of `plan` from its chunks' statuses; a chunk of the plan never posted
+    counts as CANCELLED (failed)."""
     failed: dict[int, list[int]] = {}
     moved = 0
-    for (chunk, _), status in zip(jobs, statuses, strict=True):
+    ordered = [statuses.get(chunk, TransferStatus.CANCELLED) for chunk in plan.chunks]
+    for chunk, status in zip(plan.chunks, ordered, strict=True):
         if status is TransferStatus.DONE:
             moved += chunk.nbytes
         else:
             failed.setdefault(chunk.group_id, []).extend(chunk.blocks)
-    notified = notify is not None and await _notify(backend, peer, notify)
     resume = valid_tokens(
         [g.group for g in plan.groups],
         plan.num_tokens,
@@ -109,9 +169,9 @@ async def execute_plan(
         bytes_moved=moved,
         bytes_planned=plan.nbytes,
         duration_s=time.perf_counter() - start,
-        chunk_statuses=tuple(statuses),
-        descriptors=sum(len(job.local) for _, job in jobs),
-        bind_s=bound - start,
+        chunk_statuses=tuple(ordered),
+        descriptors=descriptors,
+        bind_s=bind_s,
         notified=notified,
     )
 
@@ -131,17 +191,17 @@ def _job(
     local: Mapping[str, BoundBuffer],
     remote: Mapping[str, BoundBuffer],
     options: ExecOptions,
+    write: bool = False,
 ) -> ChunkJob:
-    src, dst = chunk_arrays(chunk, remote, local)
+    """A pull reads the peer's blocks into ours; a push (`write`) writes ours into the
+    peer's: the same descriptors, source and destination swapped."""
     pair = chunk.regions[0]
-    return ChunkJob(
-        peer=peer,
-        local=dst,
-        remote=src,
-        local_kind=local[pair.dst.buffer].kind,
-        remote_kind=remote[pair.src.buffer].kind,
-        deadline_s=options.stall_deadline_s,
-    )
+    src_side, dst_side = (local, remote) if write else (remote, local)
+    src, dst = chunk_arrays(chunk, src_side, dst_side)
+    src_kind, dst_kind = src_side[pair.src.buffer].kind, dst_side[pair.dst.buffer].kind
+    if write:
+        return ChunkJob(peer, src, dst, src_kind, dst_kind, options.stall_deadline_s, True)
+    return ChunkJob(peer, dst, src, dst_kind, src_kind, options.stall_deadline_s)
 
 
 def _status(failed: Mapping[int, list[int]], resume: int, plan: TransferPlan) -> RequestStatus:

@@ -62,6 +62,8 @@ class ServingBackend(Protocol):
 
     def on_replaced(self, callback: Callable[[str], None]) -> None: ...
 
+    async def revoke(self, reason: str) -> None: ...
+
     async def close(self) -> None: ...
 
 
@@ -175,6 +177,7 @@ class ServingAgent:
         self._closed = False
         self.generation = 0  # +1 for every child started after the first
         self.restarts = 0  # children replaced because they died
+        self._revoked = ""  # why the current child was killed on purpose (revoke)
 
     async def start(self) -> None:
         """Start the first child; raises DataPlaneError when it cannot start."""
@@ -235,6 +238,21 @@ class ServingAgent:
                 with contextlib.suppress(DataPlaneError):
                     await self._child.call("remove_peer", peer)
 
+    async def revoke(self, reason: str) -> None:
+        """Take every peer's access away now: kill the child (SIGKILL) and return once it
+        is reaped, so that no transfer through it (a late WRITE of a stalled pusher, a
+        READ) can touch our memory any more; a new child takes over as for a crash and
+        peers reload its metadata (`on_replaced`). Costs every transfer in flight through
+        this sidecar's serving agent (docs/dataplane.md, Push)."""
+        child = self._child
+        if child is None:
+            return
+        log.warning("revoking remote access: killing serving agent %d (%s)", child.pid, reason)
+        self._revoked = reason
+        with contextlib.suppress(ProcessLookupError):
+            child.proc.kill()
+        await child.proc.wait()
+
     async def close(self) -> None:
         """Stop the child (its agent destroyed, so no read it serves goes on) for good."""
         self._closed = True
@@ -274,6 +292,8 @@ class ServingAgent:
         if self._closed or child is not self._child:
             return
         reason = f"serving agent process {child.pid} {describe_exit(returncode)}"
+        if self._revoked:
+            reason, self._revoked = f"{reason}: revoked ({self._revoked})", ""
         log.error("%s; starting another (the sidecar itself is unaffected)", reason)
         self.restarts += 1
         self.generation += 1

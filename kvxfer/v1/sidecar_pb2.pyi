@@ -13,6 +13,8 @@ History:
   together): EngineEvent renamed WatchEventsResponse (same fields and numbers),
   AbortResponse.state from a string to the AbortState enum (same number, a new
   wire type: a sidecar and client of before and after this change do not mix).
+  Push (WRITE) added as new fields, messages and RPCs only: TransferParams.mode,
+  Expect/Push, BeginWrite/EndWrite, HandshakeResponse.modes, two events.
 """
 
 from collections import abc as _abc
@@ -49,6 +51,29 @@ MEMORY_KIND_DRAM: MemoryKind.ValueType  # 1
 MEMORY_KIND_VRAM: MemoryKind.ValueType  # 2
 Global___MemoryKind: _TypeAlias = MemoryKind  # noqa: Y015
 
+class _TransferMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TransferModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TransferMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TRANSFER_MODE_UNSPECIFIED: _TransferMode.ValueType  # 0
+    """PULL"""
+    TRANSFER_MODE_PULL: _TransferMode.ValueType  # 1
+    TRANSFER_MODE_PUSH: _TransferMode.ValueType  # 2
+
+class TransferMode(_TransferMode, metaclass=_TransferModeEnumTypeWrapper):
+    """Who starts the transfer (docs/sidecar.md, Push). PULL: the decode sidecar READs
+    blocks the prefill engine published. PUSH: the prefill sidecar WRITEs into blocks
+    the decode engine announced with Expect.
+    """
+
+TRANSFER_MODE_UNSPECIFIED: TransferMode.ValueType  # 0
+"""PULL"""
+TRANSFER_MODE_PULL: TransferMode.ValueType  # 1
+TRANSFER_MODE_PUSH: TransferMode.ValueType  # 2
+Global___TransferMode: _TypeAlias = TransferMode  # noqa: Y015
+
 class _AbortState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -64,6 +89,12 @@ class _AbortStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AbortState
     """already aborted while being read"""
     ABORT_STATE_PULLING: _AbortState.ValueType  # 4
     """this engine's own pull was in flight: cancelled"""
+    ABORT_STATE_PUSHING: _AbortState.ValueType  # 5
+    """this engine's own push was in flight: cancelled"""
+    ABORT_STATE_EXPECTED: _AbortState.ValueType  # 6
+    """announced for a push, no writer yet: released at once"""
+    ABORT_STATE_WRITING: _AbortState.ValueType  # 7
+    """a peer was writing it: reported once no byte can land"""
 
 class AbortState(_AbortState, metaclass=_AbortStateEnumTypeWrapper):
     """What an aborted request was doing when the abort arrived."""
@@ -77,6 +108,12 @@ ABORT_STATE_ABORTED: AbortState.ValueType  # 3
 """already aborted while being read"""
 ABORT_STATE_PULLING: AbortState.ValueType  # 4
 """this engine's own pull was in flight: cancelled"""
+ABORT_STATE_PUSHING: AbortState.ValueType  # 5
+"""this engine's own push was in flight: cancelled"""
+ABORT_STATE_EXPECTED: AbortState.ValueType  # 6
+"""announced for a push, no writer yet: released at once"""
+ABORT_STATE_WRITING: AbortState.ValueType  # 7
+"""a peer was writing it: reported once no byte can land"""
 Global___AbortState: _TypeAlias = AbortState  # noqa: Y015
 
 class _PullStatus:
@@ -313,7 +350,10 @@ Global___PublishRequest: _TypeAlias = PublishRequest  # noqa: Y015
 
 @_typing.final
 class TransferParams(_message.Message):
-    """Everything the decode side needs to pull one request; the router forwards it."""
+    """Everything the other side needs for one request; the router forwards it. Pull:
+    the prefill side's published blocks, for the decode engine's Pull. Push: the decode
+    side's announced blocks, for the prefill engine's Push.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -324,12 +364,15 @@ class TransferParams(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     SPANS_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
     peer_address: _builtins.str
     engine_id: _builtins.str
     epoch: _builtins.int
     tp_rank: _builtins.int
     request_id: _builtins.str
     num_tokens: _builtins.int
+    mode: Global___TransferMode.ValueType
+    """unset: PULL"""
     @_builtins.property
     def spans(self) -> _containers.RepeatedCompositeFieldContainer[_layout_pb2.BlockSpan]: ...
     def __init__(
@@ -342,10 +385,11 @@ class TransferParams(_message.Message):
         request_id: _builtins.str = ...,
         num_tokens: _builtins.int = ...,
         spans: _abc.Iterable[_layout_pb2.BlockSpan] | None = ...,
+        mode: Global___TransferMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "epoch", b"epoch", "num_tokens", b"num_tokens", "peer_address", b"peer_address", "request_id", b"request_id", "spans", b"spans", "tp_rank", b"tp_rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "epoch", b"epoch", "mode", b"mode", "num_tokens", b"num_tokens", "peer_address", b"peer_address", "request_id", b"request_id", "spans", b"spans", "tp_rank", b"tp_rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -431,6 +475,139 @@ class PullResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PullResponse: _TypeAlias = PullResponse  # noqa: Y015
+
+@_typing.final
+class ExpectRequest(_message.Message):
+    """The decode engine announces the blocks a prefill sidecar may write one request
+    into (push); its sidecar holds them under a destination lease.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    SPANS_FIELD_NUMBER: _builtins.int
+    COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    request_id: _builtins.str
+    num_tokens: _builtins.int
+    computed_tokens: _builtins.int
+    """tokens the decode engine already holds"""
+    @_builtins.property
+    def spans(self) -> _containers.RepeatedCompositeFieldContainer[_layout_pb2.BlockSpan]:
+        """the decode engine's blocks, as for Pull's local_spans"""
+
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        num_tokens: _builtins.int = ...,
+        spans: _abc.Iterable[_layout_pb2.BlockSpan] | None = ...,
+        computed_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["computed_tokens", b"computed_tokens", "engine_id", b"engine_id", "num_tokens", b"num_tokens", "request_id", b"request_id", "spans", b"spans"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExpectRequest: _TypeAlias = ExpectRequest  # noqa: Y015
+
+@_typing.final
+class ExpectResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARAMS_FIELD_NUMBER: _builtins.int
+    LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
+    lease_ttl_ms: _builtins.int
+    @_builtins.property
+    def params(self) -> Global___TransferParams:
+        """mode PUSH: hand them to the prefill engine's Push"""
+
+    def __init__(
+        self,
+        *,
+        params: Global___TransferParams | None = ...,
+        lease_ttl_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ttl_ms", b"lease_ttl_ms", "params", b"params"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExpectResponse: _TypeAlias = ExpectResponse  # noqa: Y015
+
+@_typing.final
+class PushRequest(_message.Message):
+    """The prefill engine pushes one request. The first call plans and starts it; later
+    calls for the same request only raise `tokens_ready` (monotone) or set `final`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    PARAMS_FIELD_NUMBER: _builtins.int
+    LOCAL_SPANS_FIELD_NUMBER: _builtins.int
+    TOKENS_READY_FIELD_NUMBER: _builtins.int
+    FINAL_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    tokens_ready: _builtins.int
+    """tokens [0, tokens_ready) are computed: their blocks may go"""
+    final: _builtins.bool
+    """the whole prompt is computed (state groups go only then)"""
+    @_builtins.property
+    def params(self) -> Global___TransferParams:
+        """as Expect returned them (mode PUSH)"""
+
+    @_builtins.property
+    def local_spans(self) -> _containers.RepeatedCompositeFieldContainer[_layout_pb2.BlockSpan]:
+        """the prefill engine's blocks"""
+
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        params: Global___TransferParams | None = ...,
+        local_spans: _abc.Iterable[_layout_pb2.BlockSpan] | None = ...,
+        tokens_ready: _builtins.int = ...,
+        final: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "final", b"final", "local_spans", b"local_spans", "params", b"params", "tokens_ready", b"tokens_ready"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushRequest: _TypeAlias = PushRequest  # noqa: Y015
+
+@_typing.final
+class PushResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_PLANNED_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    CHUNKS_POSTED_FIELD_NUMBER: _builtins.int
+    bytes_planned: _builtins.int
+    chunks: _builtins.int
+    chunks_posted: _builtins.int
+    """posted so far, this call's readiness included"""
+    def __init__(
+        self,
+        *,
+        bytes_planned: _builtins.int = ...,
+        chunks: _builtins.int = ...,
+        chunks_posted: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_planned", b"bytes_planned", "chunks", b"chunks", "chunks_posted", b"chunks_posted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushResponse: _TypeAlias = PushResponse  # noqa: Y015
 
 @_typing.final
 class AbortRequest(_message.Message):
@@ -654,24 +831,38 @@ class WatchEventsResponse(_message.Message):
     PULL_DONE_FIELD_NUMBER: _builtins.int
     RELEASED_FIELD_NUMBER: _builtins.int
     LEASE_EXPIRED_FIELD_NUMBER: _builtins.int
+    RECEIVED_FIELD_NUMBER: _builtins.int
+    PUSHED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def pull_done(self) -> Global___PullDone: ...
     @_builtins.property
     def released(self) -> Global___Released: ...
     @_builtins.property
     def lease_expired(self) -> Global___LeaseExpired: ...
+    @_builtins.property
+    def received(self) -> Global___PullDone:
+        """To the decode engine: a pushed request's outcome (as PullDone: failed blocks in
+        its own blocks, valid_tokens). Sent once no byte can land any more.
+        """
+
+    @_builtins.property
+    def pushed(self) -> Global___PullDone:
+        """To the prefill engine: its push ended (its blocks are no longer read)."""
+
     def __init__(
         self,
         *,
         pull_done: Global___PullDone | None = ...,
         released: Global___Released | None = ...,
         lease_expired: Global___LeaseExpired | None = ...,
+        received: Global___PullDone | None = ...,
+        pushed: Global___PullDone | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "lease_expired", b"lease_expired", "pull_done", b"pull_done", "released", b"released"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "lease_expired", b"lease_expired", "pull_done", b"pull_done", "pushed", b"pushed", "received", b"received", "released", b"released"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "lease_expired", b"lease_expired", "pull_done", b"pull_done", "released", b"released"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "lease_expired", b"lease_expired", "pull_done", b"pull_done", "pushed", b"pushed", "received", b"received", "released", b"released"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["pull_done", "released", "lease_expired"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["pull_done", "released", "lease_expired", "received", "pushed"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
@@ -735,6 +926,7 @@ class HandshakeResponse(_message.Message):
     LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
     SIDECAR_ID_FIELD_NUMBER: _builtins.int
     REGISTRATION_VERSION_FIELD_NUMBER: _builtins.int
+    MODES_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     epoch: _builtins.int
     engine_id: _builtins.str
@@ -752,6 +944,12 @@ class HandshakeResponse(_message.Message):
 
     @_builtins.property
     def buffers(self) -> _containers.RepeatedCompositeFieldContainer[Global___RegisteredBuffer]: ...
+    @_builtins.property
+    def modes(self) -> _containers.RepeatedScalarFieldContainer[Global___TransferMode.ValueType]:
+        """The modes this sidecar accepts as the passive side (its transfer.modes setting):
+        PULL, peers may read what it publishes; PUSH, peers may write what it expects.
+        """
+
     def __init__(
         self,
         *,
@@ -764,10 +962,11 @@ class HandshakeResponse(_message.Message):
         lease_ttl_ms: _builtins.int = ...,
         sidecar_id: _builtins.str = ...,
         registration_version: _builtins.int = ...,
+        modes: _abc.Iterable[Global___TransferMode.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "buffers", b"buffers", "engine_id", b"engine_id", "epoch", b"epoch", "layout", b"layout", "lease_ttl_ms", b"lease_ttl_ms", "protocol_version", b"protocol_version", "registration_version", b"registration_version", "sidecar_id", b"sidecar_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "buffers", b"buffers", "engine_id", b"engine_id", "epoch", b"epoch", "layout", b"layout", "lease_ttl_ms", b"lease_ttl_ms", "modes", b"modes", "protocol_version", b"protocol_version", "registration_version", b"registration_version", "sidecar_id", b"sidecar_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -940,6 +1139,146 @@ class EndReadResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EndReadResponse: _TypeAlias = EndReadResponse  # noqa: Y015
+
+@_typing.final
+class BeginWriteRequest(_message.Message):
+    """A writer (prefill sidecar) binds an expected request to itself before writing."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    WRITER_ID_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """the decode sidecar's epoch the writer expects"""
+    tp_rank: _builtins.int
+    request_id: _builtins.str
+    writer_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        tp_rank: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+        writer_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "request_id", b"request_id", "tp_rank", b"tp_rank", "writer_id", b"writer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginWriteRequest: _TypeAlias = BeginWriteRequest  # noqa: Y015
+
+@_typing.final
+class BeginWriteResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    SPANS_FIELD_NUMBER: _builtins.int
+    COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+    LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
+    REGISTRATION_VERSION_FIELD_NUMBER: _builtins.int
+    WRITE_TOKEN_FIELD_NUMBER: _builtins.int
+    num_tokens: _builtins.int
+    computed_tokens: _builtins.int
+    lease_ttl_ms: _builtins.int
+    registration_version: _builtins.int
+    write_token: _builtins.str
+    """Secret binding this write to its writer: Heartbeat (in read_tokens) and EndWrite
+    must present it.
+    """
+    @_builtins.property
+    def spans(self) -> _containers.RepeatedCompositeFieldContainer[_layout_pb2.BlockSpan]:
+        """as announced: the decode side is authoritative"""
+
+    def __init__(
+        self,
+        *,
+        num_tokens: _builtins.int = ...,
+        spans: _abc.Iterable[_layout_pb2.BlockSpan] | None = ...,
+        computed_tokens: _builtins.int = ...,
+        lease_ttl_ms: _builtins.int = ...,
+        registration_version: _builtins.int = ...,
+        write_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["computed_tokens", b"computed_tokens", "lease_ttl_ms", b"lease_ttl_ms", "num_tokens", b"num_tokens", "registration_version", b"registration_version", "spans", b"spans", "write_token", b"write_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginWriteResponse: _TypeAlias = BeginWriteResponse  # noqa: Y015
+
+@_typing.final
+class EndWriteRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    WRITE_TOKEN_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    FAILED_BLOCKS_FIELD_NUMBER: _builtins.int
+    BYTES_WRITTEN_FIELD_NUMBER: _builtins.int
+    VALID_TOKENS_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    tp_rank: _builtins.int
+    request_id: _builtins.str
+    write_token: _builtins.str
+    reason: Global___ReleaseReason.ValueType
+    """CONSUMED: written (maybe partly); ABORTED"""
+    bytes_written: _builtins.int
+    valid_tokens: _builtins.int
+    """the writer's recompute rule; capped by the decode side"""
+    detail: _builtins.str
+    """why blocks failed, for logs"""
+    @_builtins.property
+    def failed_blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBlocks]:
+        """in the decode engine's logical blocks"""
+
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        tp_rank: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+        write_token: _builtins.str = ...,
+        reason: Global___ReleaseReason.ValueType = ...,
+        failed_blocks: _abc.Iterable[Global___GroupBlocks] | None = ...,
+        bytes_written: _builtins.int = ...,
+        valid_tokens: _builtins.int = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_written", b"bytes_written", "detail", b"detail", "epoch", b"epoch", "failed_blocks", b"failed_blocks", "reason", b"reason", "request_id", b"request_id", "tp_rank", b"tp_rank", "valid_tokens", b"valid_tokens", "write_token", b"write_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndWriteRequest: _TypeAlias = EndWriteRequest  # noqa: Y015
+
+@_typing.final
+class EndWriteResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VALID_TOKENS_FIELD_NUMBER: _builtins.int
+    valid_tokens: _builtins.int
+    """what the decode engine was told"""
+    def __init__(
+        self,
+        *,
+        valid_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["valid_tokens", b"valid_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndWriteResponse: _TypeAlias = EndWriteResponse  # noqa: Y015
 
 @_typing.final
 class GetStatusRequest(_message.Message):

@@ -49,6 +49,16 @@ class EngineServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_sidecar__pb2.PullRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.Expect = channel.unary_unary(
+                '/kvxfer.v1.EngineService/Expect',
+                request_serializer=kvxfer_dot_v1_dot_sidecar__pb2.ExpectRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.ExpectResponse.FromString,
+                _registered_method=True)
+        self.Push = channel.unary_unary(
+                '/kvxfer.v1.EngineService/Push',
+                request_serializer=kvxfer_dot_v1_dot_sidecar__pb2.PushRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.PushResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvxfer.v1.EngineService/Abort',
                 request_serializer=kvxfer_dot_v1_dot_sidecar__pb2.AbortRequest.SerializeToString,
@@ -82,6 +92,18 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Expect(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Push(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,6 +144,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.PullRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_sidecar__pb2.PullResponse.SerializeToString,
+            ),
+            'Expect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Expect,
+                    request_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.ExpectRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_sidecar__pb2.ExpectResponse.SerializeToString,
+            ),
+            'Push': grpc.unary_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.PushRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_sidecar__pb2.PushResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -220,6 +252,60 @@ class EngineService:
             '/kvxfer.v1.EngineService/Pull',
             kvxfer_dot_v1_dot_sidecar__pb2.PullRequest.SerializeToString,
             kvxfer_dot_v1_dot_sidecar__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Expect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.EngineService/Expect',
+            kvxfer_dot_v1_dot_sidecar__pb2.ExpectRequest.SerializeToString,
+            kvxfer_dot_v1_dot_sidecar__pb2.ExpectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.EngineService/Push',
+            kvxfer_dot_v1_dot_sidecar__pb2.PushRequest.SerializeToString,
+            kvxfer_dot_v1_dot_sidecar__pb2.PushResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -341,6 +427,16 @@ class PeerServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_sidecar__pb2.EndReadRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.EndReadResponse.FromString,
                 _registered_method=True)
+        self.BeginWrite = channel.unary_unary(
+                '/kvxfer.v1.PeerService/BeginWrite',
+                request_serializer=kvxfer_dot_v1_dot_sidecar__pb2.BeginWriteRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.BeginWriteResponse.FromString,
+                _registered_method=True)
+        self.EndWrite = channel.unary_unary(
+                '/kvxfer.v1.PeerService/EndWrite',
+                request_serializer=kvxfer_dot_v1_dot_sidecar__pb2.EndWriteRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.EndWriteResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -370,6 +466,18 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginWrite(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndWrite(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -392,6 +500,16 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.EndRead,
                     request_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.EndReadRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_sidecar__pb2.EndReadResponse.SerializeToString,
+            ),
+            'BeginWrite': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginWrite,
+                    request_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.BeginWriteRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_sidecar__pb2.BeginWriteResponse.SerializeToString,
+            ),
+            'EndWrite': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndWrite,
+                    request_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.EndWriteRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_sidecar__pb2.EndWriteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -502,6 +620,60 @@ class PeerService:
             '/kvxfer.v1.PeerService/EndRead',
             kvxfer_dot_v1_dot_sidecar__pb2.EndReadRequest.SerializeToString,
             kvxfer_dot_v1_dot_sidecar__pb2.EndReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginWrite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.PeerService/BeginWrite',
+            kvxfer_dot_v1_dot_sidecar__pb2.BeginWriteRequest.SerializeToString,
+            kvxfer_dot_v1_dot_sidecar__pb2.BeginWriteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndWrite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.PeerService/EndWrite',
+            kvxfer_dot_v1_dot_sidecar__pb2.EndWriteRequest.SerializeToString,
+            kvxfer_dot_v1_dot_sidecar__pb2.EndWriteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,6 +13,8 @@ History:
   together): EngineEvent renamed WatchEventsResponse (same fields and numbers),
   AbortResponse.state from a string to the AbortState enum (same number, a new
   wire type: a sidecar and client of before and after this change do not mix).
+  Push (WRITE) added as new fields, messages and RPCs only: TransferParams.mode,
+  Expect/Push, BeginWrite/EndWrite, HandshakeResponse.modes, two events.
 """
 
 from collections import abc as _abc
@@ -46,6 +48,8 @@ class EngineServiceStub:
     RegisterEngine: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.RegisterEngineRequest, _sidecar_pb2.RegisterEngineResponse]
     Publish: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.PublishRequest, _sidecar_pb2.PublishResponse]
     Pull: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.PullRequest, _sidecar_pb2.PullResponse]
+    Expect: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.ExpectRequest, _sidecar_pb2.ExpectResponse]
+    Push: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.PushRequest, _sidecar_pb2.PushResponse]
     Abort: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.AbortRequest, _sidecar_pb2.AbortResponse]
     WatchEvents: _grpc.UnaryStreamMultiCallable[_sidecar_pb2.WatchEventsRequest, _sidecar_pb2.WatchEventsResponse]
     Unregister: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.UnregisterRequest, _sidecar_pb2.UnregisterResponse]
@@ -56,6 +60,8 @@ class EngineServiceAsyncStub(EngineServiceStub):
     RegisterEngine: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.RegisterEngineRequest, _sidecar_pb2.RegisterEngineResponse]  # type: ignore[assignment]
     Publish: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.PublishRequest, _sidecar_pb2.PublishResponse]  # type: ignore[assignment]
     Pull: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.PullRequest, _sidecar_pb2.PullResponse]  # type: ignore[assignment]
+    Expect: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.ExpectRequest, _sidecar_pb2.ExpectResponse]  # type: ignore[assignment]
+    Push: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.PushRequest, _sidecar_pb2.PushResponse]  # type: ignore[assignment]
     Abort: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.AbortRequest, _sidecar_pb2.AbortResponse]  # type: ignore[assignment]
     WatchEvents: _aio.UnaryStreamMultiCallable[_sidecar_pb2.WatchEventsRequest, _sidecar_pb2.WatchEventsResponse]  # type: ignore[assignment]
     Unregister: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.UnregisterRequest, _sidecar_pb2.UnregisterResponse]  # type: ignore[assignment]
@@ -81,6 +87,20 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _sidecar_pb2.PullRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_sidecar_pb2.PullResponse, _abc.Awaitable[_sidecar_pb2.PullResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Expect(
+        self,
+        request: _sidecar_pb2.ExpectRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sidecar_pb2.ExpectResponse, _abc.Awaitable[_sidecar_pb2.ExpectResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Push(
+        self,
+        request: _sidecar_pb2.PushRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sidecar_pb2.PushResponse, _abc.Awaitable[_sidecar_pb2.PushResponse]]: ...
 
     @_abc_1.abstractmethod
     def Abort(
@@ -114,6 +134,8 @@ class PeerServiceStub:
     BeginRead: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.BeginReadRequest, _sidecar_pb2.BeginReadResponse]
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.HeartbeatRequest, _sidecar_pb2.HeartbeatResponse]
     EndRead: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.EndReadRequest, _sidecar_pb2.EndReadResponse]
+    BeginWrite: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.BeginWriteRequest, _sidecar_pb2.BeginWriteResponse]
+    EndWrite: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.EndWriteRequest, _sidecar_pb2.EndWriteResponse]
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -122,6 +144,8 @@ class PeerServiceAsyncStub(PeerServiceStub):
     BeginRead: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.BeginReadRequest, _sidecar_pb2.BeginReadResponse]  # type: ignore[assignment]
     Heartbeat: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.HeartbeatRequest, _sidecar_pb2.HeartbeatResponse]  # type: ignore[assignment]
     EndRead: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.EndReadRequest, _sidecar_pb2.EndReadResponse]  # type: ignore[assignment]
+    BeginWrite: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.BeginWriteRequest, _sidecar_pb2.BeginWriteResponse]  # type: ignore[assignment]
+    EndWrite: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.EndWriteRequest, _sidecar_pb2.EndWriteResponse]  # type: ignore[assignment]
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -151,6 +175,20 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _sidecar_pb2.EndReadRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_sidecar_pb2.EndReadResponse, _abc.Awaitable[_sidecar_pb2.EndReadResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def BeginWrite(
+        self,
+        request: _sidecar_pb2.BeginWriteRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sidecar_pb2.BeginWriteResponse, _abc.Awaitable[_sidecar_pb2.BeginWriteResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def EndWrite(
+        self,
+        request: _sidecar_pb2.EndWriteRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sidecar_pb2.EndWriteResponse, _abc.Awaitable[_sidecar_pb2.EndWriteResponse]]: ...
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

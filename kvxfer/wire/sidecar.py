@@ -20,8 +20,11 @@ from kvxfer.core.requests import (
     LeaseExpired,
     PullDone,
     PullStatus,
+    Pushed,
+    Received,
     Released,
     ReleaseReason,
+    TransferMode,
     TransferParams,
 )
 from kvxfer.v1 import sidecar_pb2 as pb
@@ -47,8 +50,27 @@ _ABORT_TO_PB = {
     AbortState.READING: pb.ABORT_STATE_READING,
     AbortState.ABORTED: pb.ABORT_STATE_ABORTED,
     AbortState.PULLING: pb.ABORT_STATE_PULLING,
+    AbortState.PUSHING: pb.ABORT_STATE_PUSHING,
+    AbortState.EXPECTED: pb.ABORT_STATE_EXPECTED,
+    AbortState.WRITING: pb.ABORT_STATE_WRITING,
 }
 _ABORT_FROM_PB = {v: k for k, v in _ABORT_TO_PB.items()}
+_MODE_TO_PB = {TransferMode.PULL: pb.TRANSFER_MODE_PULL, TransferMode.PUSH: pb.TRANSFER_MODE_PUSH}
+_MODE_FROM_PB = {
+    **{v: k for k, v in _MODE_TO_PB.items()},
+    pb.TRANSFER_MODE_UNSPECIFIED: TransferMode.PULL,
+}
+
+
+def mode_to_proto(mode: TransferMode) -> pb.TransferMode.ValueType:
+    return _MODE_TO_PB[mode]  # type: ignore[no-any-return,unused-ignore]
+
+
+def mode_from_proto(value: int, field: str = "mode") -> TransferMode:
+    mode: TransferMode | None = _MODE_FROM_PB.get(value)  # type: ignore[call-overload,unused-ignore]
+    if mode is None:
+        raise InvalidInputError(field, f"unknown transfer mode {value}")
+    return mode
 
 
 def memory_kind_from_proto(value: int, field: str) -> MemoryKind:
@@ -134,11 +156,13 @@ def params_to_proto(params: TransferParams) -> pb.TransferParams:
         request_id=params.request_id,
         num_tokens=params.num_tokens,
         spans=[span_to_proto(s) for s in params.spans],
+        mode=_MODE_TO_PB[params.mode],
     )
 
 
 def params_from_proto(message: pb.TransferParams, field: str = "params") -> TransferParams:
     spans = spans_from_proto(message.spans, f"{field}.spans")
+    mode = mode_from_proto(message.mode, f"{field}.mode")
     try:
         return TransferParams(
             peer_address=message.peer_address,
@@ -148,6 +172,7 @@ def params_from_proto(message: pb.TransferParams, field: str = "params") -> Tran
             request_id=message.request_id,
             num_tokens=message.num_tokens,
             spans=spans,
+            mode=mode,
         )
     except InvalidInputError as exc:
         name = exc.field.removeprefix("params.")
@@ -161,6 +186,21 @@ def failed_to_proto(failed: Mapping[int, tuple[int, ...]]) -> list[pb.GroupBlock
     ]
 
 
+def spans_failed_from_proto(
+    messages: Iterable[pb.GroupBlocks], field: str
+) -> dict[int, tuple[int, ...]]:
+    """Failed blocks per group, each group once (blocks are checked against the plan)."""
+    failed: dict[int, tuple[int, ...]] = {}
+    for i, message in enumerate(messages):
+        if message.group_id in failed:
+            raise InvalidInputError(f"{field}[{i}].group_id", f"group {message.group_id} repeats")
+        blocks = tuple(message.logical_blocks)
+        if len(set(blocks)) != len(blocks):
+            raise InvalidInputError(f"{field}[{i}].logical_blocks", "blocks repeat")
+        failed[message.group_id] = blocks
+    return failed
+
+
 def abort_state_to_proto(state: AbortState) -> pb.AbortState.ValueType:
     return _ABORT_TO_PB[state]
 
@@ -172,19 +212,41 @@ def abort_state_from_proto(value: int, field: str = "state") -> AbortState:
     return state
 
 
+def _done_to_proto(event: PullDone) -> pb.PullDone:
+    return pb.PullDone(
+        request_id=event.request_id,
+        status=_STATUS_TO_PB[event.status],
+        failed_blocks=failed_to_proto(event.failed_blocks),
+        valid_tokens=event.valid_tokens,
+        bytes_moved=event.bytes_moved,
+        duration_us=round(event.duration_s * 1e6),
+        reason=event.reason,
+    )
+
+
+def _done_from_proto(done: pb.PullDone, kind: type[PullDone]) -> PullDone:
+    return kind(
+        request_id=done.request_id,
+        status=_STATUS_FROM_PB.get(done.status, PullStatus.FAILED),
+        failed_blocks={g.group_id: tuple(g.logical_blocks) for g in done.failed_blocks},
+        valid_tokens=done.valid_tokens,
+        bytes_moved=done.bytes_moved,
+        duration_s=done.duration_us / 1e6,
+        reason=done.reason,
+    )
+
+
+def status_to_proto(status: PullStatus) -> pb.PullStatus.ValueType:
+    return _STATUS_TO_PB[status]
+
+
 def event_to_proto(event: EngineEvent) -> pb.WatchEventsResponse:
+    if isinstance(event, Received):
+        return pb.WatchEventsResponse(received=_done_to_proto(event))
+    if isinstance(event, Pushed):
+        return pb.WatchEventsResponse(pushed=_done_to_proto(event))
     if isinstance(event, PullDone):
-        return pb.WatchEventsResponse(
-            pull_done=pb.PullDone(
-                request_id=event.request_id,
-                status=_STATUS_TO_PB[event.status],
-                failed_blocks=failed_to_proto(event.failed_blocks),
-                valid_tokens=event.valid_tokens,
-                bytes_moved=event.bytes_moved,
-                duration_us=round(event.duration_s * 1e6),
-                reason=event.reason,
-            )
-        )
+        return pb.WatchEventsResponse(pull_done=_done_to_proto(event))
     if isinstance(event, Released):
         return pb.WatchEventsResponse(
             released=pb.Released(
@@ -203,16 +265,11 @@ def event_to_proto(event: EngineEvent) -> pb.WatchEventsResponse:
 def event_from_proto(message: pb.WatchEventsResponse) -> EngineEvent:
     which = message.WhichOneof("event")
     if which == "pull_done":
-        done = message.pull_done
-        return PullDone(
-            request_id=done.request_id,
-            status=_STATUS_FROM_PB.get(done.status, PullStatus.FAILED),
-            failed_blocks={g.group_id: tuple(g.logical_blocks) for g in done.failed_blocks},
-            valid_tokens=done.valid_tokens,
-            bytes_moved=done.bytes_moved,
-            duration_s=done.duration_us / 1e6,
-            reason=done.reason,
-        )
+        return _done_from_proto(message.pull_done, PullDone)
+    if which == "received":
+        return _done_from_proto(message.received, Received)
+    if which == "pushed":
+        return _done_from_proto(message.pushed, Pushed)
     if which == "released":
         return Released(
             request_id=message.released.request_id,
@@ -251,6 +308,9 @@ class PeerHello:
     agent_metadata: bytes
     lease_ttl_s: float
     registration_version: int
+    # What the serving sidecar accepts as the passive side (its transfer.modes); a
+    # sidecar of before push sends none: pull only.
+    modes: frozenset[TransferMode] = frozenset({TransferMode.PULL})
 
 
 def hello_request(
@@ -286,6 +346,7 @@ def hello_to_proto(hello: PeerHello) -> pb.HandshakeResponse:
         lease_ttl_ms=round(hello.lease_ttl_s * 1000),
         sidecar_id=hello.sidecar_id,
         registration_version=hello.registration_version,
+        modes=[_MODE_TO_PB[m] for m in sorted(hello.modes)],
     )
 
 
@@ -314,4 +375,8 @@ def hello_from_proto(message: pb.HandshakeResponse, dry_run: bool) -> PeerHello:
         agent_metadata=message.agent_metadata,
         lease_ttl_s=message.lease_ttl_ms / 1000,
         registration_version=message.registration_version,
+        modes=frozenset(
+            mode_from_proto(m, f"handshake.modes[{i}]") for i, m in enumerate(message.modes)
+        )
+        or frozenset({TransferMode.PULL}),
     )

@@ -1,0 +1,252 @@
+"""The decode side of a push: destination leases and the end of each write.
+
+The decode engine announces the blocks one request may be written into
+(`expect`); they are held under a destination lease in the sidecar's lease
+table (`Lease.push`), with the same TTL, heartbeats and write token as a read
+has. A prefill sidecar binds the lease to itself (`begin_write`), WRITEs
+through our serving agent, and ends with `end_write`, which reports the
+blocks that failed in our engine's blocks.
+
+No write after failed: the engine hears `Received` only when no byte can land
+in its blocks any more. After EndWrite, the writer has ended every chunk (and
+severed its agent on the first failed one: adapter.py). When the writer goes
+silent past the TTL, it may still have WRITEs posted: the serving agent every
+peer writes through is killed first (`ServingBackend.revoke`), and only then is
+the failure reported (docs/dataplane.md, Push: what that costs).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from kvxfer._exceptions import InvalidInputError, NotFoundError, PlanError
+from kvxfer.core.layout import BlockSpan, EngineLayout
+from kvxfer.core.planner import check_groups_request, plan_blocks
+from kvxfer.core.recompute import valid_tokens
+from kvxfer.core.requests import (
+    AbortState,
+    EngineEvent,
+    PullStatus,
+    Received,
+    ReleaseReason,
+    TransferMode,
+    check_request_id,
+)
+from kvxfer.dataplane.serving import ServingBackend
+from kvxfer.server.engines import Engine, check_span_ids_once
+from kvxfer.server.leases import Lease, LeaseState, LeaseTable
+from kvxfer.server.metrics import Metrics
+from kvxfer.server.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def check_push_accepted(settings: Settings, field: str = "mode") -> None:
+    if TransferMode.PUSH not in settings.transfer.modes:
+        modes = ",".join(m.value for m in settings.transfer.modes)
+        raise InvalidInputError(
+            field,
+            f"this sidecar does not take part in pushes (transfer.modes is {modes}); "
+            "pull instead, or add push to transfer.modes",
+        )
+
+
+def needed_blocks(layout: EngineLayout, num_tokens: int, computed: int) -> dict[int, range]:
+    return {p.group.group_id: p.blocks for p in plan_blocks(layout, num_tokens, computed)}
+
+
+def check_spans_hold(
+    layout: EngineLayout, num_tokens: int, computed: int, spans: tuple[BlockSpan, ...]
+) -> None:
+    """The announced spans must hold every block a push of the request writes."""
+    by_group: dict[int, tuple[int, BlockSpan]] = {s.group_id: (i, s) for i, s in enumerate(spans)}
+    for group_id, blocks in needed_blocks(layout, num_tokens, computed).items():
+        if not blocks:
+            continue
+        found = by_group.get(group_id)
+        if found is None:
+            raise InvalidInputError(
+                f"spans[group {group_id}]",
+                f"missing; {num_tokens} tokens ({computed} held) need logical blocks "
+                f"{blocks.start}..{blocks.stop - 1}",
+            )
+        i, span = found
+        if not (span.first_block <= blocks.start and blocks.stop <= span.end_block):
+            raise InvalidInputError(
+                f"spans[{i}]",
+                f"covers logical blocks {span.first_block}..{span.end_block - 1} of group "
+                f"{group_id}; the push writes {blocks.start}..{blocks.stop - 1}",
+            )
+
+
+@dataclass(frozen=True)
+class WriteEnd:
+    """What a writer's EndWrite says (validated by `Destinations.end_write`)."""
+
+    writer: str  # the caller's identity
+    token: str
+    reason: ReleaseReason
+    failed: Mapping[int, tuple[int, ...]]  # in our engine's logical blocks
+    bytes_written: int
+    valid_tokens: int  # the writer's recompute rule
+    detail: str
+
+
+class Destinations:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        leases: LeaseTable,
+        backend: ServingBackend,
+        metrics: Metrics,
+        emit: Callable[[str, EngineEvent], None],
+        ended: Callable[[str], None],
+        layout_of: Callable[[str], EngineLayout | None],
+    ) -> None:
+        self._settings = settings
+        self._leases = leases
+        self._backend = backend
+        self._metrics = metrics
+        self._emit = emit
+        self._ended = ended  # a lease of this engine ended (a retiring engine waits on it)
+        self._layout_of = layout_of
+
+    def expect(
+        self,
+        engine: Engine,
+        request_id: str,
+        num_tokens: int,
+        spans: tuple[BlockSpan, ...],
+        computed_tokens: int,
+    ) -> Lease:
+        check_push_accepted(self._settings)
+        check_request_id(request_id)
+        layout = engine.layout
+        check_span_ids_once(layout, spans, "spans")
+        try:
+            check_groups_request(layout.groups, num_tokens, computed_tokens, layout.block_size)
+        except PlanError as exc:
+            field = "num_tokens" if "num_tokens" in exc.field else "computed_tokens"
+            raise InvalidInputError(field, exc.detail) from exc
+        check_spans_hold(layout, num_tokens, computed_tokens, spans)
+        return self._leases.add(
+            engine.engine_id,
+            request_id,
+            num_tokens,
+            spans,
+            push=True,
+            computed_tokens=computed_tokens,
+        )
+
+    def begin_write(self, engine: Engine, request_id: str, writer: str) -> Lease:
+        check_push_accepted(self._settings)
+        return self._leases.begin_read(
+            engine.engine_id, check_request_id(request_id), writer, push=True
+        )
+
+    def end_write(self, engine: Engine, request_id: str, end: WriteEnd) -> int:
+        """End a write; the engine hears `Received` now (the writer ended every chunk).
+        Returns the valid_tokens it was told."""
+        reason, failed, bytes_written = end.reason, end.failed, end.bytes_written
+        writer_valid, detail = end.valid_tokens, end.detail
+        if reason not in (ReleaseReason.CONSUMED, ReleaseReason.ABORTED):
+            raise InvalidInputError(
+                "reason", f"a writer ends a write as consumed or aborted, not {reason.value}"
+            )
+        lease = self._leases.get(engine.engine_id, check_request_id(request_id))
+        if not lease.push:
+            raise NotFoundError(f"request {request_id!r} is not expected here (it is published)")
+        layout = engine.layout
+        held = sum(len(s.block_ids) * layout.group(s.group_id).bytes_per_block for s in lease.spans)
+        if bytes_written > held:
+            raise InvalidInputError(
+                "bytes_written",
+                f"{bytes_written} exceeds the {held} bytes request {request_id!r} expects",
+            )
+        if writer_valid > lease.num_tokens:
+            raise InvalidInputError(
+                "valid_tokens", f"{writer_valid} exceeds the {lease.num_tokens} tokens expected"
+            )
+        try:  # checks every failed block is one the push writes, in our blocks
+            ours = valid_tokens(
+                layout.groups, lease.num_tokens, lease.computed_tokens, layout.block_size, failed
+            )
+        except PlanError as exc:
+            raise InvalidInputError("failed_blocks", exc.detail) from exc
+        lease = self._leases.end_read(engine.engine_id, request_id, end.writer, end.token)
+        aborted = reason is ReleaseReason.ABORTED or lease.state is LeaseState.ABORTED
+        if aborted and not bytes_written and not failed:  # nothing was written
+            self._fail_all(lease, PullStatus.ABORTED, detail or "the writer aborted")
+            return lease.computed_tokens
+        # The writer's rule knows where a block moved from (other block sizes); ours
+        # bounds it, so a writer can never claim more than its failures leave valid.
+        valid = max(lease.computed_tokens, min(writer_valid, ours))
+        status = _status(aborted, bool(failed), valid, lease.computed_tokens)
+        self._metrics.bytes_received.inc(bytes_written)
+        self._report(lease, status, failed, valid, bytes_written, detail)
+        return valid
+
+    async def expired(self, lease: Lease) -> None:
+        """A destination lease's TTL passed without heartbeat or EndWrite. A writer that
+        began may still have WRITEs posted: revoke every peer's access first."""
+        if lease.state is LeaseState.HELD:
+            why = "no prefill sidecar began writing it within the lease TTL"
+        else:
+            why = "its writer went silent past the lease TTL; remote access was revoked first"
+            await self._backend.revoke(f"the writer of {lease.request_id!r} went silent")
+            self._metrics.push_revocations.inc()
+        log.warning("expected request %s failed: %s", lease.request_id, why)
+        self._fail_all(lease, PullStatus.FAILED, why)
+
+    def abort(self, engine_id: str, request_id: str) -> AbortState:
+        """The decode engine aborts an expected request: released at once when nobody
+        writes it; else marked, and reported once its writer ends or goes silent."""
+        before, released = self._leases.abort(engine_id, request_id)
+        if released is not None:
+            self._fail_all(released, PullStatus.ABORTED, "aborted before any write began")
+            return AbortState.EXPECTED
+        if before is LeaseState.ABORTED:
+            return AbortState.ABORTED
+        return AbortState.WRITING
+
+    def _fail_all(self, lease: Lease, status: PullStatus, why: str) -> None:
+        # No byte of this request was reported moved: every block it expected is failed.
+        layout = self._layout_of(lease.engine_id)
+        needed = needed_blocks(layout, lease.num_tokens, lease.computed_tokens) if layout else {}
+        failed = {group_id: tuple(blocks) for group_id, blocks in needed.items() if blocks}
+        self._report(lease, status, failed, lease.computed_tokens, 0, why)
+
+    def _report(
+        self,
+        lease: Lease,
+        status: PullStatus,
+        failed: Mapping[int, tuple[int, ...]],
+        valid: int,
+        moved: int,
+        detail: str,
+    ) -> None:
+        self._emit(
+            lease.engine_id,
+            Received(
+                request_id=lease.request_id,
+                status=status,
+                failed_blocks=dict(failed),
+                valid_tokens=valid,
+                bytes_moved=moved,
+                duration_s=time.monotonic() - lease.created,
+                reason=detail,
+            ),
+        )
+        self._ended(lease.engine_id)
+
+
+def _status(aborted: bool, failed: bool, valid: int, computed: int) -> PullStatus:
+    if aborted:
+        return PullStatus.ABORTED
+    if not failed:
+        return PullStatus.OK
+    return PullStatus.PARTIAL if valid > computed else PullStatus.FAILED

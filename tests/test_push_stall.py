@@ -1,0 +1,93 @@
+"""No write after failed, for push: a writer that goes silent mid-push.
+
+A real decode sidecar D and engine DE; the writer is this test, speaking the
+peer protocol (Handshake, BeginWrite) and writing with a real NIXL agent of its
+own, as a prefill sidecar's initiating agent does. It writes one block (the path
+works: the sentinel lands), then stops heartbeating. D must report the request
+failed only after revoking remote access: once DE hears `Received`, a WRITE the
+same writer posts later (it "resumes" with what it loaded before) must not land.
+Without the revocation, that late WRITE lands (the serving agent still serves).
+"""
+
+from __future__ import annotations
+
+import grpc.aio
+import numpy as np
+import pytest
+from sidecars import engine_link, spans, start_engine, start_sidecar
+
+from kvxfer.client.shm import shm_kv_cache
+from kvxfer.core.buffers import MemoryKind
+from kvxfer.core.profiles import layout_for_model
+from kvxfer.core.requests import PullStatus, Received
+from kvxfer.dataplane.adapter import ChunkJob, NixlAgent, TransferStatus
+from kvxfer.dataplane.memory import bind, open_buffer
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.sidecar import hello_from_proto, hello_request
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+MODEL = "gpt-oss-20b"
+TENSOR = "layer.0.k"  # a full-attention tensor (group 1 is layer.1's)
+
+
+async def test_a_silent_writer_is_revoked_before_the_failure_is_reported(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = start_sidecar(tmp_path, "d", "--lease.ttl-s", "2", "--transfer.stall-deadline-s", "1")
+    de = start_engine(tmp_path, d, MODEL, "decode", num_blocks=32)
+    agent = NixlAgent("late-writer")
+    try:
+        with shm_kv_cache(layout_for_model(MODEL), num_blocks=4, prefix="kvxfer-late") as src:
+            src.block(TENSOR, 0)[:] = 0xAB
+            src.block(TENSOR, 1)[:] = 0xCD
+            mapped = [open_buffer(h) for h in src.buffers]
+            await agent.register(mapped)
+            local = bind(mapped)
+            async with engine_link(d, de) as (client, events):
+                ids = list(range(8))
+                await client.expect("stalled", 100, spans({0: ids, 1: ids}))
+                async with grpc.aio.insecure_channel(d.ready["peer_address"]) as channel:
+                    peer = pb_grpc.PeerServiceStub(channel)
+                    request = hello_request(de.layout, epoch=1, sidecar_id="w", dry_run=False)
+                    hello = hello_from_proto(await peer.Handshake(request), dry_run=False)
+                    await peer.BeginWrite(
+                        pb.BeginWriteRequest(
+                            epoch=hello.epoch, tp_rank=0, request_id="stalled", writer_id="w"
+                        )
+                    )
+                name = await agent.add_peer(hello.agent_metadata)
+
+                def job(src_block: int, dst_block: int) -> ChunkJob:
+                    s = next(r for r in src.layout.regions if r.name == TENSOR)
+                    t = de.regions[TENSOR]
+                    here = local[s.buffer].address + s.block_offset(src_block)
+                    there = hello.buffers[t.buffer].address + t.block_offset(dst_block)
+                    n = t.block_bytes
+                    return ChunkJob(
+                        peer=name,
+                        local=np.array([[here, n, 0]], dtype=np.uint64),
+                        remote=np.array([[there, n, 0]], dtype=np.uint64),
+                        local_kind=MemoryKind.DRAM,
+                        remote_kind=MemoryKind.DRAM,
+                        deadline_s=5.0,
+                        write=True,
+                    )
+
+                assert await agent.read(job(0, 2)) is TransferStatus.DONE
+                assert (de.block(TENSOR, 2) == 0xAB).all(), "the writer's path works"
+                before = de.block(TENSOR, 3).copy()
+                # Silent from here: no heartbeat, no EndWrite.
+                received = await events.next(timeout_s=30)
+                assert isinstance(received, Received), received
+                assert received.status is PullStatus.FAILED and received.valid_tokens == 0
+                assert "revoked" in received.reason
+                # The writer resumes with what it loaded: nothing may land any more.
+                late = await agent.read(job(1, 3))
+                assert late is not TransferStatus.DONE
+                assert np.array_equal(de.block(TENSOR, 3), before), "a late write landed"
+            for buffer in mapped:
+                buffer.close()
+    finally:
+        await agent.close()
+        de.stop()
+        d.stop()
