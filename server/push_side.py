@@ -59,14 +59,14 @@ class PushSide:
         return await self.pushes.push(engine, params, local_spans, tokens_ready, final)
 
     def begin_write(self, epoch: int, tp_rank: int, request_id: str, writer: str) -> Lease:
-        self._sidecar._check_epoch(epoch)
+        self._sidecar.check_epoch(epoch)
         return self.destinations.begin_write(
-            self._sidecar._serving_engine(tp_rank), request_id, writer
+            self._sidecar.serving_engine(tp_rank), request_id, writer
         )
 
     def end_write(self, epoch: int, tp_rank: int, request_id: str, end: WriteEnd) -> int:
-        self._sidecar._check_epoch(epoch)
-        engine = self._sidecar._serving_engine(tp_rank)
+        self._sidecar.check_epoch(epoch)
+        engine = self._sidecar.serving_engine(tp_rank)
         valid = self.destinations.end_write(engine, request_id, end)
         self._sidecar._lease_gauges()
         return valid

@@ -180,14 +180,14 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
     ) -> pb.HandshakeResponse:
         layout = layout_from_proto(request.layout, "layout")
         rank = request.peer_tp_rank if request.HasField("peer_tp_rank") else layout.tp_rank
-        hello = await self._sidecar.hello(request.protocol_version, rank, request.dry_run)
+        hello = await self._sidecar.read_side.hello(request.protocol_version, rank, request.dry_run)
         return hello_to_proto(hello)
 
     @rpc
     async def BeginRead(
         self, request: pb.BeginReadRequest, context: Context
     ) -> pb.BeginReadResponse:
-        lease = self._sidecar.begin_read(
+        lease = self._sidecar.read_side.begin_read(
             request.epoch, request.tp_rank, request.request_id, identity(context)
         )
         return pb.BeginReadResponse(
@@ -202,7 +202,7 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: Context
     ) -> pb.HeartbeatResponse:
-        states = self._sidecar.heartbeat(
+        states = self._sidecar.read_side.heartbeat(
             request.epoch,
             request.tp_rank,
             list(request.request_ids),
@@ -214,7 +214,7 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
     @rpc
     async def EndRead(self, request: pb.EndReadRequest, context: Context) -> pb.EndReadResponse:
         reason = release_reason_from_proto(request.reason)
-        self._sidecar.end_read(
+        self._sidecar.read_side.end_read(
             request.epoch,
             request.tp_rank,
             request.request_id,

@@ -3,8 +3,9 @@
 One `Sidecar` per process owns the registered engines, the lease table
 (serving side), the pulls in flight (reading side), the peer links and the
 NIXL backend. Engine-facing operations (register, publish, pull, abort,
-watch, unregister) and peer-facing ones (hello, begin/heartbeat/end read)
-are plain async methods raising kvxfer errors.
+watch, unregister) are plain async methods raising kvxfer errors; the
+peer-facing ones are in `read_side.py` (hello, begin/heartbeat/end read) and
+`push_side.py` (Expect, Push, begin/end write).
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from kvxfer._exceptions import (
     NotFoundError,
     ShuttingDownError,
 )
-from kvxfer.core.buffers import BoundBuffer, BufferHandle
+from kvxfer.core.buffers import BufferHandle
 from kvxfer.core.layout import BlockSpan, EngineLayout
-from kvxfer.core.negotiation import PROTOCOL_VERSION, SUPPORTED_PROTOCOLS
 from kvxfer.core.planner import full_attention_bytes, plan_transfer
 from kvxfer.core.requests import (
     MAX_EPOCH,
@@ -53,17 +53,15 @@ from kvxfer.server.engines import (
     check_span_ids_once,
     check_spans_cover,
 )
-from kvxfer.server.leases import Lease, LeaseState, LeaseTable, LiveClock
+from kvxfer.server.leases import Lease, LeaseTable, LiveClock
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import Dialer, PeerLinks
 from kvxfer.server.pulls import Pull, PullContext, run_pull
 from kvxfer.server.push_side import PushSide
+from kvxfer.server.read_side import ReadSide
 from kvxfer.server.settings import Settings
-from kvxfer.wire.sidecar import PeerHello
 
 log = logging.getLogger(__name__)
-# Unregistering is the publisher's business; a reader only consumes or gives up.
-_READER_REASONS = frozenset({ReleaseReason.CONSUMED, ReleaseReason.ABORTED})
 
 
 class Sidecar:
@@ -110,6 +108,7 @@ class Sidecar:
             reader_id=self.sidecar_id,
             end_read_patience_s=settings.transfer.end_read_patience_s,
         )
+        self.read_side = ReadSide(self)  # Handshake, BeginRead, Heartbeat, EndRead
         self.push_side = PushSide(self)  # Expect, Push, BeginWrite, EndWrite
         self.pushes, self.destinations = self.push_side.pushes, self.push_side.destinations
         self._draining = False
@@ -607,38 +606,9 @@ class Sidecar:
         self._emit(lease.engine_id, Released(lease.request_id, reason, bytes_read))
         self._lease_ended(lease.engine_id)
 
-    # -- peer side ---------------------------------------------------------
+    # -- peer side (the operations are in read_side.py and push_side.py) ------
 
-    async def hello(self, protocol_version: int, tp_rank: int, dry_run: bool) -> PeerHello:
-        """What a pulling sidecar learns of this side's engine of rank `tp_rank`."""
-        self._check_open()
-        if protocol_version not in SUPPORTED_PROTOCOLS:
-            raise InvalidInputError(
-                "protocol_version",
-                f"peer speaks protocol {protocol_version}, this sidecar speaks "
-                f"{sorted(SUPPORTED_PROTOCOLS)}; upgrade the older sidecar",
-            )
-        engine = self._serving_engine(tp_rank)
-        # Read before the metadata: if the serving agent is replaced meanwhile, the peer
-        # holds an older version than ours and reloads at its next BeginRead.
-        version = self.registration_version
-        metadata, buffers = b"", dict[str, BoundBuffer]()
-        if not dry_run:  # the serving agent's addresses, not ours
-            metadata, buffers = await self._backend.served([b.name for b in engine.buffers])
-        return PeerHello(
-            protocol_version=PROTOCOL_VERSION,
-            epoch=self.epoch,
-            engine_id=engine.engine_id,
-            sidecar_id=self.sidecar_id,
-            layout=engine.layout,
-            buffers=buffers,
-            agent_metadata=metadata,
-            lease_ttl_s=self.settings.lease.ttl_s,
-            registration_version=version,
-            modes=frozenset(self.settings.transfer.modes),
-        )
-
-    def _serving_engine(self, tp_rank: int) -> Engine:
+    def serving_engine(self, tp_rank: int) -> Engine:
         for engine in self._engines.values():
             if engine.layout.tp_rank == tp_rank:
                 return engine
@@ -648,77 +618,12 @@ class Sidecar:
             f"(registered ranks: {ranks or 'none'})"
         )
 
-    def _check_epoch(self, epoch: int) -> None:
+    def check_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             raise NotFoundError(
                 f"epoch {epoch} is gone: this sidecar restarted and is now epoch {self.epoch}; "
                 "requests published before the restart are lost"
             )
-
-    def begin_read(self, epoch: int, tp_rank: int, request_id: str, reader: str) -> Lease:
-        """Begin `reader`'s read of a published request; the lease's read token goes back
-        to it alone. Unpublished requests are NotFound: a lease is the only way in."""
-        self._check_epoch(epoch)
-        engine = self._serving_engine(tp_rank)
-        return self._leases.begin_read(engine.engine_id, check_request_id(request_id), reader)
-
-    def heartbeat(
-        self,
-        epoch: int,
-        tp_rank: int,
-        request_ids: Sequence[str],
-        reader: str,
-        tokens: Sequence[str],
-    ) -> list[LeaseState | None]:
-        limit = self.settings.limits.max_heartbeat_ids
-        if len(request_ids) > limit:
-            raise LimitExceededError(
-                f"request_ids: {len(request_ids)} ids exceed limits.max_heartbeat_ids ({limit})"
-            )
-        if len(tokens) != len(request_ids):
-            raise InvalidInputError(
-                "read_tokens", f"{len(tokens)} tokens for {len(request_ids)} request ids"
-            )
-        for i, request_id in enumerate(request_ids):
-            check_request_id(request_id, f"request_ids[{i}]")
-        if epoch != self.epoch:
-            return [None] * len(request_ids)
-        engine = self._serving_engine(tp_rank)
-        return self._leases.renew(engine.engine_id, request_ids, reader, tokens)
-
-    def end_read(
-        self,
-        epoch: int,
-        tp_rank: int,
-        request_id: str,
-        reason: ReleaseReason,
-        bytes_read: int,
-        *,
-        reader: str,
-        token: str,
-    ) -> None:
-        if reason not in _READER_REASONS:
-            raise InvalidInputError(
-                "reason", f"a reader ends a read as consumed or aborted, not {reason.value}"
-            )
-        self._check_epoch(epoch)
-        engine = self._serving_engine(tp_rank)
-        lease = self._leases.get(engine.engine_id, check_request_id(request_id))
-        if lease.push:
-            raise NotFoundError(f"request {request_id!r} is expected for a push: EndWrite it")
-        held = sum(
-            len(s.block_ids) * engine.layout.group(s.group_id).bytes_per_block for s in lease.spans
-        )
-        if bytes_read > held:
-            raise InvalidInputError(
-                "bytes_read", f"{bytes_read} exceeds the {held} bytes request {request_id!r} holds"
-            )
-        lease = self._leases.end_read(engine.engine_id, request_id, reader, token)
-        if lease.state is LeaseState.ABORTED:
-            reason = ReleaseReason.ABORTED
-        self.metrics.bytes_served.inc(bytes_read)
-        self._release(lease, reason, bytes_read)
-        self._lease_gauges()
 
     def lease_ttl_s(self) -> float:
         return self._leases.ttl_s
