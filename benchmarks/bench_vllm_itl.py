@@ -12,7 +12,8 @@ its KV and decodes `--injected-max-tokens` tokens. Reported per window: ITL
 p50/p90/p99 of the long requests, the injected requests' transfer time
 (NixlConnector: vLLM's per-transfer stats; kvxfer: its connector's stats file, Pull
 call to PullDone) and decode TTFT (added to first token, as the front end sees it),
-the rate achieved (a prefill slower than the interval delays the next request), the
+how late each request reached the decode (its prefill's time, more when a prefill
+runs longer than the interval: those that fell due meanwhile go in one batch), the
 CPU seconds each party used (and the decode engine's busiest threads), and the load
 average. Connector "none" is the decode engine alone, without a connector (rate 0
 only): the baseline.
@@ -128,22 +129,28 @@ def _inject(decode: vllm_fleet.VllmWorker, prefill: vllm_fleet.VllmWorker | None
     """Open the window, route `prompts` evenly spaced at `rate`, close it after `window_s`.
     Each is routed as a P/D router does it, just in time: prefill (one token, KV kept),
     then added to the decode, so the prefill engine holds its KV only until the decode
-    has read it. Returns the window's wall time, each prefill call's time and how late
-    each request was sent (a slow prefill delays the next), in ms."""
+    has read it. Requests that fell due during a prefill call are prefilled together in
+    the next one. Returns the window's wall time, each prefill call's time and how late
+    each request was sent to the decode, in ms."""
     decode.send({"start": True})
     t0 = time.perf_counter()
     prefill_ms, late_ms = [], []
-    for index, prompt in enumerate(prompts):
-        due = t0 + index / rate
-        time.sleep(max(0.0, due - time.perf_counter()))
-        sent = time.perf_counter()
-        late_ms.append(1e3 * (sent - due))
+    index = 0
+    while index < len(prompts):
+        time.sleep(max(0.0, t0 + index / rate - time.perf_counter()))
+        due = [i for i in range(index, len(prompts)) if t0 + i / rate <= time.perf_counter()]
+        started = time.perf_counter()
         assert prefill is not None
-        out = prefill.generate([prompt], 1, [{"do_remote_decode": True}]).outputs[0]
-        prefill_ms.append(1e3 * (time.perf_counter() - sent))
-        if out.kv_transfer_params is None:
-            raise vllm_fleet.VllmWorkerError("prefill returned no kv_transfer_params")
-        decode.send({"prompt": prompt, "kv_transfer_params": out.kv_transfer_params})
+        outs = prefill.generate(
+            [prompts[i] for i in due], 1, [{"do_remote_decode": True}] * len(due)
+        ).outputs
+        prefill_ms.append(1e3 * (time.perf_counter() - started))
+        for i, out in zip(due, outs, strict=True):
+            if out.kv_transfer_params is None:
+                raise vllm_fleet.VllmWorkerError("prefill returned no kv_transfer_params")
+            decode.send({"prompt": prompts[i], "kv_transfer_params": out.kv_transfer_params})
+            late_ms.append(1e3 * (time.perf_counter() - t0 - i / rate))
+        index = due[-1] + 1
     time.sleep(max(0.0, t0 + window_s - time.perf_counter()))
     decode.send({"end": True})
     return time.perf_counter() - t0, prefill_ms, late_ms
@@ -193,8 +200,8 @@ def _window(
         "decode_ttft_ms": _percentiles(
             [1e3 * (r["first_token_s"] - r["added_s"]) for r in rows if "first_token_s" in r]
         ),
-        "prefill_ms": _percentiles(prefill_ms),  # the router's prefill call, as it waited
-        "injection_late_ms": _percentiles(late_ms),  # behind schedule (a slow prefill)
+        "prefill_calls_ms": _percentiles(prefill_ms),  # the router's prefill calls
+        "sent_late_ms": _percentiles(late_ms),  # to the decode, after its arrival time
         "cpu_s": {  # during the window
             "decode_engine": decode_cpu,
             "prefill_engine": _cpu_used(cpu_before, cpu_after, prefill_pid)[0],
