@@ -21,7 +21,8 @@ only): the baseline.
     make vllm-venv install
     .venv/bin/python benchmarks/bench_vllm_itl.py --rates 0 1 4 16 --window-s 15
 
-Prints one JSON object per connector and rate (progress on stderr).
+Prints one JSON object per connector and rate; progress and, at the end, the docs'
+table on stderr.
 """
 
 from __future__ import annotations
@@ -233,6 +234,31 @@ def _engines(connector: str, model: Path, args: argparse.Namespace, python: Path
         yield pd.decode, pd.prefill, stats
 
 
+def _p50_p99(d: dict[str, Any]) -> str:
+    return f"{d['p50']:.1f} / {d['p99']:.1f}" if d["count"] else "-"
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    """The docs' table (markdown), one row per window."""
+    lines = [
+        "| connector | round | rate/s (sent) | long ITL p50 / p99 ms | long tok/s | "
+        "transfer p50 / p99 ms | decode TTFT p50 / p99 ms | sent late p50 ms | "
+        "CPU s decode / prefill / sidecars | load 1 min |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        cpu, late = r["cpu_s"], r["sent_late_ms"]
+        cells = [
+            r["connector"], r["round"], f"{r['rate_per_s']:g} ({r['achieved_rate_per_s']:g})",
+            _p50_p99(r["itl_ms"]), f"{r['tokens_per_s_long']:.0f}", _p50_p99(r["transfer_ms"]),
+            _p50_p99(r["decode_ttft_ms"]), f"{late['p50']:.0f}" if late["count"] else "-",
+            f"{cpu['decode_engine']:.1f} / {cpu['prefill_engine']:.1f} / {cpu['sidecars']:.1f}",
+            f"{r['loadavg_before'][0]:.1f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", choices=FAMILIES, default="llama")
@@ -261,6 +287,7 @@ def main() -> None:
     if args.hi < args.lo or any(r < 0 for r in args.rates):
         parser.error("--hi must be >= --lo and every --rates value >= 0")
     python = vllm_fleet.find_vllm_python(base.REPO / vllm_fleet.VLLM_VENV / "bin" / "python")
+    results: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         root = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory("-itl")))
         model = base._model(args.family, root)
@@ -285,6 +312,8 @@ def main() -> None:
                         result = _window(decode, prefill, rate, args, stats, sidecars, seed)
                         result.update(family=args.family, connector=connector, round=round_)
                         print(json.dumps(result), flush=True)
+                        results.append(result)
+    print(_table(results), file=sys.stderr)
 
 
 if __name__ == "__main__":
