@@ -66,7 +66,7 @@ def _percentiles(values: Sequence[float]) -> dict[str, float | int]:
 def _threads_cpu_s(pgids: Iterable[int], pids: Iterable[int]) -> dict[tuple[int, str], float]:
     """User+system CPU seconds so far of every thread of every process in each process
     group of `pgids` (an engine and the processes vLLM forks) and of each of `pids`,
-    keyed by (that group or pid, "process name/thread name")."""
+    keyed by (that group or pid, "process name/thread name" or "process name/main")."""
     pgids, pids = set(pgids), set(pids)
     totals: dict[tuple[int, str], float] = {}
     for proc in Path("/proc").iterdir():
@@ -79,7 +79,8 @@ def _threads_cpu_s(pgids: Iterable[int], pids: Iterable[int]) -> dict[tuple[int,
                 continue
             for task in (proc / "task").iterdir():
                 name, tfields = _stat(task / "stat")
-                key = (owner, f"{comm}/{name}")
+                # Native threads often keep the process's name: tell the main one apart.
+                key = (owner, f"{comm}/{'main' if task.name == proc.name else name}")
                 seconds = (int(tfields[11]) + int(tfields[12])) / CLK_TCK
                 totals[key] = totals.get(key, 0.0) + seconds
         except (OSError, IndexError, ValueError):
@@ -182,6 +183,7 @@ def _window(
     load_after = os.getloadavg()
     raw = decode.receive(args.window_s + 300, "stream")
     decode_cpu, decode_threads = _cpu_used(cpu_before, cpu_after, [decode.pid])
+    prefill_cpu, prefill_threads = _cpu_used(cpu_before, cpu_after, prefill_pid)
     rows = raw["injected"]
     if stats is not None:
         transfers = [1e3 * p["duration_s"] for p in read_pulls(stats, skip)]
@@ -208,10 +210,11 @@ def _window(
         "sent_late_ms": _percentiles(late_ms),  # to the decode, after its arrival time
         "cpu_s": {  # during the window
             "decode_engine": decode_cpu,
-            "prefill_engine": _cpu_used(cpu_before, cpu_after, prefill_pid)[0],
+            "prefill_engine": prefill_cpu,
             "sidecars": _cpu_used(cpu_before, cpu_after, sidecars)[0],
         },
         "decode_engine_top_threads_cpu_s": decode_threads,
+        "prefill_engine_top_threads_cpu_s": prefill_threads,
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in load_after],
     }
