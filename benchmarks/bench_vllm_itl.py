@@ -289,7 +289,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--workdir", type=Path, help="keep models and logs here (default: temp)")
     args = parser.parse_args()
-    for name in ("window_s", "long", "long_prompt", "long_max_tokens", "lo", "injected_max_tokens"):
+    positive = ("window_s", "long", "long_prompt", "long_max_tokens", "lo", "injected_max_tokens",
+                "rounds")  # fmt: skip
+    for name in positive:
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.hi < args.lo or any(r < 0 for r in args.rates):

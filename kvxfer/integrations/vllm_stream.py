@@ -125,6 +125,9 @@ class _Run:
         return 0.0 if self.t0 is None else time.perf_counter() - self.t0
 
     def on_message(self, message: dict[str, Any]) -> None:
+        missing = [k for k in ("prompt", "kv_transfer_params") if k not in message]
+        if not (message.get("start") or message.get("end")) and missing:
+            raise ValueError(f"stream line {sorted(message)}: {', '.join(missing)} missing")
         if message.get("start"):
             self.t0 = time.perf_counter()
         elif message.get("end"):
@@ -160,6 +163,9 @@ class _Run:
 def stream(llm: Any, request: dict[str, Any], stdin: IO[str]) -> dict[str, Any]:
     """Run one window (see the module docstring), reading its lines from `stdin`;
     returns the reply's measured part."""
+    for key in ("long_prompts", "long_max_tokens", "injected_max_tokens"):
+        if key not in request:
+            raise ValueError(f"stream: {key} missing")
     engine = llm.llm_engine
     run = _Run(engine, request)
     inbox: queue.Queue[dict[str, Any]] = queue.Queue()
