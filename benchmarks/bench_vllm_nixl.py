@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +118,11 @@ def _kvxfer_pair(
     args: argparse.Namespace,
     python: Path,
     workdir: Path,
+    prefill_flags: Sequence[str] = (),
+    sidecar_pids: list[int] | None = None,
 ) -> Iterator[tuple[vllm_fleet.PdPair, Path]]:
+    """`prefill_flags`: extra kvxfer-server flags for the prefill sidecar; the sidecars'
+    pids are appended to `sidecar_pids` (bench_vllm_itl pins them and counts their CPU)."""
     from kvxfer.cli.fleet import Fleet  # noqa: PLC0415 (sidecars only for this connector)
 
     # "kvxfer-faults": the decode sidecar fails each one-block chunk with --fail-rate.
@@ -127,7 +131,9 @@ def _kvxfer_pair(
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(workdir)
     try:
-        p, d = fleet.sidecar("p"), fleet.sidecar("d", *faults)
+        p, d = fleet.sidecar("p", *prefill_flags), fleet.sidecar("d", *faults)
+        if sidecar_pids is not None:
+            sidecar_pids += [p.pid, d.pid]
         stats = workdir / "decode-stats.jsonl"
         specs = vllm_fleet.pd_specs(
             model,

@@ -12,7 +12,7 @@ import pytest
 from vllm_harness import vllm_python
 
 from kvxfer._exceptions import InvalidInputError
-from kvxfer.integrations import vllm_fleet
+from kvxfer.integrations import vllm_fleet, vllm_stream
 from kvxfer.integrations.tiny_models import (
     DEFAULT_SLIDING_WINDOW,
     FAMILIES,
@@ -155,3 +155,13 @@ def test_side_channel_ports_are_outside_the_ephemeral_range_and_never_repeat() -
     ports = [vllm_fleet.free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
     assert all(10000 <= p < low for p in ports), (low, sorted(ports)[-3:])
+
+
+def test_stream_finds_nixl_transfer_durations_in_connector_stats() -> None:
+    # What vLLM's scheduler sends per step: NixlConnector's stats dict, or a
+    # MultiConnector's, one level down per child; other lists are not durations.
+    single = {"transfer_duration": [0.001, 0.002], "post_duration": [0.5], "num_failed": 0}
+    multi = {"NixlConnector": single, "KvxferConnector": {"bytes": [9]}}
+    assert vllm_stream._transfer_durations(single) == [0.001, 0.002]
+    assert vllm_stream._transfer_durations(multi) == [0.001, 0.002]
+    assert vllm_stream._transfer_durations(None) == []

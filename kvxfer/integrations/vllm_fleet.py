@@ -256,6 +256,11 @@ class VllmWorker:
         self.ready: dict[str, Any] = {}
         self.peak_rss_bytes = 0
 
+    @property
+    def pid(self) -> int:
+        """The worker's pid, also its process group (vLLM's engine core runs in it)."""
+        return self._popen.pid
+
     def _read(self) -> None:
         assert self._popen.stdout is not None
         for line in self._popen.stdout:
@@ -263,10 +268,11 @@ class VllmWorker:
         self._lines.put(None)  # EOF: the worker exited
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
-        self.ready = self._next_reply(timeout_s, "start")
+        self.ready = self.receive(timeout_s, "start")
         return self.ready
 
-    def _next_reply(self, timeout_s: float, what: str) -> dict[str, Any]:
+    def receive(self, timeout_s: float, what: str) -> dict[str, Any]:
+        """The next reply line (raises on an error reply, EOF or `timeout_s`)."""
         try:
             line = self._lines.get(timeout=timeout_s)
         except queue.Empty:
@@ -291,19 +297,10 @@ class VllmWorker:
         kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
         timeout_s: float = CALL_TIMEOUT_S,
     ) -> Reply:
-        request = {
-            "op": "generate",
-            "prompts": [list(p) for p in prompts],
-            "max_tokens": max_tokens,
-            "kv_transfer_params": None if kv_transfer_params is None else list(kv_transfer_params),
-        }
-        assert self._popen.stdin is not None
-        try:
-            self._popen.stdin.write(json.dumps(request) + "\n")
-            self._popen.stdin.flush()
-        except BrokenPipeError as exc:
-            raise self._failure("closed its stdin") from exc
-        raw = self._next_reply(timeout_s, "generate")
+        raw = self.call(
+            "generate", timeout_s, prompts=[list(p) for p in prompts], max_tokens=max_tokens,
+            kv_transfer_params=None if kv_transfer_params is None else list(kv_transfer_params),
+        )  # fmt: skip
         metrics: dict[str, float] = raw["metrics"]
         delta = {k: v - self._metrics.get(k, 0.0) for k, v in metrics.items()}
         self._metrics = metrics
@@ -319,13 +316,22 @@ class VllmWorker:
     def reset_prefix_cache(self, timeout_s: float = CALL_TIMEOUT_S) -> bool:
         """Drop the engine's own prefix cache (connectors keep theirs); False while blocks
         are still in use (e.g. held for a remote decode)."""
+        return bool(self.call("reset_prefix_cache", timeout_s)["reset"])
+
+    def call(self, op: str, timeout_s: float = CALL_TIMEOUT_S, **fields: Any) -> dict[str, Any]:
+        """Send one op (see `vllm_worker`) and return its raw reply."""
+        self.send({"op": op, **fields})
+        return self.receive(timeout_s, op)
+
+    def send(self, message: Mapping[str, Any]) -> None:
+        """Write one line: an op, or a line an op in progress reads (`vllm_stream`); then
+        `receive` its reply."""
         assert self._popen.stdin is not None
         try:
-            self._popen.stdin.write(json.dumps({"op": "reset_prefix_cache"}) + "\n")
+            self._popen.stdin.write(json.dumps(message) + "\n")
             self._popen.stdin.flush()
         except BrokenPipeError as exc:
             raise self._failure("closed its stdin") from exc
-        return bool(self._next_reply(timeout_s, "reset_prefix_cache")["reset"])
 
     def request_quit(self) -> None:
         """Ask the worker to quit without waiting (so that several shut down at once)."""

@@ -10,6 +10,7 @@ so log lines can never corrupt the protocol.
 Requests (one JSON object per line on stdin):
   {"op": "generate", "prompts": [[ids]], "max_tokens": N, "kv_transfer_params": [obj|null]}
   {"op": "reset_prefix_cache"}   (drop the engine's own prefix cache; connectors keep theirs)
+  {"op": "stream", ...}          (requests added while others decode: see vllm_stream)
   {"op": "quit"}
 Replies: {"ok": true, ...} or {"ok": false, "error": "..."}; the first line is
 {"ok": true, "ready": true, ...} once the engine has loaded.
@@ -23,6 +24,7 @@ import sys
 import time
 from typing import IO, Any
 
+from kvxfer.integrations import vllm_stream
 from kvxfer.integrations.cpu_amx import ALLOW_AMX_ENV, allow_amx
 
 # Metrics a reply carries (summed over label sets): vLLM's NixlConnector
@@ -159,10 +161,16 @@ def main() -> None:
                 reply = {"ok": True, "reset": bool(llm.reset_prefix_cache())}
             elif request.get("op") == "generate":
                 reply = _generate(llm, request)
+            elif request.get("op") == "stream":
+                reply = {
+                    "ok": True,
+                    **vllm_stream.stream(llm, request, sys.stdin),
+                    "metrics": _metrics(llm),
+                }
             else:
                 raise ValueError(
-                    f"op {request.get('op')!r} unknown; expected generate, reset_prefix_cache "
-                    "or quit"
+                    f"op {request.get('op')!r} unknown; expected generate, stream, "
+                    "reset_prefix_cache or quit"
                 )
         except Exception as exc:  # any failure goes back to the driver, which raises it
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
