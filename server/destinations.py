@@ -9,10 +9,12 @@ blocks that failed in our engine's blocks.
 
 No write after failed: the engine hears `Received` only when no byte can land
 in its blocks any more. After EndWrite, the writer has ended every chunk (and
-severed its agent on the first failed one: adapter.py). When the writer goes
-silent past the TTL, it may still have WRITEs posted: the serving agent every
-peer writes through is killed first (`ServingBackend.revoke`), and only then is
-the failure reported (docs/dataplane.md, Push: what that costs).
+severed its agent on the first failed one: adapter.py), but a chunk it gave up
+on may still be queued to our serving agent, which puts it into our memory: a
+write that ends with failed or aborted blocks and is not `settled` is fenced
+by killing the serving agent every peer writes through (`ServingBackend.revoke`)
+before it is reported. So is a writer that goes silent past the TTL (it may
+still have WRITEs posted) (docs/dataplane.md, Push: what that costs).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from kvxfer.core.requests import (
 )
 from kvxfer.dataplane.serving import ServingBackend
 from kvxfer.server.engines import Engine, check_span_ids_once
-from kvxfer.server.leases import Lease, LeaseState, LeaseTable
+from kvxfer.server.leases import Lease, LeaseState, LeaseTable, check_reader
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.settings import Settings
 
@@ -93,6 +95,7 @@ class WriteEnd:
     bytes_written: int
     valid_tokens: int  # the writer's recompute rule
     detail: str
+    settled: bool = False  # the writer says nothing it posted can still land
 
 
 class Destinations:
@@ -148,9 +151,12 @@ class Destinations:
             engine.engine_id, check_request_id(request_id), writer, push=True
         )
 
-    def end_write(self, engine: Engine, request_id: str, end: WriteEnd) -> int:
-        """End a write; the engine hears `Received` now (the writer ended every chunk).
-        Returns the valid_tokens it was told."""
+    async def end_write(self, engine: Engine, request_id: str, end: WriteEnd) -> int:
+        """End a write; the engine hears `Received` once no byte can land any more: at
+        once when the writer's chunks all completed or never left it (`settled`), else
+        after our serving agent is revoked (a chunk the writer gave up on may still be
+        queued to it, and would land after the report). Returns the valid_tokens the
+        engine was told."""
         reason, failed, bytes_written = end.reason, end.failed, end.bytes_written
         writer_valid, detail = end.valid_tokens, end.detail
         if reason not in (ReleaseReason.CONSUMED, ReleaseReason.ABORTED):
@@ -171,15 +177,27 @@ class Destinations:
             raise InvalidInputError(
                 "valid_tokens", f"{writer_valid} exceeds the {lease.num_tokens} tokens expected"
             )
+        needed = {g: tuple(b) for g, b in needed_blocks(
+            layout, lease.num_tokens, lease.computed_tokens).items() if b}  # fmt: skip
+        if not failed and not bytes_written and needed:
+            # "Nothing failed" from a write that moved nothing the request needs: every
+            # block it needed is failed (an authenticated writer is trusted for what it
+            # wrote, as for the bytes themselves, but not for an empty claim).
+            failed = needed
         try:  # checks every failed block is one the push writes, in our blocks
             ours = valid_tokens(
                 layout.groups, lease.num_tokens, lease.computed_tokens, layout.block_size, failed
             )
         except PlanError as exc:
             raise InvalidInputError("failed_blocks", exc.detail) from exc
+        check_reader(lease, end.writer, end.token)  # before anything is revoked for it
+        gave_up = failed or reason is ReleaseReason.ABORTED or lease.state is LeaseState.ABORTED
+        if gave_up and not end.settled:
+            await self._backend.revoke(f"the writer of {request_id!r} gave up on chunks")
+            self._metrics.push_revocations.inc()
         lease = self._leases.end_read(engine.engine_id, request_id, end.writer, end.token)
         aborted = reason is ReleaseReason.ABORTED or lease.state is LeaseState.ABORTED
-        if aborted and not bytes_written and not failed:  # nothing was written
+        if aborted and not bytes_written and not end.failed:  # nothing was written
             self._fail_all(lease, PullStatus.ABORTED, detail or "the writer aborted")
             return lease.computed_tokens
         # The writer's rule knows where a block moved from (other block sizes); ours

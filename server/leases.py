@@ -186,7 +186,7 @@ class LeaseTable:
         leases = [self._leases.get((engine_id, request_id)) for request_id in request_ids]
         for lease, token in zip(leases, tokens, strict=True):
             if lease is not None:
-                _check_reader(lease, reader, token)
+                check_reader(lease, reader, token)
         now = self._clock()
         for lease in leases:
             if lease is not None:
@@ -195,7 +195,7 @@ class LeaseTable:
 
     def end_read(self, engine_id: str, request_id: str, reader: str, token: str) -> Lease:
         lease = self.get(engine_id, request_id)
-        _check_reader(lease, reader, token)
+        check_reader(lease, reader, token)
         return self._remove((engine_id, request_id))
 
     def abort(self, engine_id: str, request_id: str) -> tuple[LeaseState, Lease | None]:
@@ -225,7 +225,7 @@ class LeaseTable:
         return max(0.0, lease.expires - self._clock())
 
 
-def _check_reader(lease: Lease, reader: str, token: str) -> None:
+def check_reader(lease: Lease, reader: str, token: str) -> None:
     what, who, doing = ("write", "writer", "written") if lease.push else ("read", "reader", "read")
     if lease.state is LeaseState.HELD:
         raise PermissionDeniedError(

@@ -52,7 +52,8 @@ class PushSide:
         tokens_ready: int,
         final: bool,
     ) -> PushAccepted:
-        self._sidecar._check_open()
+        if not self.pushes.running(engine_id, params.request_id):
+            self._sidecar._check_open()  # a running push may finish while we drain
         engine = self._sidecar.engine(engine_id)
         self._sidecar._check_block_count(local_spans, "local_spans")
         self._sidecar._check_block_count(params.spans, "params.spans")
@@ -64,10 +65,10 @@ class PushSide:
             self._sidecar.serving_engine(tp_rank), request_id, writer
         )
 
-    def end_write(self, epoch: int, tp_rank: int, request_id: str, end: WriteEnd) -> int:
+    async def end_write(self, epoch: int, tp_rank: int, request_id: str, end: WriteEnd) -> int:
         self._sidecar.check_epoch(epoch)
         engine = self._sidecar.serving_engine(tp_rank)
-        valid = self.destinations.end_write(engine, request_id, end)
+        valid = await self.destinations.end_write(engine, request_id, end)
         self._sidecar._lease_gauges()
         return valid
 

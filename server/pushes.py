@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvxfer._exceptions import InvalidInputError, KvxferError, PlanError
+from kvxfer._exceptions import InvalidInputError, KvxferError, NotFoundError, PlanError
 from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind
 from kvxfer.core.planner import Chunk, TransferPlan, plan_transfer
 from kvxfer.core.requests import (
@@ -77,6 +77,9 @@ class Push:
     lease_lost: bool = False
     posted: int = 0
     task: asyncio.Task[None] | None = None
+    # False once a chunk posted by the agent this push wrote with ended without
+    # completing: its bytes may still reach the decode side (EndWrite says so).
+    settled: bool = True
 
     @property
     def request_id(self) -> str:
@@ -217,6 +220,12 @@ class Pushes:
                 f"peer {params.peer_address} does not accept pushes (its transfer.modes is "
                 f"{modes}): have the decode engine pull",
             )
+        if link.epoch != params.epoch:
+            raise NotFoundError(
+                f"the decode sidecar restarted: params are from epoch {params.epoch}, "
+                f"peer {params.peer_address} is now epoch {link.epoch}; the request it "
+                "expected is gone"
+            )
         begun = await self._links.begin_write(link, params.request_id, self._writer_id)
         try:
             check_held(params, begun)
@@ -250,7 +259,9 @@ class Pushes:
         self._emit(push.engine.engine_id, done)
         observe(push.plan, done, self._metrics, peer, "write")
         if not push.lease_lost:
-            await self._end_write(push.link, push.request_id, aborted=push.aborted, done=done)
+            await self._end_write(
+                push.link, push.request_id, aborted=push.aborted, done=done, settled=push.settled
+            )
 
     async def _transfer(self, push: Push, peer: str) -> Pushed:
         try:
@@ -278,6 +289,7 @@ class Pushes:
             statuses = await poster.wait()
         finally:
             await stop_heartbeat(renewing)
+            push.settled = not writer.backend.abandoned
         result = summarize(
             push.plan,
             statuses,
@@ -351,12 +363,14 @@ class Pushes:
         aborted: bool,
         done: Pushed | None = None,
         detail: str = "",
+        settled: bool = True,
     ) -> None:
         request = pb.EndWriteRequest(
             epoch=link.epoch,
             tp_rank=link.tp_rank,
             request_id=request_id,
             reason=pb.RELEASE_REASON_ABORTED if aborted else pb.RELEASE_REASON_CONSUMED,
+            settled=settled,
         )
         if done is not None:
             request.failed_blocks.extend(failed_to_proto(done.failed_blocks))
@@ -371,6 +385,9 @@ class Pushes:
             f"ending write of {request_id} at {link.address}",
             self._settings.transfer.end_read_patience_s,
         )
+
+    def running(self, engine_id: str, request_id: str) -> bool:
+        return (engine_id, request_id) in self._pushes
 
     def abort(self, engine_id: str, request_id: str) -> AbortState | None:
         push = self._pushes.get((engine_id, request_id))

@@ -251,8 +251,9 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
             bytes_written=request.bytes_written,
             valid_tokens=request.valid_tokens,
             detail=request.detail[:1024],
+            settled=request.settled,
         )
-        valid = self._sidecar.push_side.end_write(
+        valid = await self._sidecar.push_side.end_write(
             request.epoch, request.tp_rank, request.request_id, end
         )
         return pb.EndWriteResponse(valid_tokens=valid)

@@ -32,11 +32,6 @@ def _blocks(first: int) -> list[BlockSpan]:
     return spans({0: ids, 1: ids})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review of push: PushSide.push calls _check_open first, so a draining prefill "
-    "sidecar refuses readiness updates of pushes it is running; they end aborted",
-)
 async def test_a_running_push_may_finish_during_the_grace_period(tmp_path: Path) -> None:
     p = start_sidecar(tmp_path, "p", "--shutdown-grace-s", "20")
     procs: list[object] = [p]

@@ -14,6 +14,7 @@ hold what it held when `Received` came.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -37,11 +38,6 @@ def _image(engine: object) -> dict[str, npt.NDArray[np.uint8]]:
     return {name: engine.view(name).copy() for name in engine.buffer_names()}  # type: ignore[attr-defined]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review of push: EndWrite is trusted as 'nothing can land'; severing the "
-    "writer does not recall WRITE bytes already queued to a stalled target (UCX TCP)",
-)
 async def test_no_byte_lands_after_received_when_the_serving_agent_stalls(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -74,8 +70,9 @@ async def test_no_byte_lands_after_received_when_the_serving_agent_stalls(
                 at_report = _image(de)
                 reported_after = time.monotonic() - frozen_at
             finally:
-                for pid in children:
-                    os.kill(pid, signal.SIGCONT)
+                for pid in children:  # revoked children are gone: nothing to wake
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
             await asyncio.sleep(THAW_WAIT_S)
             after_thaw = _image(de)
         assert isinstance(received, Received), received

@@ -31,11 +31,6 @@ def _blocks(first: int) -> list[BlockSpan]:
     return spans({0: ids, 1: ids})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review of push: Pushes._start has no epoch check (pulls.py has one); stale "
-    "params bind the restarted decode sidecar's new lease of the same request id",
-)
 async def test_stale_push_params_do_not_touch_the_restarted_decode_sides_request(
     tmp_path: Path,
 ) -> None:

@@ -24,11 +24,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 MODEL = "gpt-oss-20b"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review of push: EndWrite's failed_blocks are trusted; a write that moved 0 "
-    "bytes is reported OK with every token valid",
-)
 async def test_a_writer_claiming_ok_for_blocks_it_never_wrote_is_not_believed(tmp_path) -> None:  # type: ignore[no-untyped-def]
     d = start_sidecar(tmp_path, "d", "--lease.ttl-s", "30")
     de = start_engine(tmp_path, d, MODEL, "decode", num_blocks=32)

@@ -122,6 +122,14 @@ class TransferBackend(Protocol):
     async def close(self) -> None: ...
 
     @property
+    def abandoned(self) -> bool:
+        """A chunk this agent posted ended without completing (failed, timed out,
+        severed, or the agent closed under it): its bytes may still be on their way to
+        the peer. For a READ nothing more lands here once the agent is gone; for a WRITE
+        the peer's memory is what they land in (server/destinations.py)."""
+        ...
+
+    @property
     def closed(self) -> bool:
         """Closed or severed: reads end CANCELLED without being posted."""
         ...
@@ -182,6 +190,7 @@ class NixlAgent:
             tuple[Callable[[_State], Any], concurrent.futures.Future[Any]]
         ] = queue.SimpleQueue()
         self._stopping = threading.Event()
+        self._abandoned = False  # set on the NIXL thread, read after its chunks ended
         self._notify_callback: Callable[[str, bytes], None] | None = None
         self._notify_loop: asyncio.AbstractEventLoop | None = None
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -320,6 +329,7 @@ class NixlAgent:
         )
         outcomes = [*failed, *((item, TransferStatus.SEVERED) for item in state.inflight)]
         state.inflight = []
+        self._abandoned = True
         self._stopping.set()
         self._destroy(state, [item.handle for item, _ in outcomes])
         # Only now, with the backend's workers gone, may anyone hear that these failed.
@@ -342,6 +352,7 @@ class NixlAgent:
 
     def _shutdown(self, state: _State) -> None:
         pending, state.inflight = state.inflight, []
+        self._abandoned = self._abandoned or bool(pending)
         self._destroy(state, [item.handle for item in pending])
         for item in pending:  # reported only once nothing can write for them any more
             item.future.set_result(TransferStatus.CANCELLED)
@@ -375,6 +386,10 @@ class NixlAgent:
     @property
     def closed(self) -> bool:
         return self._stopping.is_set()
+
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned
 
     @property
     def alive(self) -> bool:

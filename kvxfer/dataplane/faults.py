@@ -108,5 +108,9 @@ class FaultInjectingBackend:
         return self._inner.closed
 
     @property
+    def abandoned(self) -> bool:  # an injected failure was never posted
+        return self._inner.abandoned
+
+    @property
     def alive(self) -> bool:
         return self._inner.alive

@@ -1224,6 +1224,7 @@ class EndWriteRequest(_message.Message):
     BYTES_WRITTEN_FIELD_NUMBER: _builtins.int
     VALID_TOKENS_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    SETTLED_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     tp_rank: _builtins.int
     request_id: _builtins.str
@@ -1235,6 +1236,12 @@ class EndWriteRequest(_message.Message):
     """the writer's recompute rule; capped by the decode side"""
     detail: _builtins.str
     """why blocks failed, for logs"""
+    settled: _builtins.bool
+    """True when every chunk the writer posted completed or never left it, so nothing of
+    this write can still land. False (also from a writer that does not say): before
+    failed or aborted blocks are reported, the decode side revokes its serving agent,
+    since bytes already queued to it would otherwise land after the report.
+    """
     @_builtins.property
     def failed_blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBlocks]:
         """in the decode engine's logical blocks"""
@@ -1251,10 +1258,11 @@ class EndWriteRequest(_message.Message):
         bytes_written: _builtins.int = ...,
         valid_tokens: _builtins.int = ...,
         detail: _builtins.str = ...,
+        settled: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_written", b"bytes_written", "detail", b"detail", "epoch", b"epoch", "failed_blocks", b"failed_blocks", "reason", b"reason", "request_id", b"request_id", "tp_rank", b"tp_rank", "valid_tokens", b"valid_tokens", "write_token", b"write_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_written", b"bytes_written", "detail", b"detail", "epoch", b"epoch", "failed_blocks", b"failed_blocks", "reason", b"reason", "request_id", b"request_id", "settled", b"settled", "tp_rank", b"tp_rank", "valid_tokens", b"valid_tokens", "write_token", b"write_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
