@@ -80,6 +80,7 @@ class Push:
     # False once a chunk posted by the agent this push wrote with ended without
     # completing: its bytes may still reach the decode side (EndWrite says so).
     settled: bool = True
+    why: str = ""  # why it was stopped
 
     @property
     def request_id(self) -> str:
@@ -94,8 +95,8 @@ class Push:
         self.ready, self.final = tokens_ready, self.final or final
         self.changed.set()
 
-    def stop(self) -> None:
-        self.aborted = True
+    def stop(self, why: str = "aborted during the push") -> None:
+        self.aborted, self.why = True, why
         self.cancel.set()
         self.changed.set()
 
@@ -131,10 +132,18 @@ def _plan(
         raise PlanError(field, exc.detail) from exc
 
 
-async def _first(*events: asyncio.Event) -> None:
+def _retrieved(task: asyncio.Future[Push]) -> None:
+    """A start whose caller went away: its error was ended at the peer already."""
+    if not task.cancelled() and task.exception() is not None:
+        log.info("push start ended after its caller left: %s", task.exception())
+
+
+async def _first(*events: asyncio.Event, timeout_s: float | None = None) -> bool:
+    """Wait for the first of `events`; False when `timeout_s` passed first."""
     waits = [asyncio.create_task(event.wait()) for event in events]
     try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        return bool(done)
     finally:
         for wait in waits:
             wait.cancel()
@@ -185,7 +194,12 @@ class Pushes:
             )
         push = self._pushes.get((engine.engine_id, params.request_id))
         if push is None:
-            push = await self._start(engine, params, local_spans)
+            # Shielded: an engine's deadline cancelling this call must not cut the start
+            # between BeginWrite and the push that ends the write (the push then runs on,
+            # and ends by itself a lease TTL after the engine's last call).
+            starting = asyncio.ensure_future(self._start(engine, params, local_spans))
+            starting.add_done_callback(_retrieved)
+            push = await asyncio.shield(starting)
         elif push.params != params:
             raise InvalidInputError(
                 "params", f"differ from the params {params.request_id!r} is being pushed with"
@@ -307,7 +321,7 @@ class Pushes:
             return self._all_failed(push, PullStatus.FAILED, "the decode side's lease ended")
         status, reason = PullStatus(result.status.value), ""
         if push.aborted:
-            status, reason = PullStatus.ABORTED, "aborted during the push"
+            status, reason = PullStatus.ABORTED, push.why
         elif result.failed_blocks:
             failed = sorted(
                 {s.value for s in result.chunk_statuses if s is not TransferStatus.DONE}
@@ -340,7 +354,13 @@ class Pushes:
                 push.posted += len(ready)
             if push.posted == len(push.plan.chunks) and push.final:
                 return
-            await _first(push.changed, push.cancel)  # the heartbeat cancels on its own
+            # The heartbeat cancels on its own. An engine that stops calling holds the
+            # decode engine's blocks: after a lease TTL without a call, the push ends.
+            if not await _first(push.changed, push.cancel, timeout_s=push.ttl_s):
+                push.stop(
+                    f"the prefill engine made no Push call for {push.ttl_s:g} s (the "
+                    "decode side's lease TTL) before final: its blocks are given back"
+                )
 
     def _all_failed(self, push: Push, status: PullStatus, reason: str) -> Pushed:
         done = all_failed(

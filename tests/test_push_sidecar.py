@@ -17,7 +17,16 @@ from pathlib import Path
 import grpc.aio
 import pytest
 from oracle import oracle_valid_tokens
-from sidecars import DecodeImage, EngineSim, Proc, engine_link, spans, start_engine, start_sidecar
+from sidecars import (
+    DecodeImage,
+    EngineSim,
+    Proc,
+    engine_link,
+    scrape,
+    spans,
+    start_engine,
+    start_sidecar,
+)
 
 from kvxfer._exceptions import InvalidInputError, NotFoundError
 from kvxfer.cli.fleet import BIN
@@ -103,6 +112,34 @@ async def test_progressive_push_writes_exactly_the_needed_blocks(pair: Pair) -> 
     moved = pair.image.expect_pull(pair.pe, src, dst, tokens, computed, {})
     pair.image.check_all()
     assert received.bytes_moved == pushed.bytes_moved == moved
+
+
+async def test_a_push_whose_engine_stops_calling_gives_the_blocks_back(pair: Pair) -> None:
+    """The writer's heartbeat keeps the decode side's lease alive, so a prefill engine
+    that hangs before `final` would hold the decode engine's blocks for ever: a lease
+    TTL after its last call the push ends, and both engines hear why (no revocation:
+    what was posted completed)."""
+    tokens = 900
+    src, dst = _blocks(tokens, 10), _blocks(tokens, 0)
+    revocations = ("kvxfer_push_revocations_total", ())
+    before = scrape(pair.d).get(revocations, 0)
+    async with (
+        engine_link(pair.p, pair.pe) as (p, p_events),
+        engine_link(pair.d, pair.de) as (d, d_events),
+    ):
+        params = await d.expect("hung-prefill", tokens, dst)
+        await p.push(params, src, 300, final=False)  # and never again
+        received = await d_events.next(timeout_s=30)
+        pushed = await p_events.next(timeout_s=30)
+    assert isinstance(received, Received) and received.status is PullStatus.ABORTED, received
+    assert "no Push call" in received.reason, received.reason
+    assert isinstance(pushed, Pushed) and pushed.status is PullStatus.ABORTED, pushed
+    assert received.failed_blocks and received.valid_tokens < tokens
+    assert scrape(pair.d).get(revocations, 0) == before
+    # What was ready went, byte for byte; every other block is reported failed.
+    moved = pair.image.expect_pull(pair.pe, src, dst, tokens, 0, received.failed_blocks)
+    pair.image.check_all()
+    assert moved == received.bytes_moved > 0
 
 
 async def test_push_to_a_pull_only_peer_is_refused_naming_the_setting(pair: Pair) -> None:
