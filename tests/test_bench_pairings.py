@@ -1,4 +1,5 @@
-"""`kvxfer-cli bench --tp` (TP pairings beside equal TP, issue 15 item 5) and `--multihost`
+"""`kvxfer-cli bench --tp` and `--modes pull push` (TP pairings beside equal TP, push
+rows beside pull ones, issue 15 item 5) and `--multihost`
 (the same bench between two network namespaces over UCX TCP, issue 13): the options'
 validation, the pure parts, and both modes run end to end with well-formed JSON.
 Nothing here asserts a speed."""
@@ -29,8 +30,8 @@ def test_tp_and_modes_are_validated_naming_the_option() -> None:
     for bad in ("2", "0:1", "1:x", "1:2:3"):
         with pytest.raises(UsageError, match="--tp"):
             build_parser().parse_args(["bench", "--tp", bad])
-    with pytest.raises(UsageError, match=r"--modes: push \(WRITE\) is not available yet"):
-        build_parser().parse_args(["bench", "--tp", "1:2", "--modes", "push"])
+    args = build_parser().parse_args(["bench", "--tp", "1:2", "--modes", "pull", "push"])
+    assert args.modes == ["pull", "push"]
     with pytest.raises(UsageError, match="--modes"):
         build_parser().parse_args(["bench", "--modes", "write"])
 
@@ -40,6 +41,10 @@ def test_equal_tp_comes_first_once_and_every_mode_is_a_case() -> None:
         Pairing(1, 1), Pairing(1, 2), Pairing(2, 1)
     ]  # fmt: skip
     assert pairings([(1, 1)], ["pull", "pull"]) == [Pairing(1, 1, "pull")]
+    assert pairings([], ["pull", "push"]) == [Pairing(1, 1, "pull"), Pairing(1, 1, "push")]
+    assert [p.label for p in pairings([(2, 1)], ["push", "pull"])] == [
+        "TP 1->1 push", "TP 1->1 pull", "TP 2->1 push", "TP 2->1 pull"
+    ]  # fmt: skip
 
 
 def test_a_pairing_negotiation_refuses_is_skipped_with_its_reason() -> None:
@@ -78,21 +83,22 @@ def _pairing_row(p: int, d: int) -> dict[str, Any]:
 def test_the_text_report_shows_pairings_side_by_side_and_their_skips() -> None:
     report = {
         "memcpy_gbps": 5.0, "cases": [], "handshakes": [],
-        "pairings": [_pairing_row(1, 1), _pairing_row(1, 2), _pairing_row(2, 1)],
+        "pairings": [_pairing_row(1, 1), _pairing_row(1, 2), _pairing_row(2, 1),
+                     {**_pairing_row(2, 1), "mode": "push"}],
         "skipped": [{"model": "q", "pairing": "TP 1->2 pull", "reason": "a state group"}],
         "multihost": {"transport": "UCX_TLS=tcp,self over a veth pair"},
     }  # fmt: skip
     text = report_text(report)
     for label in ("1->1", "1->2", "2->1"):
         assert f" {label} " in text
+    assert any(" 2->1 " in line and " push " in line for line in text.splitlines())
     assert "skipped q TP 1->2 pull: a state group" in text
     assert "between hosts: UCX_TLS=tcp,self" in text
 
 
-def _bench(*args: str) -> dict[str, Any]:
+def _bench(*args: str, model: str = "gemma-3-4b-it") -> dict[str, Any]:
     result = subprocess.run(
-        [CLI, "bench", "--models", "gemma-3-4b-it", "--sizes", "1k", "--repeat", "1", "--json",
-         *args],
+        [CLI, "bench", "--models", model, "--sizes", "1k", "--repeat", "1", "--json", *args],
         capture_output=True, text=True, timeout=280, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -100,14 +106,16 @@ def _bench(*args: str) -> dict[str, Any]:
     return report
 
 
-def _check_pairings(report: dict[str, Any], wanted: list[tuple[int, int]]) -> None:
+def _check_pairings(report: dict[str, Any], wanted: list[tuple[int, int, str]]) -> None:
+    """Every pairing row, in order; each transfer ended OK (the bench fails otherwise)
+    with every token valid and the same bytes as TP 1 -> 1."""
     rows = report["pairings"]
-    assert [(r["prefill_tp"], r["decode_tp"]) for r in rows] == wanted
+    assert [(r["prefill_tp"], r["decode_tp"], r["mode"]) for r in rows] == wanted
     (case,) = report["cases"]  # the equal-TP case keeps its schema
     assert case["tokens"] == 1024 and case["kvxfer_gbps"] > 0
     for row in rows:
-        assert row["model"] == "gemma-3-4b-it" and row["tokens"] == 1024
-        assert row["mode"] == "pull" and row["valid_tokens"] == 1024
+        assert row["model"] == case["model"] and row["tokens"] == 1024
+        assert row["valid_tokens"] == 1024
         assert row["pulls"] == max(row["prefill_tp"], row["decode_tp"])
         assert row["bytes_moved"] == row["bytes"] == rows[0]["bytes"]  # same request
         assert row["bytes_moved"] >= row["min_bytes"] > 0
@@ -118,9 +126,14 @@ def _check_pairings(report: dict[str, Any], wanted: list[tuple[int, int]]) -> No
 @pytest.mark.e2e
 @pytest.mark.nixl
 @pytest.mark.timeout(300)
-def test_bench_reports_tp_pairings_beside_equal_tp() -> None:
-    report = _bench("--tp", "1:2", "2:1")
-    _check_pairings(report, [(1, 1), (1, 2), (2, 1)])
+def test_bench_reports_push_beside_pull_in_every_tp_pairing() -> None:
+    """llama-3.1-8b at 1k is whole blocks of full attention: every pairing, pushed or
+    pulled, moves exactly what the decode ranks need."""
+    report = _bench("--tp", "1:2", "2:1", "--modes", "pull", "push", model="llama-3.1-8b")
+    pairs = [(1, 1), (1, 2), (2, 1)]
+    _check_pairings(report, [(p, d, mode) for p, d in pairs for mode in ("pull", "push")])
+    for row in report["pairings"]:
+        assert row["bytes_moved"] == row["min_bytes"] and row["bytes_vs_min"] == 1.0
     assert "multihost" not in report
 
 
@@ -132,7 +145,7 @@ def test_multihost_bench_moves_its_bytes_over_the_veth() -> None:
     report = _bench(
         "--multihost", "--tp", "2:1", "--concurrency", "1,2", "--concurrency-sizes", "1k"
     )
-    _check_pairings(report, [(1, 1), (2, 1)])
+    _check_pairings(report, [(1, 1, "pull"), (2, 1, "pull")])
     assert [level["concurrency"] for level in report["concurrency"]] == [1, 2]
     assert all(level["errors"] == 0 for level in report["concurrency"])
     link = report["multihost"]

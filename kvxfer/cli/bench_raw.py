@@ -119,16 +119,19 @@ def whole_descriptors(
     return np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces]), sizes
 
 
-def raw_posts(agent: Any, posts: Sequence[tuple[str, DescArray, DescArray]]) -> list[float]:
-    """READ handles over (peer, local, remote) descriptors, created and posted one after
-    the other, then polled until every one is done: each one's seconds from the start,
-    in the order they finished."""
+def raw_posts(
+    agent: Any, posts: Sequence[tuple[str, DescArray, DescArray]], op: str = "READ"
+) -> list[float]:
+    """`op` (READ: remote into local; WRITE: local into remote) handles over (peer,
+    local, remote) descriptors, created and posted one after the other, then polled
+    until every one is done: each one's seconds from the start, in the order they
+    finished."""
     start = time.perf_counter()
     pending = []
     try:
         for peer, local, remote in posts:
             handle = agent.initialize_xfer(
-                "READ",
+                op,
                 agent.get_xfer_descs(local, "DRAM"),
                 agent.get_xfer_descs(remote, "DRAM"),
                 peer,
@@ -136,7 +139,7 @@ def raw_posts(agent: Any, posts: Sequence[tuple[str, DescArray, DescArray]]) -> 
             agent.transfer(handle)
             pending.append(handle)
     except Exception as exc:  # NIXL's own errors (a peer that went away): the bench's report
-        raise KvxferError(f"raw NIXL could not post a read: {type(exc).__name__}: {exc}") from exc
+        raise KvxferError(f"raw NIXL could not post a {op}: {type(exc).__name__}: {exc}") from exc
     done: list[float] = []
     while pending:
         still = []

@@ -26,7 +26,7 @@ _CASE_COLUMNS = [
 
 _PAIRING_COLUMNS = [
     Column("model"),
-    *_right("tokens", "TP p->d", "mode", "pulls", "descs", "MiB", "vs min", "raw GB/s"),
+    *_right("tokens", "TP p->d", "mode", "xfers", "descs", "MiB", "vs min", "raw GB/s"),
     *_right("kvxfer"),
     *_right("kvx/raw", "per round (min-max)", "raw p50/p99 ms", "kvxfer p50/p99 ms"),
 ]
@@ -106,9 +106,9 @@ def pairings_table(rows: Sequence[dict[str, Any]]) -> list[str]:
         ])  # fmt: skip
     return [
         *table(_PAIRING_COLUMNS, cells).splitlines(),
-        "(one request: every (prefill rank, decode rank) pull at once, until the last is "
-        "done; raw posts the same descriptors; vs min = bytes moved / the decode ranks' "
-        "exact need)",
+        "(one request: every (prefill rank, decode rank) transfer at once, until the last "
+        "PullDone (push: Received); raw posts the same descriptors as READ (push: WRITE); "
+        "vs min = bytes moved / the decode ranks' exact need)",
     ]
 
 

@@ -3,26 +3,30 @@ tokens, one run (issue 15, item 5).
 
 Per model and pairing (prefill TP P, decode TP D, transfer mode) the prefill sidecar
 gets P engine-sims and the decode sidecar D, one per rank, as in `kvxfer-cli demo
---prefill-tp/--decode-tp`. A request is what the engines do for it there: each prefill
-rank publishes it once per decode rank it serves, each decode rank pulls once per
-source rank, and the request is done when every pull is; its `valid_tokens` is the
-minimum over the pulls (`tp_map.request_valid_tokens`). Timed two ways in alternating
-order, one warm-up round dropped:
+--prefill-tp/--decode-tp`. A request is what the engines do for it there, one transfer
+per (prefill rank, decode rank) a source serves:
+
+- pull: each prefill rank Publishes it once per decode rank it serves, each decode rank
+        Pulls once per source rank; done at the last PullDone
+- push: each decode rank Expects it once per source rank, each source Pushes its blocks
+        (one final Push: the bench has no prefill to overlap); done at the last Received
+
+Its `valid_tokens` is the minimum over the transfers (`tp_map.request_valid_tokens`).
+Timed two ways in alternating order, one warm-up round dropped:
 
 - raw:    the bench's own NIXL agent posts the same (prefill rank, decode rank)
-          descriptors the sidecars plan, one READ handle per pull, all at once, from
-          the prefill sidecar's agent into the decode ranks' memory; until the last is done
-- kvxfer: every decode rank's Pull calls at once, until the last PullDone
+          descriptors the sidecars plan, one handle per transfer, all at once, until
+          the last is done. Pull: READ from the prefill sidecar's agent into the decode
+          ranks' memory (registered with the bench agent). Push: WRITE from the prefill
+          ranks' memory (registered with the bench agent) into the decode sidecar's agent
+- kvxfer: every Pull (push: Push) call at once, until the last PullDone (Received); the
+          announcements (Publish, Expect) are not timed
 
 `bytes` is what the plans move, `min_bytes` the exact minimum: every token the decode
 ranks need, at each rank's own bytes per token (heads), summed over decode ranks. TP
-1 -> 1 is measured the same way so the three sit side by side. Pairings negotiation
-would refuse (heads or state that do not split over the ranks) are skipped with
-the reason.
-
-`mode` is a case dimension: pull only today; push (WRITE, issue 15 item 3) is refused
-by `--modes` (`main.transfer_mode`) until the sidecars do it, and then becomes one more
-entry of `main.MODES` and one more branch of `_TpCase` (who posts, and where).
+1 -> 1 is measured the same way so the pairings sit side by side, and each mode is one
+more row of a pairing (`mode`). Pairings negotiation would refuse (heads or state that
+do not split over the ranks) are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupK
 from kvxfer.core.negotiation import find_mismatches
 from kvxfer.core.planner import group_blocks, plan_blocks, plan_transfer
 from kvxfer.core.profiles import layout_for_model
-from kvxfer.core.requests import PullDone, PullStatus
+from kvxfer.core.requests import PullDone, PullStatus, Pushed, Received, TransferParams
 from kvxfer.core.tp_map import pairing_sources, request_valid_tokens
 from kvxfer.dataplane.adapter import NixlAgent
 from kvxfer.dataplane.descriptors import DescArray
@@ -160,7 +164,7 @@ async def measure_pairings(
             continue
         views = await _engines(run, model, pairing)
         try:
-            async with _TpCase.open(run, views) as case:
+            async with _TpCase.open(run, views, pairing.mode) as case:
                 for tokens in sizes:
                     row = await case.measure(tokens)
                     rows.append({"model": model, "tokens": tokens, "mode": pairing.mode, **row})
@@ -196,28 +200,45 @@ class _Rank:
     def layout(self) -> EngineLayout:
         return self.view.layout
 
+    def awaiting(self, request_id: str) -> asyncio.Future[PullDone]:
+        """This rank's end event of `request_id`, once the event pump sees it."""
+        future: asyncio.Future[PullDone] = asyncio.get_running_loop().create_future()
+        self.waiting[request_id] = future
+        return future
+
 
 @dataclass(frozen=True)
-class _Pull:
+class _Pair:
+    """One (prefill rank, decode rank) transfer of a request, and the raw baseline's
+    way to it: the sidecar agent on the far side of the bench agent and its buffers."""
+
     source: _Rank
     reader: _Rank
-    hello: PeerHello
-    peer: str  # the bench agent's name for the prefill sidecar's agent
+    hello: PeerHello  # pull: the prefill sidecar's (source rank); push: the decode one's
+    peer: str  # the bench agent's name for that sidecar's agent
 
 
 class _TpCase:
-    """One pairing's engines: every rank's client, the decode ranks' memory registered
-    with the bench agent, and each (prefill rank, decode rank) it serves."""
+    """One pairing's engines: every rank's client, and each (prefill rank, decode rank)
+    it serves. Pull and push differ only in who posts and where: the bench agent holds
+    the posting side's memory (pull: the decode ranks', READ from the prefill sidecar's
+    agent; push: the prefill ranks', WRITE into the decode sidecar's agent), and the
+    engines announce and start the other way round (Publish + Pull, Expect + Push)."""
 
-    def __init__(self, run: PairingRun, prefill: list[_Rank], decode: list[_Rank]) -> None:
+    def __init__(
+        self, run: PairingRun, prefill: list[_Rank], decode: list[_Rank], mode: str
+    ) -> None:
         self.run, self.prefill, self.decode = run, prefill, decode
-        self.local: dict[int, list[MappedBuffer]] = {}
-        self.pulls: list[_Pull] = []
+        self.push = mode == "push"
+        self.local: dict[int, list[MappedBuffer]] = {}  # the posting side's, by TP rank
+        self.pairs: list[_Pair] = []
         self.ids = 0
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, run: PairingRun, views: Sequence[EngineView]) -> AsyncIterator[_TpCase]:
+    async def open(
+        cls, run: PairingRun, views: Sequence[EngineView], mode: str
+    ) -> AsyncIterator[_TpCase]:
         async with contextlib.AsyncExitStack() as stack:
             ranks = {"prefill": [], "decode": []}  # type: dict[str, list[_Rank]]
             for view in views:
@@ -225,35 +246,40 @@ class _TpCase:
                 client = EngineClient(sidecar.ready["engine_address"], engine_id=view.engine_id)
                 stack.push_async_callback(client.close)
                 ranks[view.ready["role"]].append(_Rank(view, client))
-            case = cls(run, ranks["prefill"], ranks["decode"])
-            pumps = [asyncio.create_task(_pump(r)) for r in case.decode]
+            case = cls(run, ranks["prefill"], ranks["decode"], mode)
+            pumps = [asyncio.create_task(_pump(r)) for r in case.prefill + case.decode]
             stack.push_async_callback(_cancel, pumps)
             stack.push_async_callback(case._deregister)
             await case._connect()
             yield case
 
     async def _connect(self) -> None:
-        for reader in self.decode:
+        posting = self.prefill if self.push else self.decode
+        for rank in posting:
             handles = [
                 BufferHandle(b["name"], MemoryKind.DRAM, b["size_bytes"], shm_name=b["shm_name"])
-                for b in reader.view.ready["buffers"]
+                for b in rank.view.ready["buffers"]
             ]
-            self.local[reader.layout.tp_rank] = [open_buffer(h) for h in handles]
-            await self.run.agent.register(self.local[reader.layout.tp_rank])
+            self.local[rank.layout.tp_rank] = [open_buffer(h) for h in handles]
+            await self.run.agent.register(self.local[rank.layout.tp_rank])
         peers: dict[bytes, str] = {}
         for reader in self.decode:
             for source in self.prefill:
                 if not _serves(source.layout, reader.layout):
                     continue
+                far, asking, rank = (
+                    (self.run.decode, source, reader) if self.push
+                    else (self.run.prefill, reader, source)
+                )  # fmt: skip
                 hello = await fetch_hello(
-                    self.run.prefill.ready["peer_address"], reader.layout, dry_run=False,
-                    timeout_s=10, sidecar_id="kvxfer-bench", peer_rank=source.layout.tp_rank,
+                    far.ready["peer_address"], asking.layout, dry_run=False, timeout_s=10,
+                    sidecar_id="kvxfer-bench", peer_rank=rank.layout.tp_rank,
                 )  # fmt: skip
                 if hello.agent_metadata not in peers:
                     peers[hello.agent_metadata] = await self.run.agent.add_peer(
                         hello.agent_metadata
                     )
-                self.pulls.append(_Pull(source, reader, hello, peers[hello.agent_metadata]))
+                self.pairs.append(_Pair(source, reader, hello, peers[hello.agent_metadata]))
 
     async def _deregister(self) -> None:
         for buffers in self.local.values():
@@ -261,23 +287,33 @@ class _TpCase:
             for buffer in buffers:
                 buffer.close()
 
-    async def measure(self, tokens: int) -> dict[str, Any]:
-        spans = _spans(self.decode[0].layout, tokens)
-        posts: list[tuple[str, DescArray, DescArray]] = []
-        planned = []
-        for pull in self.pulls:
+    def _posts(self, tokens: int, spans: list[BlockSpan]) -> tuple[list[Post], list[int]]:
+        """Each pair's (peer, local, remote) descriptors as the sidecars plan them, and
+        its planned bytes."""
+        posts, planned = [], []
+        for pair in self.pairs:
             plan = plan_transfer(
-                pull.source.layout, pull.reader.layout, spans, spans, tokens, 0,
+                pair.source.layout, pair.reader.layout, spans, spans, tokens, 0,
                 chunk_blocks=1 << 30,
             )  # fmt: skip
-            local = bind(self.local[pull.reader.layout.tp_rank])
-            remote, mine, _ = whole_descriptors(plan, pull.hello.buffers, local)
-            posts.append((pull.peer, mine, remote))
+            if self.push:
+                mine = bind(self.local[pair.source.layout.tp_rank])
+                local, remote, _ = whole_descriptors(plan, mine, pair.hello.buffers)
+            else:
+                mine = bind(self.local[pair.reader.layout.tp_rank])
+                remote, local, _ = whole_descriptors(plan, pair.hello.buffers, mine)
+            posts.append((pair.peer, local, remote))
             planned.append(plan.nbytes)
+        return posts, planned
+
+    async def measure(self, tokens: int) -> dict[str, Any]:
+        spans = _spans(self.decode[0].layout, tokens)
+        posts, planned = self._posts(tokens, spans)
+        op = "WRITE" if self.push else "READ"
         outcome: dict[str, int] = {}
 
         async def raw() -> float:
-            done = await self.run.agent.run_on_agent(lambda a: raw_posts(a, posts))
+            done = await self.run.agent.run_on_agent(lambda a: raw_posts(a, posts, op))
             return max(done)
 
         async def kvxfer() -> float:
@@ -289,12 +325,12 @@ class _TpCase:
         return {
             "prefill_tp": len(self.prefill),
             "decode_tp": len(self.decode),
-            "pulls": len(self.pulls),
+            "pulls": len(self.pairs),
             "bytes": nbytes,
             "bytes_moved": outcome["bytes_moved"],
             "min_bytes": need,
             "bytes_vs_min": round(outcome["bytes_moved"] / need, 4),
-            "descriptors": sum(len(mine) for _, mine, _ in posts),
+            "descriptors": sum(len(local) for _, local, _ in posts),
             "valid_tokens": outcome["valid_tokens"],
             **summarize_pairing(times, nbytes),
         }
@@ -302,44 +338,65 @@ class _TpCase:
     async def _kvxfer(
         self, tokens: int, spans: list[BlockSpan], planned: list[int], outcome: dict[str, int]
     ) -> float:
-        """Seconds from the first Pull call to the last PullDone; every pull must end OK
-        with its planned bytes. Publishing (each prefill rank once per reader) is not
-        timed."""
+        """Seconds from the first Pull (push: Push) call to the last PullDone (Received);
+        every transfer must end OK with its planned bytes. The announcements (pull: each
+        prefill rank Publishes once per reader; push: each decode rank Expects once per
+        source, as it does when it allocates, before the prefill ends) are not timed; a
+        push's Pushed at the prefill rank is checked after the clock stops."""
         self.ids += 1
+        ids = [_request_id(tokens, self.ids, p) for p in self.pairs]
         params = await asyncio.gather(
-            *(p.source.client.publish(_request_id(tokens, self.ids, p), tokens, spans)
-              for p in self.pulls)
+            *(p.reader.client.expect(i, tokens, spans) if self.push
+              else p.source.client.publish(i, tokens, spans)
+              for p, i in zip(self.pairs, ids, strict=True))
         )  # fmt: skip
-        loop = asyncio.get_running_loop()
+        pushed = [p.source.awaiting(i) for p, i in zip(self.pairs, ids, strict=True) if self.push]
 
-        async def one(pull: _Pull, param: Any) -> PullDone:
-            done: asyncio.Future[PullDone] = loop.create_future()
-            pull.reader.waiting[param.request_id] = done
+        async def one(pair: _Pair, param: TransferParams) -> PullDone:
+            done = pair.reader.awaiting(param.request_id)
             try:
-                await pull.reader.client.pull(param, spans, 0)
+                if self.push:
+                    await pair.source.client.push(param, spans, tokens, final=True)
+                else:
+                    await pair.reader.client.pull(param, spans, 0)
                 return await asyncio.wait_for(done, 600)
             finally:
-                pull.reader.waiting.pop(param.request_id, None)
+                pair.reader.waiting.pop(param.request_id, None)
 
         start = time.perf_counter()
-        dones = await asyncio.gather(*(one(p, q) for p, q in zip(self.pulls, params, strict=True)))
+        dones = await asyncio.gather(*(one(p, q) for p, q in zip(self.pairs, params, strict=True)))
         elapsed = time.perf_counter() - start
+        ends = await asyncio.wait_for(asyncio.gather(*pushed), 600)
         per_rank: dict[int, int] = {}
-        for pull, done, nbytes in zip(self.pulls, dones, planned, strict=True):
-            if done.status is not PullStatus.OK or done.bytes_moved != nbytes:
-                raise KvxferError(
-                    f"bench pull {done.request_id} ended {done.status.value} with "
-                    f"{done.bytes_moved} of {nbytes} bytes: {done.reason}"
-                )
-            rank = pull.reader.layout.tp_rank
+        for pair, done, nbytes in zip(self.pairs, dones, planned, strict=True):
+            _check(done, Received if self.push else PullDone, nbytes)
+            rank = pair.reader.layout.tp_rank
             per_rank[rank] = min(per_rank.get(rank, done.valid_tokens), done.valid_tokens)
+        for end, nbytes in zip(ends, planned if self.push else [], strict=True):
+            _check(end, Pushed, nbytes)
         outcome["bytes_moved"] = sum(d.bytes_moved for d in dones)
         outcome["valid_tokens"] = request_valid_tokens(per_rank)
         return elapsed
 
 
-def _request_id(tokens: int, index: int, pull: _Pull) -> str:
-    return f"bench-tp-{tokens}-{index}-p{pull.source.layout.tp_rank}-d{pull.reader.layout.tp_rank}"
+Post = tuple[str, DescArray, DescArray]  # (peer, local, remote): bench_raw.raw_posts
+
+
+def _check(event: PullDone, kind: type[PullDone], nbytes: int) -> None:
+    """A transfer's end event: of its mode's kind, OK, with its planned bytes."""
+    if not isinstance(event, kind) or event.status is not PullStatus.OK:
+        raise KvxferError(
+            f"bench transfer {event.request_id} ended {type(event).__name__} "
+            f"{event.status.value}: {event.reason}"
+        )
+    if event.bytes_moved != nbytes:
+        raise KvxferError(
+            f"bench transfer {event.request_id} moved {event.bytes_moved} of {nbytes} bytes"
+        )
+
+
+def _request_id(tokens: int, index: int, pair: _Pair) -> str:
+    return f"bench-tp-{tokens}-{index}-p{pair.source.layout.tp_rank}-d{pair.reader.layout.tp_rank}"
 
 
 def _spans(layout: EngineLayout, tokens: int) -> list[BlockSpan]:
@@ -354,9 +411,13 @@ def _spans(layout: EngineLayout, tokens: int) -> list[BlockSpan]:
 
 
 async def _pump(rank: _Rank) -> None:
+    """Hand each end event (PullDone, Received, Pushed) to whoever awaits it; a pull's
+    Released at the prefill rank has no taker."""
     async for event in rank.client.events():
+        if not isinstance(event, PullDone):
+            continue
         future = rank.waiting.pop(event.request_id, None)
-        if future is not None and isinstance(event, PullDone) and not future.done():
+        if future is not None and not future.done():
             future.set_result(event)
 
 

@@ -104,8 +104,7 @@ def concurrency_levels(text: str) -> tuple[int, ...]:
     return levels
 
 
-MODES = ("pull",)  # transfer modes the bench measures; push joins with issue 15, item 3
-NOT_YET = {"push": "push (WRITE) is not available yet (issue 15, item 3); only pull"}
+MODES = ("pull", "push")  # transfer modes the bench measures (`--modes`)
 
 
 def tp_pair(text: str) -> tuple[int, int]:
@@ -120,8 +119,6 @@ def tp_pair(text: str) -> tuple[int, int]:
 
 def transfer_mode(text: str) -> str:
     """`--modes` entries."""
-    if text in NOT_YET:
-        raise argparse.ArgumentTypeError(f"--modes: {NOT_YET[text]}")
     if text not in MODES:
         raise argparse.ArgumentTypeError(
             f"--modes: expected one of {', '.join(MODES)}, got {text!r}"
@@ -197,7 +194,7 @@ def _add_bench_pairings(bench: Any) -> None:
         type=transfer_mode,
         default=["pull"],
         metavar="MODE",
-        help="transfer modes of the --tp cases (pull; push is not available yet)",
+        help="transfer modes of every TP pairing, 1->1 included: pull (default) and/or push",
     )
     bench.add_argument(
         "--multihost",
