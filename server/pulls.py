@@ -238,20 +238,32 @@ async def end_patiently(call: Callable[[], Awaitable[T]], what: str, patience_s:
 def _from_result(pull: Pull, result: TransferResult) -> PullDone:
     if pull.lease_lost:
         return _all_failed(pull, PullStatus.FAILED, "the publisher's lease ended during the read")
-    status = PullStatus(result.status.value)
-    reason = ""
-    if pull.aborted:
-        status, reason = PullStatus.ABORTED, "aborted during the pull"
+    aborted = "aborted during the pull" if pull.aborted else None
+    return outcome(result, pull.request_id, pull.started, aborted)
+
+
+def outcome(
+    result: TransferResult,
+    request_id: str,
+    started: float,
+    aborted: str | None,
+    kind: type[PullDone] = PullDone,
+) -> PullDone:
+    """What the engine hears of an executed plan (PullDone, or Pushed for a push):
+    aborted with `aborted` as the reason when it was, else the chunks' verdict."""
+    status, reason = PullStatus(result.status.value), ""
+    if aborted is not None:
+        status, reason = PullStatus.ABORTED, aborted
     elif result.failed_blocks:
         reasons = sorted({s.value for s in result.chunk_statuses if s is not TransferStatus.DONE})
         reason = "chunks " + ", ".join(reasons)
-    return PullDone(
-        request_id=pull.request_id,
+    return kind(
+        request_id=request_id,
         status=status,
         failed_blocks=result.failed_blocks,
         valid_tokens=result.valid_tokens,
         bytes_moved=result.bytes_moved,
-        duration_s=time.monotonic() - pull.started,
+        duration_s=time.monotonic() - started,
         reason=reason,
     )
 

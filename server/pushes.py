@@ -52,6 +52,7 @@ from kvxfer.server.pulls import (
     end_patiently,
     heartbeat,
     observe,
+    outcome,
     stop_heartbeat,
 )
 from kvxfer.server.settings import Settings
@@ -319,23 +320,10 @@ class Pushes:
             self._metrics.chunks.labels(peer, chunk_status.value).inc()
         if push.lease_lost:
             return self._all_failed(push, PullStatus.FAILED, "the decode side's lease ended")
-        status, reason = PullStatus(result.status.value), ""
-        if push.aborted:
-            status, reason = PullStatus.ABORTED, push.why
-        elif result.failed_blocks:
-            failed = sorted(
-                {s.value for s in result.chunk_statuses if s is not TransferStatus.DONE}
-            )
-            reason = "chunks " + ", ".join(failed)
-        return Pushed(
-            request_id=push.request_id,
-            status=status,
-            failed_blocks=result.failed_blocks,
-            valid_tokens=result.valid_tokens,
-            bytes_moved=result.bytes_moved,
-            duration_s=time.monotonic() - push.started,
-            reason=reason,
-        )
+        done = outcome(result, push.request_id, push.started, push.why if push.aborted else None,
+                       Pushed)  # fmt: skip
+        assert isinstance(done, Pushed)
+        return done
 
     async def _post_as_ready(self, push: Push, poster: ChunkPoster) -> None:
         """Post chunks as their tokens become ready, until all are posted and the engine
