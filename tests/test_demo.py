@@ -257,9 +257,12 @@ def _processes_mentioning(text: str) -> list[str]:
 def test_ctrl_c_stops_the_vllm_demo_with_one_line(tmp_path: Path) -> None:
     """The vLLM path: SIGINT to the demo's process group once a vLLM engine is loading.
     Its workers run in sessions of their own (out of the session watch's sight), so
-    they are found by the demo directory their command lines name."""
+    they are found by the demo directory their command lines name. The demo starts with
+    SIGINT ignored, as a non-interactive shell starts a background job: its sidecars
+    still stop on the SIGINT, so the demo must too (it ran on into a dead sidecar)."""
+    ignoring = ["sh", "-c", 'trap "" INT; exec "$0" "$@"']  # exec keeps SIGINT ignored
     demo = subprocess.Popen(
-        [CLI, "demo", "--engine", "vllm", "--model", "gemma3"],
+        [*ignoring, CLI, "demo", "--engine", "vllm", "--model", "gemma3"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=tmp_path,
     )  # fmt: skip

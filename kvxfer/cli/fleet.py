@@ -368,6 +368,20 @@ def local_fleet(prefix: str, label: str, make: Callable[[Path], Fleet] = Fleet) 
 
 
 @contextlib.contextmanager
+def sigint_raises() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt inside, even when SIGINT came in ignored (a
+    non-interactive shell starts background jobs that way, and Python then leaves it
+    ignored): a synchronous command stops what it started, as the asyncio ones do
+    (`run_until_interrupted`), instead of running on while its sidecars, which got the
+    same SIGINT, shut down under it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
 def _sigint_ignored() -> Iterator[None]:
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

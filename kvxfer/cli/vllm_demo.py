@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Any
 
-from kvxfer.cli.fleet import local_fleet
+from kvxfer.cli.fleet import local_fleet, sigint_raises
 from kvxfer.cli.main import EXIT_FAILED, EXIT_OK
 from kvxfer.integrations.vllm_demo import DemoOptions, run_vllm_demo
 
@@ -27,7 +27,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         fail_rate=args.fail_rate,
         seed=args.seed,
     )
-    with local_fleet("kvxfer-demo-vllm-", "kvxfer-cli demo") as fleet:
+    with sigint_raises(), local_fleet("kvxfer-demo-vllm-", "kvxfer-cli demo") as fleet:
         # Synchronous: Ctrl-C raises KeyboardInterrupt here, and the vLLM workers (in
         # sessions of their own, out of the terminal's reach) are closed as it unwinds.
         report = run_vllm_demo(options, fleet.workdir, fleet)
