@@ -60,6 +60,12 @@ def needed_blocks(layout: EngineLayout, num_tokens: int, computed: int) -> dict[
     return {p.group.group_id: p.blocks for p in plan_blocks(layout, num_tokens, computed)}
 
 
+def expected_blocks(layout: EngineLayout, lease: Lease) -> dict[int, tuple[int, ...]]:
+    """The logical blocks per group a push of the lease's request writes (none omitted)."""
+    needed = needed_blocks(layout, lease.num_tokens, lease.computed_tokens)
+    return {group_id: tuple(blocks) for group_id, blocks in needed.items() if blocks}
+
+
 def check_spans_hold(
     layout: EngineLayout, num_tokens: int, computed: int, spans: tuple[BlockSpan, ...]
 ) -> None:
@@ -167,7 +173,7 @@ class Destinations:
         if not lease.push:
             raise NotFoundError(f"request {request_id!r} is not expected here (it is published)")
         layout = engine.layout
-        held = sum(len(s.block_ids) * layout.group(s.group_id).bytes_per_block for s in lease.spans)
+        held = lease.held_bytes(layout)
         if bytes_written > held:
             raise InvalidInputError(
                 "bytes_written",
@@ -177,8 +183,7 @@ class Destinations:
             raise InvalidInputError(
                 "valid_tokens", f"{writer_valid} exceeds the {lease.num_tokens} tokens expected"
             )
-        needed = {g: tuple(b) for g, b in needed_blocks(
-            layout, lease.num_tokens, lease.computed_tokens).items() if b}  # fmt: skip
+        needed = expected_blocks(layout, lease)
         if not failed and not bytes_written and needed:
             # "Nothing failed" from a write that moved nothing the request needs: every
             # block it needed is failed (an authenticated writer is trusted for what it
@@ -234,8 +239,7 @@ class Destinations:
     def _fail_all(self, lease: Lease, status: PullStatus, why: str) -> None:
         # No byte of this request was reported moved: every block it expected is failed.
         layout = self._layout_of(lease.engine_id)
-        needed = needed_blocks(layout, lease.num_tokens, lease.computed_tokens) if layout else {}
-        failed = {group_id: tuple(blocks) for group_id, blocks in needed.items() if blocks}
+        failed = expected_blocks(layout, lease) if layout else {}
         self._report(lease, status, failed, lease.computed_tokens, 0, why)
 
     def _report(

@@ -37,7 +37,7 @@ from kvxfer._exceptions import (
     NotFoundError,
     PermissionDeniedError,
 )
-from kvxfer.core.layout import BlockSpan
+from kvxfer.core.layout import BlockSpan, EngineLayout
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,11 @@ class Lease:
     @property
     def blocks(self) -> int:
         return sum(len(s.block_ids) for s in self.spans)
+
+    def held_bytes(self, layout: EngineLayout) -> int:
+        """Bytes of every block the lease holds, in `layout` (its engine's): the most a
+        reader can have read or a writer written."""
+        return sum(len(s.block_ids) * layout.group(s.group_id).bytes_per_block for s in self.spans)
 
 
 class LeaseTable:

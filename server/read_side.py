@@ -113,9 +113,7 @@ class ReadSide:
         lease = self._sidecar._leases.get(engine.engine_id, check_request_id(request_id))
         if lease.push:
             raise NotFoundError(f"request {request_id!r} is expected for a push: EndWrite it")
-        held = sum(
-            len(s.block_ids) * engine.layout.group(s.group_id).bytes_per_block for s in lease.spans
-        )
+        held = lease.held_bytes(engine.layout)
         if bytes_read > held:
             raise InvalidInputError(
                 "bytes_read", f"{bytes_read} exceeds the {held} bytes request {request_id!r} holds"
