@@ -18,13 +18,18 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from kvxfer._exceptions import InvalidInputError, KvxferError, PeerUnavailableError
+from kvxfer._exceptions import (
+    DataPlaneError,
+    InvalidInputError,
+    KvxferError,
+    PeerUnavailableError,
+)
 from kvxfer.core.planner import TransferPlan
 from kvxfer.core.recompute import valid_tokens
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
 from kvxfer.dataplane.adapter import TransferStatus
 from kvxfer.dataplane.executor import ExecOptions, TransferResult, execute_plan
-from kvxfer.dataplane.readers import Readers
+from kvxfer.dataplane.readers import Reader, Readers
 from kvxfer.server.engines import Engine
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import PeerLink, PeerLinks
@@ -80,13 +85,21 @@ async def run_pull(pull: Pull, ctx: PullContext, report: Callable[[PullDone], No
         ctx.metrics.inflight_pulls.labels(peer).dec()
         ctx.metrics.active.stop()
     report(done)  # first: the engine is waiting for it, the metrics are not
+    await asyncio.sleep(0)  # and the event goes out before the metrics and EndRead run
     observe(pull.plan, done, ctx.metrics, peer, "read")
     if end_read:
         await _end_read(pull, ctx, done)
 
 
 async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
-    """The outcome, and whether a read was begun (and so must be ended)."""
+    """The outcome, and whether a read was begun (and so must be ended).
+
+    The NIXL read starts while BeginRead is in flight, so its round trip to the
+    publisher overlaps the copy instead of preceding it. Until BeginRead answers, the
+    blocks are still held by their publication (a publication the publisher released
+    makes BeginRead fail); what was read is trusted only once BeginRead confirms the
+    lease, and a refused or mismatched read fails every block, reported only after
+    every posted chunk has ended, so nothing lands in a block reported failed."""
     link, params = pull.link, pull.params
     if link.epoch != params.epoch:
         return _all_failed(
@@ -95,40 +108,53 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
             f"the publisher restarted: params are from epoch {params.epoch}, "
             f"peer {params.peer_address} is now epoch {link.epoch}",
         ), False
+    reading: asyncio.Future[TransferResult] | None = None
+    # Without a reader (the peer's metadata may have changed: BeginRead says so) the
+    # read waits for BeginRead.
+    with contextlib.suppress(KvxferError):
+        reading = asyncio.ensure_future(_execute(pull, ctx, await _reader(pull, ctx)))
+    begin: asyncio.Future[pb.BeginReadResponse] | None = None
     try:
-        begun = await ctx.links.begin_read(link, params.request_id, ctx.reader_id)
-    except KvxferError as exc:
-        return _all_failed(pull, PullStatus.FAILED, str(exc)), False
-    try:
-        check_held(params, begun)
-        if begun.registration_version != link.hello.registration_version:
-            await ctx.links.reload(link, pull.engine.layout)
-    except KvxferError as exc:
-        pull.aborted = True  # the read was begun: end it as aborted so the lease is freed
-        return _all_failed(pull, PullStatus.FAILED, str(exc)), True
-    try:
-        reader = await ctx.readers.get(
-            link.address, pull.engine.engine_id, link.hello.agent_metadata, pull.engine.buffers
-        )
-    except KvxferError as exc:
-        pull.aborted = True
-        return _all_failed(pull, PullStatus.FAILED, f"no NIXL agent to read with: {exc}"), True
-    renewing = asyncio.create_task(heartbeat(pull, ctx.links, begun.lease_ttl_ms / 1000))
-    try:
-        # PullDone goes out only after this returns: by then every chunk that failed has
-        # severed its agent (adapter.py), so no byte can land in a block reported failed.
-        result = await execute_plan(
-            pull.plan,
-            backend=reader.backend,
-            peer=reader.peer,
-            local=pull.engine.bound,
-            remote=link.hello.buffers,
-            block_size=pull.engine.layout.block_size,
-            options=ctx.options,
-            cancel=pull.cancel,
-        )
-    finally:
-        await stop_heartbeat(renewing)
+        if reading is not None:
+            # One turn of the loop first: the chunks go to the NIXL thread before
+            # BeginRead's gRPC call takes the loop, so the copy starts as early as it can.
+            await asyncio.sleep(0)
+        begin = asyncio.ensure_future(ctx.links.begin_read(link, params.request_id, ctx.reader_id))
+        try:
+            begun = await begin
+        except KvxferError as exc:
+            return await _refused(pull, reading, str(exc)), False
+        renewing = asyncio.create_task(heartbeat(pull, ctx.links, begun.lease_ttl_ms / 1000))
+        try:
+            try:
+                check_held(params, begun)
+            except KvxferError as exc:
+                pull.aborted = True  # the read was begun: end it as aborted to free the lease
+                return await _refused(pull, reading, str(exc)), True
+            # PullDone goes out only after this returns: by then every chunk that failed
+            # has severed its agent (adapter.py), so no byte can land in a block reported
+            # failed.
+            result = None if reading is None else await reading
+            stale = begun.registration_version != link.hello.registration_version
+            if result is None or stale:
+                # Not read yet, or read by the publisher's old registrations: (re)load
+                # its metadata and read by the new ones.
+                try:
+                    if stale:
+                        await ctx.links.reload(link, pull.engine.layout)
+                    reader = await _reader(pull, ctx)
+                except KvxferError as exc:
+                    pull.aborted = True
+                    return _all_failed(pull, PullStatus.FAILED, str(exc)), True
+                result = await _execute(pull, ctx, reader)
+        finally:
+            await stop_heartbeat(renewing)
+    except BaseException:
+        if begin is not None:
+            begin.cancel()
+        if reading is not None:
+            reading.cancel()
+        raise
     if TransferStatus.DISCONNECTED in result.chunk_statuses:
         ctx.links.invalidate(link)
     done = _from_result(pull, result)
@@ -140,6 +166,41 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
     for status in result.chunk_statuses:
         ctx.metrics.chunks.labels(peer, status.value).inc()
     return done, True
+
+
+async def _reader(pull: Pull, ctx: PullContext) -> Reader:
+    """The reading agent from the link's peer into the pull's engine."""
+    link, engine = pull.link, pull.engine
+    try:
+        return await ctx.readers.get(
+            link.address, engine.engine_id, link.hello.agent_metadata, engine.buffers
+        )
+    except KvxferError as exc:
+        raise DataPlaneError(f"no NIXL agent to read with: {exc}") from exc
+
+
+async def _execute(pull: Pull, ctx: PullContext, reader: Reader) -> TransferResult:
+    return await execute_plan(
+        pull.plan,
+        backend=reader.backend,
+        peer=reader.peer,
+        local=pull.engine.bound,
+        remote=pull.link.hello.buffers,
+        block_size=pull.engine.layout.block_size,
+        options=ctx.options,
+        cancel=pull.cancel,
+    )
+
+
+async def _refused(
+    pull: Pull, reading: asyncio.Future[TransferResult] | None, reason: str
+) -> PullDone:
+    """Every block failed, reported once the read begun beside BeginRead has ended."""
+    pull.cancel.set()  # chunks not yet posted are not posted
+    if reading is not None:
+        with contextlib.suppress(Exception):
+            await reading
+    return _all_failed(pull, PullStatus.FAILED, reason)
 
 
 def check_held(params: TransferParams, begun: pb.BeginReadResponse | pb.BeginWriteResponse) -> None:

@@ -98,6 +98,21 @@ class DecodeImage:
                     moved_bytes += tensor.bytes_per_block
         return moved_bytes
 
+    def accept_failed(
+        self, dst_spans: Sequence[BlockSpan], failed: Mapping[int, Sequence[int]]
+    ) -> None:
+        """Blocks reported failed hold whatever arrived before the report (a read runs
+        beside its BeginRead): take them as they are now, so `check_all` then checks
+        that nothing else was written and nothing lands in them later."""
+        by_group = {s.group_id: s for s in dst_spans}
+        for group in self.engine.layout.groups:
+            for logical in failed.get(group.group_id, ()):
+                block = by_group[group.group_id].block_id(logical)
+                for tensor in group.tensors:
+                    self.written[(tensor.name, block)] = self.engine.block(
+                        tensor.name, block
+                    ).copy()
+
     def check_all(self) -> None:
         """Every byte of every decode buffer: pattern, or a recorded pulled block."""
         problem = self.engine.image_mismatch(self.written)
