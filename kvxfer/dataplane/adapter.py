@@ -176,6 +176,16 @@ def _logs_to_stderr() -> None:
             handler.setStream(sys.stderr)
 
 
+def _pass_failure(
+    command: concurrent.futures.Future[None], outcome: concurrent.futures.Future[TransferStatus]
+) -> None:
+    """A chunk's command that raised instead of settling its outcome: the outcome
+    raises that."""
+    exc = command.exception()
+    if exc is not None and not outcome.done():
+        outcome.set_exception(exc)
+
+
 def _is_disconnect(exc: BaseException) -> bool:
     return type(exc).__name__ == "nixlRemoteDisconnectError"
 
@@ -284,8 +294,8 @@ class NixlAgent:
             if status is None:
                 still.append(item)
             elif status is TransferStatus.DONE:
+                item.future.set_result(status)  # the bytes are in: tell the loop first
                 self._release(state, item.handle)
-                item.future.set_result(status)
             else:
                 failed.append((item, status))
         state.inflight = still
@@ -494,13 +504,15 @@ class NixlAgent:
             else:  # part of the handle may have been posted before NIXL gave up
                 self._sever(state, [(item, status)])
 
+        # One hand-off back to the loop per chunk: its outcome, or why its command
+        # did not run (closed or severed before it was posted: CANCELLED).
+        self._submit(command).add_done_callback(lambda posted: _pass_failure(posted, outcome))
         try:
-            await self._call(command)
+            return await asyncio.wrap_future(outcome)
         except DataPlaneError:
             if not self.closed:
                 raise
-            return TransferStatus.CANCELLED  # closed or severed before it was posted
-        return await asyncio.wrap_future(outcome)
+            return TransferStatus.CANCELLED
 
     @staticmethod
     def _create(state: _State, job: ChunkJob) -> Any:
