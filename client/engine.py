@@ -4,7 +4,9 @@
 event-loop thread for engines that are not asyncio. Every call has a
 deadline, and failed RPCs raise the kvxfer error their status stands for
 (`NegotiationError` with its mismatches, `PeerUnavailableError` naming the
-address, ...).
+address, ...). With a unix address, per-request calls (publish, pull, abort,
+...) and events take the engine lane beside the socket (`kvxfer.client.lane`:
+no gRPC on the request path); `lane=False` keeps them on gRPC.
 
 The first call waits for the sidecar: for a unix socket, until its file appears
 (a sidecar and an engine started together, e.g. in one pod), then until the
@@ -30,8 +32,10 @@ from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
+from google.protobuf.message import Message
 
 from kvxfer._exceptions import InvalidInputError, KvxferError, PeerUnavailableError
+from kvxfer.client.lane import Lane
 from kvxfer.core.buffers import BufferHandle
 from kvxfer.core.layout import BlockSpan, EngineLayout
 from kvxfer.core.requests import (
@@ -45,6 +49,7 @@ from kvxfer.core.requests import (
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.errors import guarded, rpc_error
+from kvxfer.wire.lane import lane_path
 from kvxfer.wire.layout import layout_to_proto, span_to_proto
 from kvxfer.wire.sidecar import (
     abort_state_from_proto,
@@ -55,6 +60,7 @@ from kvxfer.wire.sidecar import (
 )
 
 T = TypeVar("T")
+R = TypeVar("R", bound=Message)
 MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 _SOCKET_POLL_S = 0.05
@@ -75,8 +81,19 @@ class EngineClient:
         engine_id: str = "",
         timeout_s: float = 30.0,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        lane: bool | None = None,
     ) -> None:
         self.address = check_address(address, "sidecar address", allow_unix=True)
+        unix = self.address.startswith("unix:")
+        if lane is None:
+            lane = unix
+        elif lane and not unix:
+            raise InvalidInputError(
+                "lane", f"the engine lane needs a unix sidecar address, not {self.address}"
+            )
+        # Per-request calls and events over the engine lane (kvxfer.wire.lane) beside a
+        # unix engine socket; registration always over gRPC.
+        self._lane = Lane(lane_path(self.address), connect_timeout_s) if lane else None
         if not connect_timeout_s > 0:
             raise InvalidInputError(
                 "connect_timeout_s", f"must be positive, got {connect_timeout_s}"
@@ -104,6 +121,8 @@ class EngineClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._lane is not None:
+            await self._lane.close()
         await self._channel.close()
 
     async def connect(self) -> None:
@@ -134,6 +153,16 @@ class EngineClient:
     async def _call(self, what: str, rpc: Callable[[], Awaitable[T]]) -> T:
         await self.connect()
         return await guarded(f"{what} at sidecar {self.address}", rpc)
+
+    async def _unary(self, what: str, method: str, request: Message, reply: type[R]) -> R:
+        """One per-request call: on the lane when there is one, else over gRPC."""
+        if self._lane is not None:
+            await self.connect()  # the engine socket first: its waits and messages
+            where = f"{what} at sidecar {self.address}"
+            return await self._lane.call(method, request, reply, self._timeout_s, where)
+        call = getattr(self._stub, method)
+        answer: R = await self._call(what, lambda: call(request, timeout=self._timeout_s))
+        return answer
 
     def _engine(self) -> str:
         if not self.engine_id:
@@ -167,9 +196,7 @@ class EngineClient:
             num_tokens=num_tokens,
             spans=[span_to_proto(s) for s in spans],
         )
-        reply = await self._call(
-            "publish", lambda: self._stub.Publish(request, timeout=self._timeout_s)
-        )
+        reply = await self._unary("publish", "Publish", request, pb.PublishResponse)
         return params_from_proto(reply.params, "params")
 
     async def pull(
@@ -181,7 +208,7 @@ class EngineClient:
             local_spans=[span_to_proto(s) for s in local_spans],
             computed_tokens=computed_tokens,
         )
-        reply = await self._call("pull", lambda: self._stub.Pull(request, timeout=self._timeout_s))
+        reply = await self._unary("pull", "Pull", request, pb.PullResponse)
         return PullAccepted(
             bytes_planned=reply.bytes_planned,
             full_attention_bytes=reply.full_attention_bytes,
@@ -205,9 +232,7 @@ class EngineClient:
             spans=[span_to_proto(s) for s in spans],
             computed_tokens=computed_tokens,
         )
-        reply = await self._call(
-            "expect", lambda: self._stub.Expect(request, timeout=self._timeout_s)
-        )
+        reply = await self._unary("expect", "Expect", request, pb.ExpectResponse)
         return params_from_proto(reply.params, "params")
 
     async def push(
@@ -226,19 +251,25 @@ class EngineClient:
             tokens_ready=tokens_ready,
             final=final,
         )
-        reply = await self._call("push", lambda: self._stub.Push(request, timeout=self._timeout_s))
+        reply = await self._unary("push", "Push", request, pb.PushResponse)
         return PushAccepted(reply.bytes_planned, reply.chunks, reply.chunks_posted)
 
     async def abort(self, request_id: str) -> AbortState:
         request = pb.AbortRequest(engine_id=self._engine(), request_id=request_id)
-        reply = await self._call(
-            "abort", lambda: self._stub.Abort(request, timeout=self._timeout_s)
-        )
+        reply = await self._unary("abort", "Abort", request, pb.AbortResponse)
         return abort_state_from_proto(reply.state, "AbortResponse.state")
 
     async def events(self) -> AsyncIterator[EngineEvent]:
         """This engine's events, as they happen, until the sidecar ends the stream."""
         await self.connect()
+        if self._lane is not None:
+            request = pb.WatchEventsRequest(engine_id=self._engine())
+            where = f"watch events at sidecar {self.address}"
+            async for message in self._lane.stream(
+                "WatchEvents", request, pb.WatchEventsResponse, where
+            ):
+                yield event_from_proto(message)
+            return
         call = self._stub.WatchEvents(pb.WatchEventsRequest(engine_id=self._engine()))
         try:
             async for message in call:
@@ -251,9 +282,7 @@ class EngineClient:
 
     async def unregister(self) -> tuple[int, int]:
         request = pb.UnregisterRequest(engine_id=self._engine())
-        reply = await self._call(
-            "unregister", lambda: self._stub.Unregister(request, timeout=self._timeout_s)
-        )
+        reply = await self._unary("unregister", "Unregister", request, pb.UnregisterResponse)
         return reply.released_leases, reply.cancelled_pulls
 
 
@@ -267,6 +296,7 @@ class SyncEngineClient:
         engine_id: str = "",
         timeout_s: float = 30.0,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        lane: bool | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -280,6 +310,7 @@ class SyncEngineClient:
                 engine_id=engine_id,
                 timeout_s=timeout_s,
                 connect_timeout_s=connect_timeout_s,
+                lane=lane,
             )
 
         self._client = self._run(make())

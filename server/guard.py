@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # the stubs' generic; not subscriptable at run time
     Handler = grpc.RpcMethodHandler[Any, Any]
 
 
-class _Refused:
+class Refused:
     """What the deserializer hands on instead of a message it would not decode;
     `kind` is the `kvxfer_refusals_total` reason (too_large, undecodable)."""
 
@@ -81,7 +81,7 @@ class PeerPortGuard(grpc.aio.ServerInterceptor):
         self._max_calls = settings.limits.max_calls_per_peer
         self._calls: dict[str, int] = {}
         self._metrics = metrics
-        self._refusals = _Refusals(metrics)
+        self._refusals = Refusals(metrics)
 
     async def intercept_service(
         self,
@@ -150,7 +150,7 @@ class EngineSocketGuard(grpc.aio.ServerInterceptor):
     server's message limit and no identities here (callers.py identifies engines)."""
 
     def __init__(self, metrics: Metrics) -> None:
-        self._refusals = _Refusals(metrics)
+        self._refusals = Refusals(metrics)
 
     async def intercept_service(
         self,
@@ -192,24 +192,24 @@ class EngineSocketGuard(grpc.aio.ServerInterceptor):
 
 
 def _checked_decoder(handler: Handler, method: str, limit: int | None) -> Callable[[bytes], Any]:
-    """The handler's deserializer, handing on `_Refused` for an oversized or undecodable
+    """The handler's deserializer, handing on `Refused` for an oversized or undecodable
     body instead of raising (which gRPC would turn into UNKNOWN and a traceback)."""
     decode: Any = handler.request_deserializer
 
     def deserialize(raw: bytes) -> Any:
         if limit is not None and len(raw) > limit:
-            return _Refused(
+            return Refused(
                 "too_large", f"{len(raw)} bytes exceed the {limit} a {method} request may use"
             )
         try:
             return decode(raw)
         except (DecodeError, ValueError, RuntimeError) as exc:
-            return _Refused("undecodable", f"undecodable request body ({type(exc).__name__})")
+            return Refused("undecodable", f"undecodable request body ({type(exc).__name__})")
 
     return deserialize
 
 
-class _Refusals:
+class Refusals:
     """Aborts a refused request with INVALID_ARGUMENT, logging at most a line per
     `LOG_EVERY_S` (junk floods must not become log floods)."""
 
@@ -219,7 +219,7 @@ class _Refusals:
         self._suppressed = 0
 
     async def check(self, request: Any, method: str, context: Context) -> None:
-        if not isinstance(request, _Refused):
+        if not isinstance(request, Refused):
             return
         self._metrics.refusals.labels(request.kind).inc()
         now = time.monotonic()

@@ -1,7 +1,8 @@
 """`kvxfer-server`: the sidecar process.
 
 Starts two gRPC servers (PeerService for peer sidecars, EngineService for
-engines; AdminService, health checking and reflection on both), the
+engines; AdminService, health checking and reflection on both), the engine
+lane beside a unix engine socket (server/lane.py), the
 Prometheus endpoint and the NIXL agent, then prints one JSON line with the
 bound addresses and epoch to stdout (port 0 binds a free port) and serves
 until SIGTERM or SIGINT. Shutdown is graceful: no new work, in-flight pulls
@@ -35,6 +36,7 @@ from kvxfer.dataplane.faults import FaultInjectingBackend, random_faults
 from kvxfer.dataplane.readers import Readers
 from kvxfer.dataplane.serving import ServingAgent
 from kvxfer.server.guard import PEER_SERVER_MAX_RECEIVE_BYTES, EngineSocketGuard, PeerPortGuard
+from kvxfer.server.lane import EngineLane
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import server_options
 from kvxfer.server.reflection import enable_reflection
@@ -43,6 +45,7 @@ from kvxfer.server.settings import Settings, is_loopback, load_settings
 from kvxfer.server.sidecar import Sidecar
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.lane import lane_path
 
 log = logging.getLogger("kvxfer.server")
 
@@ -97,9 +100,10 @@ async def serve(settings: Settings) -> int:
         max_receive_bytes=PEER_SERVER_MAX_RECEIVE_BYTES,
         interceptors=[PeerPortGuard(settings, metrics)],
     )
+    engine_servicer = EngineServicer(sidecar)
     engine = _server(
         settings,
-        [("engine", EngineServicer(sidecar)), ("admin", AdminServicer(sidecar))],
+        [("engine", engine_servicer), ("admin", AdminServicer(sidecar))],
         interceptors=[EngineSocketGuard(metrics)],
     )
     try:
@@ -111,6 +115,9 @@ async def serve(settings: Settings) -> int:
     except KvxferError:
         await backend.close()
         raise
+    lane = EngineLane(engine_servicer, metrics)
+    if engine_address.startswith("unix:"):
+        await lane.start(lane_path(engine_address))
     if settings.advertise_address is None:
         sidecar.address = _with_port(settings.peer_address, peer_port)
     await peer.start()
@@ -123,6 +130,7 @@ async def serve(settings: Settings) -> int:
     ready = {
         "peer_address": sidecar.address,
         "engine_address": engine_address,
+        "engine_lane": lane.path,
         "metrics_address": _with_port(settings.metrics_address, metrics_port),
         "epoch": sidecar.epoch,
         "sidecar_id": sidecar.sidecar_id,
@@ -135,6 +143,7 @@ async def serve(settings: Settings) -> int:
     await peer.drain()
     await engine.drain()
     await sidecar.shutdown(settings.shutdown_grace_s)
+    await lane.close()
     await engine.server.stop(1.0)
     await peer.server.stop(1.0)
     metrics_http.shutdown()

@@ -130,8 +130,24 @@ async def guarded(what: str, rpc: Callable[[], Awaitable[T]]) -> T:
 def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> KvxferError:
     """A failed RPC as the kvxfer error it carries (or its status code stands for);
     `what` says which call against which address."""
-    code, detail = exc.code(), exc.details() or ""
     status = rich_status(exc.trailing_metadata() or ())
+    return status_error(exc.code(), exc.details() or "", status, what)
+
+
+def lane_error(status: status_pb2.Status, what: str) -> KvxferError:
+    """A call failed on the engine lane, which sends the status the gRPC path puts in
+    its trailer: the same kvxfer error as `rpc_error` makes of it."""
+    code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    return status_error(code, status.message, status if status.details else None, what)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_error(
+    code: grpc.StatusCode, detail: str, status: status_pb2.Status | None, what: str
+) -> KvxferError:
+    """The kvxfer error a failed call's status code, message and rich status stand for."""
     info = _error_info(status.details) if status is not None else None
     if status is not None and info is not None:
         error = _kvxfer_error(status, info, detail, what)

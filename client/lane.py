@@ -1,0 +1,184 @@
+"""The engine's end of the engine lane (`kvxfer.wire.lane`): one unix connection to
+its sidecar carrying every per-request call and the event stream, multiplexed by
+call id. Registration stays on gRPC (`EngineClient.register`).
+
+A call that fails at the sidecar raises the same kvxfer error as over gRPC; a
+call with no answer by its deadline raises `PeerUnavailableError` (and is
+cancelled at the sidecar); a lost connection fails every call on it, and the
+next call connects again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
+from google.rpc import status_pb2
+
+from kvxfer._exceptions import KvxferError, PeerUnavailableError
+from kvxfer.wire.errors import lane_error
+from kvxfer.wire.lane import (
+    Kind,
+    LaneProtocolError,
+    frame,
+    read_frame,
+    request_payload,
+)
+
+R = TypeVar("R", bound=Message)
+_RETRY_S = 0.05
+_Answer = tuple[Kind, bytes]
+
+
+class _Link:
+    """One open connection and the calls waiting on it."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.waiting: dict[int, asyncio.Future[_Answer]] = {}
+        self.streams: dict[int, asyncio.Queue[_Answer | None]] = {}
+        self.pump: asyncio.Task[None] | None = None
+        self.lost = ""
+
+    async def run(self) -> None:
+        try:
+            while (got := await read_frame(self.reader)) is not None:
+                call_id, kind, payload = got
+                # A stream's frames after the engine cancelled it are dropped.
+                streamed = kind is Kind.ERROR and call_id in self.streams
+                if kind in (Kind.ITEM, Kind.END) or streamed:
+                    queue = self.streams.get(call_id)
+                    if queue is not None:
+                        queue.put_nowait((kind, payload))
+                elif kind in (Kind.REPLY, Kind.ERROR):
+                    future = self.waiting.pop(call_id, None)
+                    if future is not None and not future.done():
+                        future.set_result((kind, payload))
+                else:
+                    raise LaneProtocolError(f"a {kind.name} frame from the sidecar")
+            self.lost = "the sidecar closed the engine lane"
+        except (LaneProtocolError, ConnectionError) as exc:
+            self.lost = f"engine lane broken: {exc}"
+        finally:
+            if not self.lost:
+                self.lost = "the engine lane was closed"
+            for future in self.waiting.values():
+                if not future.done():
+                    future.set_exception(PeerUnavailableError(self.lost))
+            for queue in self.streams.values():
+                queue.put_nowait(None)
+            self.writer.close()
+
+    def send(self, call_id: int, kind: Kind, payload: bytes = b"") -> None:
+        if self.lost or self.writer.is_closing():
+            raise PeerUnavailableError(self.lost or "the engine lane was closed")
+        self.writer.write(frame(call_id, kind, payload))
+
+
+class Lane:
+    def __init__(self, path: str, connect_timeout_s: float) -> None:
+        self.path = path
+        self._connect_timeout_s = connect_timeout_s
+        self._link: _Link | None = None
+        self._opening = asyncio.Lock()
+        self._ids = itertools.count(1)
+
+    async def _open(self) -> _Link:
+        link = self._link
+        if link is not None and not link.lost:
+            return link
+        async with self._opening:
+            if self._link is not None and not self._link.lost:
+                return self._link
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self._connect_timeout_s
+            while True:
+                try:
+                    reader, writer = await asyncio.open_unix_connection(self.path)
+                    break
+                except (FileNotFoundError, ConnectionRefusedError) as exc:
+                    if loop.time() >= deadline:
+                        raise PeerUnavailableError(
+                            f"no engine lane at {self.path} within "
+                            f"{self._connect_timeout_s:g}s ({exc.strerror}): is kvxfer-server "
+                            "running with this unix engine socket? (lane=False uses gRPC only)"
+                        ) from None
+                    await asyncio.sleep(_RETRY_S)
+            self._link = link = _Link(reader, writer)
+            link.pump = asyncio.create_task(link.run())
+            return link
+
+    async def call(
+        self, method: str, request: Message, reply: type[R], timeout_s: float, what: str
+    ) -> R:
+        link = await self._open()
+        call_id = next(self._ids)
+        answer: asyncio.Future[_Answer] = asyncio.get_running_loop().create_future()
+        link.waiting[call_id] = answer
+        try:
+            link.send(call_id, Kind.UNARY, request_payload(method, request.SerializeToString()))
+            kind, payload = await asyncio.wait_for(answer, timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(PeerUnavailableError):
+                link.send(call_id, Kind.CANCEL)
+            raise PeerUnavailableError(
+                f"{what}: unreachable (DEADLINE_EXCEEDED: no answer within {timeout_s:g}s)"
+            ) from None
+        except PeerUnavailableError as exc:
+            raise PeerUnavailableError(f"{what}: {exc}") from None
+        finally:
+            link.waiting.pop(call_id, None)
+        return _decoded(kind, payload, reply, what)
+
+    async def stream(
+        self, method: str, request: Message, item: type[R], what: str
+    ) -> AsyncIterator[R]:
+        link = await self._open()
+        call_id = next(self._ids)
+        queue: asyncio.Queue[_Answer | None] = asyncio.Queue()
+        link.streams[call_id] = queue
+        ended = False
+        try:
+            link.send(call_id, Kind.STREAM, request_payload(method, request.SerializeToString()))
+            while True:
+                got = await queue.get()
+                if got is None:
+                    ended = True
+                    raise PeerUnavailableError(f"{what}: {link.lost}")
+                kind, payload = got
+                if kind is Kind.END:
+                    ended = True
+                    return
+                if kind is Kind.ERROR:
+                    ended = True
+                yield _decoded(kind, payload, item, what)
+        finally:
+            link.streams.pop(call_id, None)
+            if not ended:
+                with contextlib.suppress(PeerUnavailableError):
+                    link.send(call_id, Kind.CANCEL)
+
+    async def close(self) -> None:
+        link, self._link = self._link, None
+        if link is None:
+            return
+        link.writer.close()
+        if link.pump is not None:
+            link.pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await link.pump
+        with contextlib.suppress(ConnectionError):
+            await link.writer.wait_closed()
+
+
+def _decoded(kind: Kind, payload: bytes, cls: type[R], what: str) -> R:
+    try:
+        if kind is Kind.ERROR:
+            raise lane_error(status_pb2.Status.FromString(payload), what)
+        return cls.FromString(payload)
+    except DecodeError:
+        raise KvxferError(f"{what}: the sidecar's answer does not decode") from None

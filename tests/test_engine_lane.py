@@ -1,0 +1,204 @@
+"""The engine lane (per-request calls and events over a plain unix socket): served
+0600 beside a real sidecar's engine socket, the same errors as over gRPC, junk
+refused without harming the sidecar, and the client's deadlines and reconnects
+checked against a lane server that misbehaves on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from google.rpc import status_pb2
+from sidecars import scrape, start_sidecar
+
+from kvxfer._exceptions import InvalidInputError, NotFoundError, PeerUnavailableError
+from kvxfer.cli.fleet import Proc, metric
+from kvxfer.client import EngineClient
+from kvxfer.client.lane import Lane
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.wire.lane import HEADER, Kind, frame, read_frame, request_payload
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    proc = start_sidecar(tmp_path_factory.mktemp("lane"), "lane")
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0
+
+
+async def _exchange(
+    path: str, *frames: bytes, half_close: bool = False, wait_s: float = 0.5
+) -> tuple[list[tuple[int, Kind, bytes]], bool]:
+    """Send raw frames, then read what comes back for up to `wait_s`: the frames, and
+    whether the sidecar closed the connection."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    got: list[tuple[int, Kind, bytes]] = []
+    try:
+        for raw in frames:
+            writer.write(raw)
+        await writer.drain()
+        if half_close:
+            writer.write_eof()
+        try:
+            while (item := await asyncio.wait_for(read_frame(reader), wait_s)) is not None:
+                got.append(item)
+        except TimeoutError:
+            return got, False
+        return got, True
+    finally:
+        writer.close()
+
+
+def _status(payload: bytes) -> status_pb2.Status:
+    return status_pb2.Status.FromString(payload)
+
+
+def test_the_lane_is_private_and_beside_the_engine_socket(sidecar: Proc) -> None:
+    engine_socket = sidecar.ready["engine_address"].removeprefix("unix:")
+    assert sidecar.ready["engine_lane"] == engine_socket + ".lane"
+    mode = os.stat(sidecar.ready["engine_lane"]).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+
+
+async def test_errors_are_the_same_as_over_grpc(sidecar: Proc) -> None:
+    address = sidecar.ready["engine_address"]
+    raised = []
+    for lane in (True, False):
+        async with EngineClient(address, engine_id="e-nobody", lane=lane) as client:
+            with pytest.raises(NotFoundError) as error:
+                await client.abort("req-1")
+            raised.append(str(error.value))
+    assert raised[0] == raised[1] and "e-nobody" in raised[0]
+
+
+async def test_an_undecodable_body_is_refused_naming_the_method(sidecar: Proc) -> None:
+    before = metric(scrape(sidecar), "kvxfer_refusals_total", reason="undecodable")
+    request = frame(7, Kind.UNARY, request_payload("Pull", b"\xff\xff\xff"))
+    ((call_id, kind, payload),), closed = await _exchange(sidecar.ready["engine_lane"], request)
+    assert not closed  # a refused call is answered; its connection stays open
+    status = _status(payload)
+    assert (call_id, kind) == (7, Kind.ERROR)
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "Pull" in status.message and "undecodable" in status.message
+    after = metric(scrape(sidecar), "kvxfer_refusals_total", reason="undecodable")
+    assert after == before + 1
+
+
+async def test_a_method_the_lane_does_not_serve_is_unimplemented(sidecar: Proc) -> None:
+    request = frame(3, Kind.UNARY, request_payload("RegisterEngine", b""))
+    ((call_id, kind, payload),), closed = await _exchange(sidecar.ready["engine_lane"], request)
+    assert not closed  # a refused call is answered; its connection stays open
+    status = _status(payload)
+    assert (call_id, kind) == (3, Kind.ERROR)
+    assert status.code == grpc.StatusCode.UNIMPLEMENTED.value[0]
+    assert "'RegisterEngine'" in status.message and "Pull" in status.message
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        HEADER.pack(0, 1, 99),  # no such kind
+        HEADER.pack(1 << 30, 1, Kind.UNARY),  # larger than any message may be
+        frame(1, Kind.REPLY),  # a sidecar's kind, from the engine
+        frame(1, Kind.UNARY, b"\x09Pull"),  # method name shorter than its length byte
+        HEADER.pack(5, 1, Kind.UNARY)[:6],  # the connection ends inside a header
+    ],
+    ids=["kind", "oversized", "reply", "name", "cut"],
+)
+async def test_junk_closes_only_its_own_connection(sidecar: Proc, junk: bytes) -> None:
+    cut = len(junk) < HEADER.size  # only the end of the stream shows the header is cut
+    got, closed = await _exchange(sidecar.ready["engine_lane"], junk, half_close=cut, wait_s=5)
+    assert got == [] and closed
+    async with EngineClient(sidecar.ready["engine_address"], engine_id="e-nobody") as client:
+        with pytest.raises(NotFoundError):  # still serving, on the lane
+            await client.abort("req-1")
+
+
+def test_the_lane_needs_a_unix_address() -> None:
+    with pytest.raises(InvalidInputError) as error:
+        EngineClient("127.0.0.1:5000", lane=True)
+    assert error.value.field == "lane"
+
+
+# -- the client against a lane server that misbehaves on purpose ---------------
+
+Behaviour = Callable[[int, Kind, bytes, asyncio.StreamWriter], None]
+
+
+@contextlib.asynccontextmanager
+async def _fake_lane(path: Path, behave: Behaviour) -> AsyncIterator[list[tuple[int, Kind]]]:
+    seen: list[tuple[int, Kind]] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (got := await read_frame(reader)) is not None:
+            seen.append(got[:2])
+            behave(*got, writer)
+        writer.close()
+
+    server = await asyncio.start_unix_server(serve, path=str(path))
+    try:
+        yield seen
+    finally:
+        server.close()
+
+
+async def test_a_call_without_an_answer_fails_by_its_deadline_and_is_cancelled(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "e.sock.lane"
+    async with _fake_lane(path, lambda *_: None) as seen:
+        lane = Lane(str(path), connect_timeout_s=1)
+        try:
+            with pytest.raises(PeerUnavailableError, match=r"DEADLINE_EXCEEDED.*0\.3s"):
+                await lane.call("Abort", pb.AbortRequest(), pb.AbortResponse, 0.3, "abort")
+            for _ in range(50):
+                if len(seen) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert [kind for _, kind in seen] == [Kind.UNARY, Kind.CANCEL]
+            assert seen[0][0] == seen[1][0]
+        finally:
+            await lane.close()
+
+
+async def test_a_lost_connection_fails_its_calls_and_the_next_call_reconnects(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "e.sock.lane"
+    calls = 0
+
+    def behave(call_id: int, kind: Kind, payload: bytes, writer: asyncio.StreamWriter) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            writer.transport.abort()  # the sidecar went away mid-call
+        else:
+            reply = pb.AbortResponse(state=pb.ABORT_STATE_HELD)
+            writer.write(frame(call_id, Kind.REPLY, reply.SerializeToString()))
+
+    async with _fake_lane(path, behave):
+        lane = Lane(str(path), connect_timeout_s=1)
+        try:
+            with pytest.raises(PeerUnavailableError, match=r"abort: .*engine lane"):
+                await lane.call("Abort", pb.AbortRequest(), pb.AbortResponse, 5, "abort")
+            reply = await lane.call("Abort", pb.AbortRequest(), pb.AbortResponse, 5, "abort")
+            assert reply.state == pb.ABORT_STATE_HELD
+        finally:
+            await lane.close()
+
+
+async def test_no_lane_socket_fails_naming_its_path(tmp_path: Path) -> None:
+    path = tmp_path / "absent.sock.lane"
+    lane = Lane(str(path), connect_timeout_s=0.2)
+    with pytest.raises(PeerUnavailableError, match=f"no engine lane at {path} within 0.2s"):
+        await lane.call("Abort", pb.AbortRequest(), pb.AbortResponse, 1, "abort")
