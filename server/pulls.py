@@ -28,7 +28,7 @@ from kvxfer.core.planner import TransferPlan
 from kvxfer.core.recompute import valid_tokens
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
 from kvxfer.dataplane.adapter import TransferStatus
-from kvxfer.dataplane.executor import ExecOptions, TransferResult, execute_plan
+from kvxfer.dataplane.executor import ExecOptions, TransferResult, start_plan
 from kvxfer.dataplane.readers import Reader, Readers
 from kvxfer.server.engines import Engine
 from kvxfer.server.metrics import Metrics
@@ -112,12 +112,12 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
     # Without a reader (the peer's metadata may have changed: BeginRead says so) the
     # read waits for BeginRead.
     with contextlib.suppress(KvxferError):
-        reading = asyncio.ensure_future(_execute(pull, ctx, await _reader(pull, ctx)))
+        reading = _execute(pull, ctx, await _reader(pull, ctx))
     begin: asyncio.Future[pb.BeginReadResponse] | None = None
     try:
         if reading is not None:
-            # One turn of the loop first: the chunks go to the NIXL thread before
-            # BeginRead's gRPC call takes the loop, so the copy starts as early as it can.
+            # One turn of the loop first: the chunks' tasks hand them to the NIXL thread
+            # before BeginRead's gRPC call takes the loop, so the copy starts first.
             await asyncio.sleep(0)
         begin = asyncio.ensure_future(ctx.links.begin_read(link, params.request_id, ctx.reader_id))
         try:
@@ -179,8 +179,9 @@ async def _reader(pull: Pull, ctx: PullContext) -> Reader:
         raise DataPlaneError(f"no NIXL agent to read with: {exc}") from exc
 
 
-async def _execute(pull: Pull, ctx: PullContext, reader: Reader) -> TransferResult:
-    return await execute_plan(
+def _execute(pull: Pull, ctx: PullContext, reader: Reader) -> asyncio.Task[TransferResult]:
+    """The read of the pull's plan, its chunks bound and handed on before this returns."""
+    return start_plan(
         pull.plan,
         backend=reader.backend,
         peer=reader.peer,

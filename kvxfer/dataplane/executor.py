@@ -72,15 +72,47 @@ async def execute_plan(
     With `notify`, once every chunk has ended (done or failed: nothing more will be
     read either way) the message goes to `peer` as a NIXL notification. A peer that
     cannot be told (gone, say) leaves `notified` False; the result stands."""
+    return await start_plan(
+        plan,
+        backend=backend,
+        peer=peer,
+        local=local,
+        remote=remote,
+        block_size=block_size,
+        options=options,
+        cancel=cancel,
+        notify=notify,
+    )
+
+
+def start_plan(
+    plan: TransferPlan,
+    *,
+    backend: TransferBackend,
+    peer: str,
+    local: Mapping[str, BoundBuffer],
+    remote: Mapping[str, BoundBuffer],
+    block_size: int,
+    options: ExecOptions | None = None,
+    cancel: asyncio.Event | None = None,
+    notify: bytes | None = None,
+) -> asyncio.Task[TransferResult]:
+    """`execute_plan`, begun now: every chunk is bound and its task created before this
+    returns (a bad address raises here), so the chunks reach the backend on the loop's
+    next turn; the task's result is the outcome."""
     options = options or ExecOptions()
     start = time.perf_counter()
     posting = ChunkPoster(backend, peer, local, remote, options, cancel=cancel)
     posting.post(plan.chunks)  # binds every chunk before posting any
-    statuses = await posting.wait()
-    notified = notify is not None and await _notify(backend, peer, notify)
-    return summarize(
-        plan, statuses, block_size, start, posting.bind_s, posting.descriptors, notified
-    )
+
+    async def finish() -> TransferResult:
+        statuses = await posting.wait()
+        notified = notify is not None and await _notify(backend, peer, notify)
+        return summarize(
+            plan, statuses, block_size, start, posting.bind_s, posting.descriptors, notified
+        )
+
+    return asyncio.create_task(finish())
 
 
 class ChunkPoster:
