@@ -185,42 +185,40 @@ class _Connection:
             self._writer.write(frame(call_id, kind, payload))
 
     async def _unary(self, call_id: int, method: str, body: bytes) -> None:
-        cls = UNARY_REQUESTS.get(method)
-        try:
-            if cls is None:
-                raise _unimplemented(method)
-            request = await self._decode(cls, method, body)
+        async def answer() -> None:
+            request = await self._decode(UNARY_REQUESTS, method, body)
             reply = await self._lane.unary(method)(request, LaneContext())
-        except _Aborted as exc:
-            self._send(call_id, Kind.ERROR, exc.status.SerializeToString())
-            return
-        except Exception:  # never a call left without an answer
-            log.exception("engine lane %s failed", method)
-            self._send(call_id, Kind.ERROR, _internal(method))
-            return
-        self._send(call_id, Kind.REPLY, reply.SerializeToString())
+            self._send(call_id, Kind.REPLY, reply.SerializeToString())
+
+        await self._answered(call_id, method, answer())
 
     async def _stream(self, call_id: int, method: str, body: bytes) -> None:
-        cls = STREAM_REQUESTS.get(method)
-        try:
-            if cls is None:
-                raise _unimplemented(method)
-            request = await self._decode(cls, method, body)
+        async def answer() -> None:
+            request = await self._decode(STREAM_REQUESTS, method, body)
             async for item in self._lane.stream(method)(request, LaneContext()):
                 self._send(call_id, Kind.ITEM, item.SerializeToString())
                 await self._writer.drain()
+            self._send(call_id, Kind.END)
+
+        await self._answered(call_id, method, answer())
+
+    async def _answered(self, call_id: int, method: str, call: Awaitable[None]) -> None:
+        """Run one call; whatever it raises ends it with an ERROR frame, so no call is
+        left without an answer (a lost connection has nobody left to answer)."""
+        try:
+            await call
         except _Aborted as exc:
             self._send(call_id, Kind.ERROR, exc.status.SerializeToString())
-            return
         except ConnectionError:
-            return
+            pass
         except Exception:
             log.exception("engine lane %s failed", method)
             self._send(call_id, Kind.ERROR, _internal(method))
-            return
-        self._send(call_id, Kind.END)
 
-    async def _decode(self, cls: type[Message], method: str, body: bytes) -> Message:
+    async def _decode(self, served: dict[str, type[Message]], method: str, body: bytes) -> Message:
+        cls = served.get(method)
+        if cls is None:
+            raise _unimplemented(method)
         try:
             return cls.FromString(body)
         except (DecodeError, ValueError, RuntimeError) as exc:

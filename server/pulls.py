@@ -28,7 +28,7 @@ from kvxfer.core.planner import TransferPlan
 from kvxfer.core.recompute import valid_tokens
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
 from kvxfer.dataplane.adapter import TransferStatus
-from kvxfer.dataplane.executor import ExecOptions, TransferResult, start_plan
+from kvxfer.dataplane.executor import ExecOptions, TransferResult, execute_plan
 from kvxfer.dataplane.readers import Reader, Readers
 from kvxfer.server.engines import Engine
 from kvxfer.server.metrics import Metrics
@@ -181,7 +181,7 @@ async def _reader(pull: Pull, ctx: PullContext) -> Reader:
 
 def _execute(pull: Pull, ctx: PullContext, reader: Reader) -> asyncio.Task[TransferResult]:
     """The read of the pull's plan, its chunks bound and handed on before this returns."""
-    return start_plan(
+    return execute_plan(
         pull.plan,
         backend=reader.backend,
         peer=reader.peer,

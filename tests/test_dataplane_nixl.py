@@ -270,17 +270,15 @@ async def test_killed_peer_fails_pending_chunks_and_severs_only_its_agent() -> N
         async with LocalSide(dst.buffers + other.dst.buffers) as local:
             peer = await local.backend.add_peer(peer_proc.metadata)
             deadline = 3.0
-            task = asyncio.create_task(
-                execute_plan(
-                    plan,
-                    backend=local.backend,
-                    peer=peer,
-                    local=local.buffers,
-                    remote=peer_proc.buffers,
-                    block_size=BLOCK,
-                    options=ExecOptions(stall_deadline_s=deadline, max_inflight=4),
-                    notify=b"consumed",
-                )
+            task = execute_plan(  # begun at once: a task
+                plan,
+                backend=local.backend,
+                peer=peer,
+                local=local.buffers,
+                remote=peer_proc.buffers,
+                block_size=BLOCK,
+                options=ExecOptions(stall_deadline_s=deadline, max_inflight=4),
+                notify=b"consumed",
             )
             await asyncio.sleep(0.3)
             peer_proc.kill()

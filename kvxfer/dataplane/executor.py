@@ -54,38 +54,7 @@ class TransferResult:
     notified: bool = False  # the consumed notification reached NIXL for the remote agent
 
 
-async def execute_plan(
-    plan: TransferPlan,
-    *,
-    backend: TransferBackend,
-    peer: str,
-    local: Mapping[str, BoundBuffer],
-    remote: Mapping[str, BoundBuffer],
-    block_size: int,
-    options: ExecOptions | None = None,
-    cancel: asyncio.Event | None = None,
-    notify: bytes | None = None,
-) -> TransferResult:
-    """Pull `plan` from `peer` (src = remote, dst = local). Once `cancel` is set, chunks
-    not yet posted end CANCELLED; posted ones finish or fail by their deadline.
-
-    With `notify`, once every chunk has ended (done or failed: nothing more will be
-    read either way) the message goes to `peer` as a NIXL notification. A peer that
-    cannot be told (gone, say) leaves `notified` False; the result stands."""
-    return await start_plan(
-        plan,
-        backend=backend,
-        peer=peer,
-        local=local,
-        remote=remote,
-        block_size=block_size,
-        options=options,
-        cancel=cancel,
-        notify=notify,
-    )
-
-
-def start_plan(
+def execute_plan(
     plan: TransferPlan,
     *,
     backend: TransferBackend,
@@ -97,9 +66,15 @@ def start_plan(
     cancel: asyncio.Event | None = None,
     notify: bytes | None = None,
 ) -> asyncio.Task[TransferResult]:
-    """`execute_plan`, begun now: every chunk is bound and its task created before this
-    returns (a bad address raises here), so the chunks reach the backend on the loop's
-    next turn; the task's result is the outcome."""
+    """Pull `plan` from `peer` (src = remote, dst = local), begun now: every chunk is
+    bound and its task created before this returns (a bad address raises here), so the
+    chunks reach the backend on the loop's next turn; await the task for the outcome.
+    Once `cancel` is set, chunks not yet posted end CANCELLED; posted ones finish or
+    fail by their deadline.
+
+    With `notify`, once every chunk has ended (done or failed: nothing more will be
+    read either way) the message goes to `peer` as a NIXL notification. A peer that
+    cannot be told (gone, say) leaves `notified` False; the result stands."""
     options = options or ExecOptions()
     start = time.perf_counter()
     posting = ChunkPoster(backend, peer, local, remote, options, cancel=cancel)
