@@ -59,10 +59,6 @@ async def _exchange(
         writer.close()
 
 
-def _status(payload: bytes) -> status_pb2.Status:
-    return status_pb2.Status.FromString(payload)
-
-
 def test_the_lane_is_private_and_beside_the_engine_socket(sidecar: Proc) -> None:
     engine_socket = sidecar.ready["engine_address"].removeprefix("unix:")
     assert sidecar.ready["engine_lane"] == engine_socket + ".lane"
@@ -81,13 +77,19 @@ async def test_errors_are_the_same_as_over_grpc(sidecar: Proc) -> None:
     assert raised[0] == raised[1] and "e-nobody" in raised[0]
 
 
+async def _refused(sidecar: Proc, method: str, body: bytes) -> status_pb2.Status:
+    """The status of one call the sidecar answers with an ERROR frame, its connection
+    left open."""
+    request = frame(7, Kind.UNARY, request_payload(method, body))
+    ((call_id, kind, payload),), closed = await _exchange(sidecar.ready["engine_lane"], request)
+    assert (call_id, kind) == (7, Kind.ERROR)
+    assert not closed
+    return status_pb2.Status.FromString(payload)
+
+
 async def test_an_undecodable_body_is_refused_naming_the_method(sidecar: Proc) -> None:
     before = metric(scrape(sidecar), "kvxfer_refusals_total", reason="undecodable")
-    request = frame(7, Kind.UNARY, request_payload("Pull", b"\xff\xff\xff"))
-    ((call_id, kind, payload),), closed = await _exchange(sidecar.ready["engine_lane"], request)
-    assert not closed  # a refused call is answered; its connection stays open
-    status = _status(payload)
-    assert (call_id, kind) == (7, Kind.ERROR)
+    status = await _refused(sidecar, "Pull", b"\xff\xff\xff")
     assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "Pull" in status.message and "undecodable" in status.message
     after = metric(scrape(sidecar), "kvxfer_refusals_total", reason="undecodable")
@@ -95,11 +97,7 @@ async def test_an_undecodable_body_is_refused_naming_the_method(sidecar: Proc) -
 
 
 async def test_a_method_the_lane_does_not_serve_is_unimplemented(sidecar: Proc) -> None:
-    request = frame(3, Kind.UNARY, request_payload("RegisterEngine", b""))
-    ((call_id, kind, payload),), closed = await _exchange(sidecar.ready["engine_lane"], request)
-    assert not closed  # a refused call is answered; its connection stays open
-    status = _status(payload)
-    assert (call_id, kind) == (3, Kind.ERROR)
+    status = await _refused(sidecar, "RegisterEngine", b"")
     assert status.code == grpc.StatusCode.UNIMPLEMENTED.value[0]
     assert "'RegisterEngine'" in status.message and "Pull" in status.message
 
