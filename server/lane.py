@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
 
@@ -28,6 +29,7 @@ import grpc.aio
 from google.protobuf.message import DecodeError, Message
 from google.rpc import status_pb2
 
+from kvxfer._exceptions import InvalidInputError
 from kvxfer.server.guard import Refusals, Refused
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.servicers import EngineServicer
@@ -93,13 +95,24 @@ class EngineLane:
         self.path = ""
 
     async def start(self, path: str) -> None:
-        """Listen at `path` (0600); a stale socket file there is replaced, any other
-        file is refused by the caller's check of the engine socket path first."""
+        """Listen at `path` (0600). The engine socket beside it was claimed first (no
+        live sidecar serves there), so a socket file left at `path` is stale and is
+        replaced; any other kind of file is refused, never removed."""
         with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise InvalidInputError(
+                    "engine_address", f"{path} (the engine lane) exists and is not a socket"
+                )
             os.unlink(path)
         old = os.umask(0o177)
         try:
             self._server = await asyncio.start_unix_server(self._accept, path=path)
+        except OSError as exc:
+            raise InvalidInputError(
+                "engine_address",
+                f"cannot serve the engine lane at {path}: {exc.strerror or exc} (a unix "
+                "socket path must be shorter than 108 bytes, this one with its .lane suffix)",
+            ) from exc
         finally:
             os.umask(old)
         os.chmod(path, 0o600)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import stat
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from google.rpc import status_pb2
 from sidecars import scrape, start_sidecar
 
 from kvxfer._exceptions import InvalidInputError, NotFoundError, PeerUnavailableError
-from kvxfer.cli.fleet import Proc, metric
+from kvxfer.cli.fleet import ChildDiedError, Fleet, Proc, metric
 from kvxfer.client import EngineClient
 from kvxfer.client.lane import Lane
 from kvxfer.v1 import sidecar_pb2 as pb
@@ -200,3 +201,29 @@ async def test_no_lane_socket_fails_naming_its_path(tmp_path: Path) -> None:
     lane = Lane(str(path), connect_timeout_s=0.2)
     with pytest.raises(PeerUnavailableError, match=f"no engine lane at {path} within 0.2s"):
         await lane.call("Abort", pb.AbortRequest(), pb.AbortResponse, 1, "abort")
+
+
+def test_a_file_where_the_lane_goes_is_refused_and_kept(tmp_path: Path) -> None:
+    mine = tmp_path / "sc.sock.lane"  # beside sidecar "sc"'s engine socket
+    mine.write_text("not a socket")
+    fleet = Fleet(tmp_path)
+    try:
+        with pytest.raises(ChildDiedError, match=r"sc\.sock\.lane \(the engine lane\) exists"):
+            fleet.sidecar("sc")
+        assert mine.read_text() == "not a socket"
+    finally:
+        fleet.close()
+
+
+async def test_a_killed_sidecars_lane_is_replaced_by_the_next(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    try:
+        first = fleet.sidecar("sc")
+        first.stop(signal.SIGKILL)  # leaves both socket files behind
+        assert Path(first.ready["engine_lane"]).exists()
+        second = fleet.sidecar("sc")
+        async with EngineClient(second.ready["engine_address"], engine_id="e-nobody") as client:
+            with pytest.raises(NotFoundError):  # answered on the new lane
+                await client.abort("req-1")
+    finally:
+        fleet.close()
