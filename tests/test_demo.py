@@ -230,6 +230,7 @@ def test_bench_reports_every_method_side_by_side() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["memcpy_gbps"] > 0
+    assert report["engine_transport"] == "lane"
     (case,) = report["cases"]
     assert case["model"] == "gemma-3-4b-it" and case["tokens"] == 1024
     for key in ("raw_nixl_gbps", "per_block_gbps", "kvxfer_gbps", "kvxfer_vs_raw"):

@@ -174,6 +174,7 @@ def run_bench(args: argparse.Namespace) -> int:
         pairings=tuple(pairings(args.tp or [], args.modes))
         if args.tp or args.modes != ["pull"]
         else (),
+        lane=not args.engine_grpc,
     )
     scope: contextlib.AbstractContextManager[Fleet] = local_fleet(
         "kvxfer-bench-", "kvxfer-cli bench"
@@ -207,6 +208,7 @@ class _Options:
     level_rounds: int = 1
     level_max_bytes: int = int(DEFAULT_MAX_GIB * 2**30)
     pairings: tuple[Pairing, ...] = ()  # TP sizes and modes, beside equal TP (bench_tp)
+    lane: bool = True  # the engines' calls: the engine lane, or gRPC
 
 
 async def _bench(models: Sequence[str], options: _Options, fleet: Fleet) -> dict[str, Any]:
@@ -227,6 +229,7 @@ async def _measure(
         asyncio.to_thread(fleet.sidecar, "p"), asyncio.to_thread(fleet.sidecar, "d")
     )
     report: dict[str, Any] = {
+        "engine_transport": "lane" if options.lane else "grpc",
         "memcpy_gbps": round(host_memcpy_gbps(), 3),
         "cases": [],
         "skipped": [],
@@ -248,7 +251,7 @@ async def _measure(
                 asyncio.to_thread(fleet.engine, d, setup.model, "decode", *setup.engine_args),
             )
             try:
-                async with _Case.open(agent, p, d, pe, de) as case:
+                async with _Case.open(agent, p, d, pe, de, options.lane) as case:
                     report["handshakes"].append(await case.first_pulls())
                     for size in setup.sizes:
                         note = ""
@@ -333,24 +336,28 @@ def mem_available() -> int:
 class _Case:
     """One model's engines, as seen by both the sidecars and this process's agent."""
 
-    def __init__(self, agent: NixlAgent, p: Proc, d: Proc, pe: EngineView, de: EngineView) -> None:
+    def __init__(
+        self, agent: NixlAgent, p: Proc, d: Proc, pe: EngineView, de: EngineView, lane: bool
+    ) -> None:
         self.agent, self.p, self.d, self.pe, self.de = agent, p, d, pe, de
         self.local: list[MappedBuffer] = []
         self.writable: dict[str, npt.NDArray[np.uint8]] = {}
         self.peer = ""
         self.hello: PeerHello | None = None
         self.ids = 0
-        self.p_client = EngineClient(p.ready["engine_address"], engine_id=pe.engine_id)
-        self.d_client = EngineClient(d.ready["engine_address"], engine_id=de.engine_id)
+        self.p_client = EngineClient(p.ready["engine_address"], engine_id=pe.engine_id, lane=lane)
+        self.d_client = EngineClient(d.ready["engine_address"], engine_id=de.engine_id, lane=lane)
         self.waiting: dict[str, asyncio.Future[PullDone]] = {}
         self.pump: asyncio.Task[None] | None = None
 
     @classmethod
-    def open(cls, agent: NixlAgent, p: Proc, d: Proc, pe: EngineView, de: EngineView) -> Any:
+    def open(
+        cls, agent: NixlAgent, p: Proc, d: Proc, pe: EngineView, de: EngineView, lane: bool
+    ) -> Any:
 
         @contextlib.asynccontextmanager
         async def scope() -> Any:
-            case = cls(agent, p, d, pe, de)
+            case = cls(agent, p, d, pe, de, lane)
             await case._start()
             try:
                 yield case

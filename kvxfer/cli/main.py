@@ -176,6 +176,12 @@ def _add_bench(commands: Any) -> None:
         type=positive_float,
         help="skip a burst that would move more than this (32 GiB)",
     )
+    bench.add_argument(
+        "--engine-grpc",
+        action="store_true",
+        help="the bench's engines call their sidecars over gRPC, not the engine lane "
+        "(to measure what the lane saves)",
+    )
     _add_bench_pairings(bench)
     bench.set_defaults(run=_lazy("kvxfer.cli.bench", "run_bench"))
 
