@@ -118,6 +118,7 @@ class Sidecar:
 
     def start(self) -> None:
         self._sweeper = asyncio.create_task(self._sweep())
+        self._readers.start()  # a reading agent ahead of the first pull (readers.py)
 
     async def _sweep(self) -> None:
         while True:

@@ -12,11 +12,21 @@ next pull from it gets a fresh agent.
 registration, peer metadata) when there is none, when the last one was
 severed, or when the peer's metadata changed. Before an engine's memory is
 unmapped, `close_engine` destroys every agent that could write into it.
+
+Creating a NIXL agent with its UCX backend is the slow part of opening a
+reader: about 450 ms for the first one in a process (UCX's own start-up,
+holding the GIL, so the sidecar's event loop stands still meanwhile) and
+20-50 ms for later ones, where registering an engine's memory and loading the
+peer's metadata take a few ms. So `start` creates one agent ahead (at sidecar
+start, when nothing waits on the loop), a new reader takes it, and the next
+spare is created once that reader is open: a first pull from a new peer pays
+for registration and metadata, not for an agent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +37,7 @@ from kvxfer.dataplane.memory import MappedBuffer
 
 log = logging.getLogger(__name__)
 
+PREFIX = "kvxfer-reader"
 BackendFactory = Callable[[str], TransferBackend]
 """Creates a new, empty agent (name prefix -> backend). Called off the event loop."""
 
@@ -43,6 +54,23 @@ class Readers:
         self._factory = factory
         self._readers: dict[tuple[str, str], Reader] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._spare: asyncio.Future[TransferBackend] | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        """Create a spare agent in the background, unless one is there or coming."""
+        if self._spare is None and not self._closed:
+            self._spare = asyncio.ensure_future(asyncio.to_thread(self._factory, PREFIX))
+
+    async def _agent(self) -> TransferBackend:
+        """The spare agent, or a new one when there is none (or it could not be made)."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            try:
+                return await spare
+            except Exception as exc:
+                log.warning("the spare reading agent could not be created: %s", exc)
+        return await asyncio.to_thread(self._factory, PREFIX)
 
     async def get(
         self, peer_key: str, engine_key: str, metadata: bytes, buffers: Sequence[MappedBuffer]
@@ -62,7 +90,7 @@ class Readers:
         self, key: tuple[str, str], metadata: bytes, buffers: Sequence[MappedBuffer]
     ) -> Reader:
         start = time.perf_counter()
-        backend = await asyncio.to_thread(self._factory, "kvxfer-reader")
+        backend = await self._agent()
         created = time.perf_counter()
         try:
             await backend.register(buffers)
@@ -81,6 +109,7 @@ class Readers:
             (registered - created) * 1e3,
             (time.perf_counter() - registered) * 1e3,
         )
+        self.start()  # the next reader's agent
         return Reader(backend, peer, metadata)
 
     async def close_engine(self, engine_key: str) -> bool:
@@ -90,6 +119,11 @@ class Readers:
         return await self._close(keys)
 
     async def close(self) -> bool:
+        self._closed = True
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            with contextlib.suppress(Exception):
+                await (await spare).close()
         return await self._close(list(self._readers))
 
     async def _close(self, keys: list[tuple[str, str]]) -> bool:
