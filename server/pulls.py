@@ -51,6 +51,8 @@ class Pull:
     aborted: bool = False
     lease_lost: bool = False
     task: asyncio.Task[None] | None = None
+    renewing: asyncio.Task[None] | None = None  # its heartbeat, cancelled once read
+    result: TransferResult | None = None  # the executed read, for its metrics
 
     @property
     def request_id(self) -> str:
@@ -87,6 +89,10 @@ async def run_pull(pull: Pull, ctx: PullContext, report: Callable[[PullDone], No
     report(done)  # first: the engine is waiting for it, the metrics are not
     await asyncio.sleep(0)  # and the event goes out before the metrics and EndRead run
     observe(pull.plan, done, ctx.metrics, peer, "read")
+    if pull.result is not None:
+        _observe_read(pull.result, done, ctx.metrics, peer)
+    if pull.renewing is not None:
+        await stop_heartbeat(pull.renewing)  # cancelled already: it renews no more
     if end_read:
         await _end_read(pull, ctx, done)
 
@@ -148,7 +154,9 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
                     return _all_failed(pull, PullStatus.FAILED, str(exc)), True
                 result = await _execute(pull, ctx, reader)
         finally:
-            await stop_heartbeat(renewing)
+            # Cancelled at once (the lease is ours until EndRead), awaited after PullDone.
+            renewing.cancel()
+            pull.renewing = renewing
     except BaseException:
         if begin is not None:
             begin.cancel()
@@ -157,15 +165,17 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
         raise
     if TransferStatus.DISCONNECTED in result.chunk_statuses:
         ctx.links.invalidate(link)
-    done = _from_result(pull, result)
-    peer = ctx.links.label(params.peer_address)
-    ctx.metrics.post_duration.labels(peer).observe(result.bind_s)
-    ctx.metrics.descriptors.labels(peer).inc(result.descriptors)
-    ctx.metrics.transfer_descriptors.labels(peer).observe(result.descriptors)
-    ctx.metrics.transfer_bytes.labels(peer).observe(done.bytes_moved)
+    pull.result = result
+    return _from_result(pull, result), True
+
+
+def _observe_read(result: TransferResult, done: PullDone, metrics: Metrics, peer: str) -> None:
+    metrics.post_duration.labels(peer).observe(result.bind_s)
+    metrics.descriptors.labels(peer).inc(result.descriptors)
+    metrics.transfer_descriptors.labels(peer).observe(result.descriptors)
+    metrics.transfer_bytes.labels(peer).observe(done.bytes_moved)
     for status in result.chunk_statuses:
-        ctx.metrics.chunks.labels(peer, status.value).inc()
-    return done, True
+        metrics.chunks.labels(peer, status.value).inc()
 
 
 async def _reader(pull: Pull, ctx: PullContext) -> Reader:
