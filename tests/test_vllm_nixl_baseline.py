@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -63,14 +64,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return write_models(tmp_path_factory.mktemp("models"))
 
 
-@pytest.fixture(scope="module")
-def lone_references(
-    models: dict[str, Path],
-    tmp_path_factory: pytest.TempPathFactory,
-    stopping: list[threading.Thread],
+def run_alone(
+    models: dict[str, Path], workdir: Path, stopping: list[threading.Thread]
 ) -> dict[str, vllm_fleet.Reply]:
-    """One engine alone for each family no P/D pair here runs."""
-    workdir = tmp_path_factory.mktemp("reference")
     specs = {f: engine_spec(models, f, cpu=i % 2) for i, f in enumerate(LONE_FAMILIES)}
     workers = vllm_fleet.start_workers(specs, vllm_python(), workdir)
     try:
@@ -79,12 +75,28 @@ def lone_references(
         stop_in_background(stopping, lambda: vllm_fleet.close_all(workers.values()))
 
 
+@pytest.fixture(scope="module")
+def lone_references(
+    models: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+    stopping: list[threading.Thread],
+) -> Iterator[Future[dict[str, vllm_fleet.Reply]]]:
+    """One engine alone for each family no P/D pair here runs, loading in the background
+    beside the first pair (`nixl_pair` asks for it): one engine alone leaves a core idle."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lone")
+    try:
+        yield pool.submit(run_alone, models, tmp_path_factory.mktemp("reference"), stopping)
+    finally:
+        pool.shutdown(wait=True)
+
+
 @pytest.fixture(scope="module", params=PAIR_FAMILIES)
 def nixl_pair(
     request: pytest.FixtureRequest,
     models: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
     stopping: list[threading.Thread],
+    lone_references: Future[dict[str, vllm_fleet.Reply]],
 ) -> Iterator[tuple[str, vllm_fleet.PdPair, vllm_fleet.Reply]]:
     """(family, started pair, the prefill engine's own reference for REFERENCE_PROMPTS)."""
     family: str = request.param
@@ -118,10 +130,11 @@ def test_tiny_models_of_every_family_load_and_generate(
 
 
 def test_tiny_models_of_the_families_without_a_pair_load_and_generate(
-    lone_references: dict[str, vllm_fleet.Reply],
+    lone_references: Future[dict[str, vllm_fleet.Reply]],
 ) -> None:
-    assert set(lone_references) | set(PAIR_FAMILIES) == set(FAMILIES)
-    for family, reference in lone_references.items():
+    references = lone_references.result()
+    assert set(references) | set(PAIR_FAMILIES) == set(FAMILIES)
+    for family, reference in references.items():
         assert_loads_and_generates(family, reference)
 
 
