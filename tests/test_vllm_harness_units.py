@@ -109,10 +109,12 @@ def test_a_worker_that_cannot_start_fails_with_its_log(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 def test_a_worker_that_does_not_answer_in_time_is_stopped_with_its_children(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A real model: loading takes longer than the worker's stop timeout, so it is still
     # loading (deaf to "quit") when closed, and only the process-group kill stops it.
+    # A 1 s stop timeout keeps it so by a wider margin, and `close` waits 1 s, not 10.
+    monkeypatch.setattr(vllm_fleet, "STOP_TIMEOUT_S", 1.0)
     model = tmp_path / "llama"
     subprocess.run(
         [str(vllm_python()), "-m", "kvxfer.cli.main", "tiny-model", "--family", "llama",

@@ -9,6 +9,10 @@ carried. Gemma3 runs with B=32 and a window of 80 (not block-aligned);
 GPT-OSS with half its chunks failing (vLLM recomputes, the output must not
 change); Qwen3-Next against vLLM's own NixlConnector P/D (bf16 drift between
 its chunked and recurrent kernels makes one engine a false reference).
+
+The four demos run two at a time: a demo leaves a core idle about half its wall
+time (engines starting, handshaking and shutting down), so two overlap well on
+two cores.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,13 @@ from kvxfer.core.layout import GroupId, GroupKind, KVGroup, TensorSpec
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 CLI = Path(sys.prefix) / "bin" / "kvxfer-cli"
+# Each test's demo, longest first so that the two lanes end close together.
+DEMOS = {
+    "qwen3-next": ("--model", "qwen3-next"),
+    "gpt-oss": ("--model", "gpt-oss", "--fail-rate", "0.5", "--seed", "3"),
+    "llama": ("--model", "llama"),
+    "gemma3": ("--model", "gemma3"),
+}
 
 
 def demo(*args: str) -> dict[str, Any]:
@@ -38,6 +51,16 @@ def demo(*args: str) -> dict[str, Any]:
     report["returncode"] = done.returncode
     report["stderr"] = done.stderr[-3000:]
     return report
+
+
+@pytest.fixture(scope="module")
+def reports() -> Iterator[dict[str, Future[dict[str, Any]]]]:
+    """Every demo's report, two demos running at once; a test waits for its own."""
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="demo")
+    try:
+        yield {name: pool.submit(demo, *args) for name, args in DEMOS.items()}
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def oracle_minimum(report: dict[str, Any]) -> int:
@@ -61,8 +84,10 @@ def assert_identical(report: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_decode_is_token_identical_and_moves_the_oracle_minimum(family: str) -> None:
-    report = demo("--model", family)
+def test_decode_is_token_identical_and_moves_the_oracle_minimum(
+    family: str, reports: dict[str, Future[dict[str, Any]]]
+) -> None:
+    report = reports[family].result()
     assert_identical(report)
     assert report["failed_blocks"] == 0
     assert report["bytes_moved"] == report["bytes_exact_minimum"] == oracle_minimum(report)
@@ -70,8 +95,10 @@ def test_decode_is_token_identical_and_moves_the_oracle_minimum(family: str) -> 
         assert report["bytes_exact_minimum"] < report["bytes_full_attention"]
 
 
-def test_failed_chunks_are_recomputed_and_the_output_does_not_change() -> None:
-    report = demo("--model", "gpt-oss", "--fail-rate", "0.5", "--seed", "3")
+def test_failed_chunks_are_recomputed_and_the_output_does_not_change(
+    reports: dict[str, Future[dict[str, Any]]],
+) -> None:
+    report = reports["gpt-oss"].result()
     assert report["matched"] == report["requests"] == 3, report
     assert report["failed_blocks"] > 0 and report["recomputed_tokens"] > 0, report
     # The control may have failed and been recomputed honestly; the no-failure cases
@@ -80,8 +107,10 @@ def test_failed_chunks_are_recomputed_and_the_output_does_not_change() -> None:
     assert report["returncode"] == 0, report["stderr"]
 
 
-def test_a_state_model_matches_vllms_own_pd() -> None:
-    report = demo("--model", "qwen3-next")
+def test_a_state_model_matches_vllms_own_pd(
+    reports: dict[str, Future[dict[str, Any]]],
+) -> None:
+    report = reports["qwen3-next"].result()
     assert report["reference"] == "vllm NixlConnector P/D"
     assert_identical(report)
     assert report["bytes_moved"] == report["bytes_exact_minimum"]
