@@ -11,7 +11,7 @@ from oracle import oracle_blocks
 from strategies import layouts, requests
 
 from kvxfer._exceptions import LayoutError, PlanError
-from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, Region
+from kvxfer.core.layout import MAX_BLOCKS, BlockId, BlockSpan, EngineLayout, GroupId, Region
 from kvxfer.core.planner import Chunk, plan_transfer
 from kvxfer.core.profiles import layout_for_model
 
@@ -166,6 +166,13 @@ def test_region_block_size_must_match_layout() -> None:
         base.with_regions(regions)
 
 
-def test_negative_span_id_is_rejected_naming_the_field() -> None:
-    with pytest.raises(LayoutError, match=r"spans\[group 1\].block_ids\[2\]: must be in"):
-        BlockSpan(GroupId(1), 0, (BlockId(1), BlockId(2), BlockId(-5)))
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [(-5, "must be in"), (MAX_BLOCKS + 1, "must be in"), (True, "must be an integer"),
+     (2.0, "must be an integer")],
+)  # fmt: skip
+def test_a_bad_span_id_is_rejected_naming_the_field(bad: object, message: str) -> None:
+    ids = [BlockId(b) for b in range(1000)]  # checked all at once, named one by one
+    ids[700] = bad  # type: ignore[call-overload]
+    with pytest.raises(LayoutError, match=rf"spans\[group 1\].block_ids\[700\]: {message}"):
+        BlockSpan(GroupId(1), 0, tuple(ids))

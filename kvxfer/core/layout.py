@@ -276,8 +276,14 @@ class BlockSpan:
         where = f"spans[group {self.group_id}]"
         check_int(f"{where}.group_id", self.group_id, 0, 1 << 16)
         check_int(f"{where}.first_block", self.first_block, 0, MAX_BLOCKS)
-        for i, block_id in enumerate(self.block_ids):
-            check_int(f"{where}.block_ids[{i}]", block_id, 0, MAX_BLOCKS)
+        ids = self.block_ids
+        # All at once (a 16k-token pull has thousands of ids); one by one only to name
+        # the first bad id.
+        if not all(type(b) is int for b in ids) or (
+            ids and (min(ids) < 0 or max(ids) > MAX_BLOCKS)
+        ):
+            for i, block_id in enumerate(ids):
+                check_int(f"{where}.block_ids[{i}]", block_id, 0, MAX_BLOCKS)
 
     @property
     def end_block(self) -> int:

@@ -8,6 +8,7 @@ message becomes a LayoutError whose field path starts at the message
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 from kvxfer._exceptions import LayoutError
 from kvxfer.core.layout import (
@@ -194,7 +195,7 @@ def spans_from_proto(messages: Iterable[pb.BlockSpan], field: str) -> tuple[Bloc
                 BlockSpan(
                     group_id=GroupId(message.group_id),
                     first_block=message.first_block,
-                    block_ids=tuple(BlockId(b) for b in message.block_ids),
+                    block_ids=cast(tuple[BlockId, ...], tuple(message.block_ids)),
                 )
             )
         except LayoutError as exc:
