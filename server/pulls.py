@@ -119,15 +119,13 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
     # read waits for BeginRead.
     with contextlib.suppress(KvxferError):
         reading = _execute(pull, ctx, await _reader(pull, ctx))
-    begin: asyncio.Future[pb.BeginReadResponse] | None = None
     try:
         if reading is not None:
             # One turn of the loop first: the chunks' tasks hand them to the NIXL thread
             # before BeginRead's gRPC call takes the loop, so the copy starts first.
             await asyncio.sleep(0)
-        begin = asyncio.ensure_future(ctx.links.begin_read(link, params.request_id, ctx.reader_id))
         try:
-            begun = await begin
+            begun = await ctx.links.begin_read(link, params.request_id, ctx.reader_id)
         except KvxferError as exc:
             return await _refused(pull, reading, str(exc)), False
         renewing = asyncio.create_task(heartbeat(pull, ctx.links, begun.lease_ttl_ms / 1000))
@@ -157,9 +155,7 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
             # Cancelled at once (the lease is ours until EndRead), awaited after PullDone.
             renewing.cancel()
             pull.renewing = renewing
-    except BaseException:
-        if begin is not None:
-            begin.cancel()
+    except BaseException:  # cancelled: the read begun beside BeginRead goes with it
         if reading is not None:
             reading.cancel()
         raise
