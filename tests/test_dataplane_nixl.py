@@ -309,3 +309,39 @@ async def test_killed_peer_fails_pending_chunks_and_severs_only_its_agent() -> N
         other.close()
         src.close()
         dst.close()
+
+
+async def test_a_read_given_up_on_mid_copy_leaves_the_agent_serving() -> None:
+    """Cancel the task awaiting a pull while its chunk is copying: the agent's thread
+    must outlive the chunk it can no longer report (its future was cancelled with the
+    task) and serve the next read. A thread that died on it would leave every later
+    call unanswered."""
+    layout = layout_for_model("llama-3.1-8b", block_size=BLOCK)
+    big_blocks = 512  # 2 MiB per block: 1 GiB per side, tens of ms to copy
+    src = ShmKVCache(layout, big_blocks, "cancel-src")
+    dst = ShmKVCache(layout, big_blocks, "cancel-dst")
+    peer_proc = SourcePeer(src.buffers)
+    try:
+        span = [BlockSpan(GroupId(0), 0, tuple(BlockId(b) for b in range(big_blocks)))]
+        whole = plan_transfer(
+            src.layout, dst.layout, span, span, big_blocks * BLOCK, 0, chunk_blocks=big_blocks
+        )
+        small = plan_transfer(src.layout, dst.layout, span, span, BLOCK, 0)
+        async with LocalSide(dst.buffers) as local:
+            peer = await local.backend.add_peer(peer_proc.metadata)
+            task = asyncio.ensure_future(local.pull(whole, peer, peer_proc.buffers, BLOCK))
+            await asyncio.sleep(0.01)
+            assert not task.done(), "the copy ended before it could be given up on"
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.5)  # the copy ends and the thread reports it to nobody
+            assert local.backend.alive
+            result = await asyncio.wait_for(
+                local.pull(small, peer, peer_proc.buffers, BLOCK), timeout=10
+            )
+            assert result.status is RequestStatus.OK
+    finally:
+        peer_proc.stop()
+        src.close()
+        dst.close()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import enum
 import logging
 import os
@@ -182,8 +183,18 @@ def _pass_failure(
     """A chunk's command that raised instead of settling its outcome: the outcome
     raises that."""
     exc = command.exception()
-    if exc is not None and not outcome.done():
-        outcome.set_exception(exc)
+    if exc is not None:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            outcome.set_exception(exc)
+
+
+def _settle(outcome: concurrent.futures.Future[TransferStatus], status: TransferStatus) -> None:
+    """Tell a chunk's outcome, unless its waiter gave up on it: cancelling the task that
+    awaits a chunk cancels its future, and `set_result` on that would raise here and end
+    this agent's thread, leaving every later call unanswered. The chunk itself stays
+    this thread's to poll and release."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        outcome.set_result(status)
 
 
 def _is_disconnect(exc: BaseException) -> bool:
@@ -294,7 +305,7 @@ class NixlAgent:
             if status is None:
                 still.append(item)
             elif status is TransferStatus.DONE:
-                item.future.set_result(status)  # the bytes are in: tell the loop first
+                _settle(item.future, status)  # the bytes are in: tell the loop first
                 self._release(state, item.handle)
             else:
                 failed.append((item, status))
@@ -344,7 +355,7 @@ class NixlAgent:
         self._destroy(state, [item.handle for item, _ in outcomes])
         # Only now, with the backend's workers gone, may anyone hear that these failed.
         for item, status in outcomes:
-            item.future.set_result(status)
+            _settle(item.future, status)
 
     def _poll_notifications(self, state: _State) -> None:
         if state.agent is None:  # severed
@@ -365,7 +376,7 @@ class NixlAgent:
         self._abandoned = self._abandoned or bool(pending)
         self._destroy(state, [item.handle for item in pending])
         for item in pending:  # reported only once nothing can write for them any more
-            item.future.set_result(TransferStatus.CANCELLED)
+            _settle(item.future, TransferStatus.CANCELLED)
 
     @staticmethod
     def _destroy(state: _State, handles: list[Any]) -> None:
@@ -491,11 +502,11 @@ class NixlAgent:
             try:
                 handle = self._create(state, job)
             except PeerDisconnectedError:
-                outcome.set_result(TransferStatus.DISCONNECTED)
+                _settle(outcome, TransferStatus.DISCONNECTED)
                 return
             except TransferError as exc:  # nothing was posted: nothing to sever
                 log.warning("chunk to %s not created: %s", job.peer, exc)
-                outcome.set_result(TransferStatus.FAILED)
+                _settle(outcome, TransferStatus.FAILED)
                 return
             item = _InFlight(handle, time.monotonic() + job.deadline_s, outcome)
             status = self._start(state, item, job.peer)
