@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from strategies import PROFILES
 
-from kvxfer._exceptions import NegotiationError
+from kvxfer._exceptions import LayoutError, NegotiationError
 from kvxfer.core import negotiation
 from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup, TensorSpec
 from kvxfer.core.negotiation import find_mismatches, negotiate
@@ -81,7 +81,7 @@ def test_different_tp_sizes_are_refused_where_heads_cannot_be_split() -> None:
     )
     assert set(_fields(unknown, _tp("llama-3.1-8b", 1))) == {"layout.groups[0].num_kv_heads"}
     fused = _fields(dataclasses.replace(base, token_major=False), _tp("llama-3.1-8b", 1))
-    assert "local side's tokens cannot be cut" in fused["layout.groups[0].tensors"].hint  # type: ignore[attr-defined]
+    assert "local side's blocks cannot be cut" in fused["layout.groups[0].tensors"].hint  # type: ignore[attr-defined]
     qwen = _tp("qwen3-next-80b-a3b", 2)
     uncut = dataclasses.replace(
         qwen,
@@ -260,3 +260,33 @@ def test_mla_geometry_mismatch_names_the_latent() -> None:
     llama = layout_for_model("llama-3.1-8b")
     kind = _fields(one, llama)["layout.groups[0].kind"]
     assert (kind.local, kind.peer) == ("mla", "full_attention")  # type: ignore[attr-defined]
+
+
+def _head_major(layout: EngineLayout) -> EngineLayout:
+    return dataclasses.replace(layout, token_major=False, head_major=True)
+
+
+def test_head_major_sides_split_by_block_and_mixed_orders_are_named() -> None:
+    """vLLM's CPU pages are head-major: between different TP sizes both sides must be,
+    at equal block sizes; the handshake text says a head run is a byte range of every
+    block there, of every token otherwise."""
+    from kvxfer.cli.admin import _block_mapping  # noqa: PLC0415
+
+    decode = _head_major(layout_for_model("gpt-oss-20b", tp_size=2, tp_rank=1))
+    prefill = _head_major(layout_for_model("gpt-oss-20b"))
+    agreement = negotiate(decode, prefill)
+    assert {g.block_mapping for g in agreement.groups} == {"heads"}
+    assert {g.slice_tokens for g in agreement.groups} == {decode.block_size}
+    text = _block_mapping(dataclasses.asdict(agreement.groups[0]))
+    assert text.endswith("(a byte range of every block)"), text
+    token_major = negotiate(
+        layout_for_model("gpt-oss-20b", tp_size=2), layout_for_model("gpt-oss-20b")
+    )
+    assert _block_mapping(dataclasses.asdict(token_major.groups[0])).endswith("every token)")
+    mixed = _fields(decode, layout_for_model("gpt-oss-20b"))
+    assert set(mixed) == {"layout.groups[0].block_size", "layout.groups[1].block_size"}
+    assert "the dst side's blocks are head-major" in mixed["layout.groups[0].block_size"].hint  # type: ignore[attr-defined]
+    sizes = _fields(decode, _head_major(layout_for_model("gpt-oss-20b", block_size=32)))
+    assert "head-major blocks of 32 and 16 tokens" in sizes["layout.groups[0].block_size"].hint  # type: ignore[attr-defined]
+    with pytest.raises(LayoutError, match="head_major"):
+        dataclasses.replace(prefill, token_major=True)

@@ -279,8 +279,8 @@ def test_slicing_is_refused_where_a_token_range_is_not_one_byte_range() -> None:
         dataclasses.replace(case, src=strided).plan(4)
 
 
-def test_token_major_survives_the_wire() -> None:
+def test_block_order_survives_the_wire() -> None:
     layout = layout_for_model("gpt-oss-20b")
-    for flag in (True, False):
-        flagged = dataclasses.replace(layout, token_major=flag)
+    for token_major, head_major in ((True, False), (False, False), (False, True)):
+        flagged = dataclasses.replace(layout, token_major=token_major, head_major=head_major)
         assert layout_from_proto(layout_to_proto(flagged)) == flagged

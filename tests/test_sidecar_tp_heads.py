@@ -48,12 +48,18 @@ def _assemble(
             head = dst_token // len(mine)
             for logical in sorted({t // size for t in moved}):
                 want = decode.pattern_block(tensor.name, dst_ids[logical])
-                for t in range(logical * size, (logical + 1) * size):
-                    for h in mine:
-                        rank = oracle_head_server(heads, src_tp, h, layout.tp_rank)
-                        theirs = oracle_rank_heads(heads, src_tp, rank)
-                        src_token = head * len(theirs)
-                        source = prefill[rank].block(tensor.name, src_ids[logical])
+                for h in mine:
+                    rank = oracle_head_server(heads, src_tp, h, layout.tp_rank)
+                    theirs = oracle_rank_heads(heads, src_tp, rank)
+                    source = prefill[rank].block(tensor.name, src_ids[logical])
+                    if layout.head_major:  # head h: every token of the block, together
+                        whole = head * size
+                        s, d = theirs.index(h) * whole, mine.index(h) * whole
+                        want[d : d + whole] = source[s : s + whole]
+                        checked += whole
+                        continue
+                    src_token = head * len(theirs)
+                    for t in range(logical * size, (logical + 1) * size):
                         s = t % size * src_token + theirs.index(h) * head
                         d = t % size * dst_token + mine.index(h) * head
                         want[d : d + head] = source[s : s + head]
@@ -64,11 +70,20 @@ def _assemble(
     return checked
 
 
-@pytest.mark.parametrize("model", ["llama-3.1-8b", "gpt-oss-20b"])
+@pytest.mark.parametrize(
+    ("model", "order"),
+    [
+        ("llama-3.1-8b", "token-major"),
+        ("gpt-oss-20b", "token-major"),
+        # vLLM's CPU pages: each head's bytes for every token of the block together.
+        ("gpt-oss-20b", "head-major"),
+    ],
+)
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
 async def test_decode_ranks_read_their_heads_from_every_prefill_rank(
-    tmp_path: Path, model: str, prefill_tp: int, decode_tp: int
+    tmp_path: Path, model: str, order: str, prefill_tp: int, decode_tp: int
 ) -> None:
+    major = ("--head-major",) if order == "head-major" else ()
     p = start_sidecar(tmp_path, "p")
     d = start_sidecar(tmp_path, "d")
     procs = [p, d]
@@ -76,10 +91,11 @@ async def test_decode_ranks_read_their_heads_from_every_prefill_rank(
         prefill, decode = [], []
         for rank in range(prefill_tp):
             tp = ("--tp-size", str(prefill_tp), "--tp-rank", str(rank), "--seed", str(rank + 1))
-            prefill.append(start_engine(tmp_path, p, model, "prefill", *tp, num_blocks=16))
+            prefill.append(start_engine(tmp_path, p, model, "prefill", *tp, *major, num_blocks=16))
         for rank in range(decode_tp):
             tp = ("--tp-size", str(decode_tp), "--tp-rank", str(rank), "--seed", str(rank + 7))
-            decode.append(start_engine(tmp_path, d, model, "decode", *tp, num_blocks=16))
+            decode.append(start_engine(tmp_path, d, model, "decode", *tp, *major, num_blocks=16))
+        assert all(e.layout.head_major == bool(major) for e in prefill + decode)
         procs += prefill + decode
         groups = range(len(prefill[0].layout.groups))
         src_ids, dst_ids = [3, 4, 5, 9, 2], [8, 1, 2, 3, 11]

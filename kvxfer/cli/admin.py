@@ -220,9 +220,12 @@ def _block_mapping(group: dict[str, Any]) -> str:
     if group["block_mapping"] == "same":
         return f"block i <- peer block i ({mine} tokens)"
     if group["block_mapping"] == "heads":
+        # slice_tokens: 1 where a head run is cut from every token, the block size
+        # where blocks are head-major (one byte range of every block).
+        unit = "block" if group["slice_tokens"] > 1 else "token"
         return (
             f"{mine}-token blocks <- peer's {theirs}-token blocks by heads "
-            "(a byte range of every token)"
+            f"(a byte range of every {unit})"
         )
     unit = group["slice_tokens"]
     how = "whole blocks where they align, " if unit in (mine, theirs) else ""

@@ -26,6 +26,8 @@ from kvxfer.client.shm import ShmKVCache, shm_kv_cache
 
 def run_engine_sim(args: argparse.Namespace) -> int:
     layout = layout_from_args(args, args.model)
+    if args.head_major:
+        layout = dataclasses.replace(layout, token_major=False, head_major=True)
     with shm_kv_cache(
         layout,
         args.num_blocks,
@@ -58,6 +60,7 @@ async def _serve(args: argparse.Namespace, cache: ShmKVCache) -> int:
             "block_size": args.block_size,
             "tp_size": args.tp_size,
             "tp_rank": args.tp_rank,
+            "head_major": cache.layout.head_major,
             "num_blocks": args.num_blocks,
             "state_blocks": args.state_blocks,
             "sliding_blocks": args.sliding_blocks or args.num_blocks,

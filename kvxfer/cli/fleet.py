@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import mmap
@@ -138,6 +139,8 @@ class EngineView:
             tp_size=r.get("tp_size", 1),
             tp_rank=r.get("tp_rank", 0),
         )
+        if r.get("head_major"):
+            base = dataclasses.replace(base, token_major=False, head_major=True)
         return base.with_regions(Region(**region) for region in r["regions"])
 
     @functools.cached_property

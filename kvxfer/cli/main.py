@@ -333,6 +333,12 @@ def _add_engine_sim(commands: Any) -> None:
     sim.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel size")
     sim.add_argument("--tp-rank", type=non_negative_int, default=0, help="this engine's rank")
     sim.add_argument("--seed", type=non_negative_int, default=0, help="pattern seed")
+    sim.add_argument(
+        "--head-major",
+        action="store_true",
+        help="register attention blocks as head-major (each head's bytes for every token "
+        "of the block together, as vLLM's CPU pages), not token-major",
+    )
     sim.add_argument("--name", default="", help="engine name shown by status")
     sim.set_defaults(run=_lazy("kvxfer.cli.engine_sim", "run_engine_sim"))
 

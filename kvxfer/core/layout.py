@@ -314,11 +314,20 @@ class EngineLayout:
     # Every attention/latent block is [block_size tokens][bytes of one token] (K and V
     # in regions of their own, as kvxfer's own shared-memory layout has them), so a token
     # range of a block is one byte range: what a pairing of different block sizes needs.
-    # vLLM fuses K and V in one page (K tokens, then V tokens): not token-major.
+    # vLLM fuses K and V in one page: not token-major.
     token_major: bool = True
+    # Every attention block is [the heads this rank holds][one head's bytes for every
+    # token of the block] (vLLM's CPU pages: per head, the block's K rows then its V
+    # rows), so a run of heads is one byte range of a block: what a pairing of
+    # different TP sizes with equal block sizes needs. Never with token_major.
+    head_major: bool = False
 
     def __post_init__(self) -> None:
         dtype_bytes(self.kv_dtype)
+        if self.token_major and self.head_major:
+            raise LayoutError(
+                "head_major", "a layout's blocks are token-major or head-major, not both"
+            )
         check_int("block_size", self.block_size, 1, 1 << 20)
         check_int("tp_size", self.tp_size, 1, 1 << 12)
         check_int("tp_rank", self.tp_rank, 0, self.tp_size - 1)
@@ -370,6 +379,19 @@ class EngineLayout:
             return None
         return token // self.rank_heads(group)
 
+    def head_block_bytes(self, group: KVGroup, tensor: TensorSpec) -> int | None:
+        """Bytes of one head of `tensor` over a whole block in a head-major layout, or
+        None when the layout cannot say (not head-major, a state or latent group, no
+        head count, or bytes that do not split)."""
+        if (
+            not self.head_major
+            or group.kind in (GroupKind.MAMBA, GroupKind.MLA)
+            or group.num_kv_heads is None
+            or tensor.bytes_per_block % self.rank_heads(group)
+        ):
+            return None
+        return tensor.bytes_per_block // self.rank_heads(group)
+
     def _check_regions(self) -> None:
         by_name = self.region_map
         if len(by_name) != len(self.regions):
@@ -420,4 +442,5 @@ class EngineLayout:
             groups=self.groups,
             regions=tuple(regions),
             token_major=self.token_major,
+            head_major=self.head_major,
         )

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from kvxfer._exceptions import NegotiationError
 from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup
 from kvxfer.core.reblock import BlockMapping, mapping_of, slice_tokens, slicing_problem
-from kvxfer.core.tp_map import pairing_sources, split_problem, state_problem
+from kvxfer.core.tp_map import pair_split_problem, pairing_sources, split_problem, state_problem
 from kvxfer.core.tp_reads import HeadRead, StateRead, head_reads, state_reads
 
 PROTOCOL_VERSION = 1
@@ -306,11 +306,27 @@ def _split_problems(
                     f"{where}.tensors",
                     f"tp_size {local.tp_size}",
                     f"tp_size {peer.tp_size}",
-                    f"different TP sizes read heads as byte ranges of each token, but the "
-                    f"{side} side's tokens cannot be cut into heads: {problem}",
+                    f"different TP sizes read heads as byte ranges of each token (of each "
+                    f"block where blocks are head-major), but the {side} side's blocks "
+                    f"cannot be cut into heads: {problem}",
                 )
             )
+    pair = None if found else pair_split_problem(peer, b, local, a)
+    if pair is not None:
+        found.append(
+            Mismatch(
+                f"{where}.block_size",
+                _order(local, local.block_size_of(a)),
+                _order(peer, peer.block_size_of(b)),
+                f"different TP sizes: {pair}",
+            )
+        )
     return found
+
+
+def _order(layout: EngineLayout, block_size: int) -> str:
+    major = "head-major" if layout.head_major else "token-major"
+    return f"{major} blocks of {block_size} tokens"
 
 
 def _groups(local_layout: EngineLayout, peer_layout: EngineLayout) -> list[Mismatch]:
@@ -539,15 +555,15 @@ def _mapping(
         local_block_size=mine,
         peer_block_size=theirs,
         block_mapping=mapping.value,
-        slice_tokens=_slice_tokens(mapping, mine, theirs),
+        slice_tokens=_slice_tokens(mapping, mine, theirs, local.head_major),
         head_reads=head_reads(local, group, peer) if mapping is BlockMapping.HEADS else (),
         state_reads=state_reads(local, group, peer) if group.kind is GroupKind.MAMBA else (),
     )
 
 
-def _slice_tokens(mapping: BlockMapping, mine: int, theirs: int) -> int:
+def _slice_tokens(mapping: BlockMapping, mine: int, theirs: int, head_major: bool) -> int:
     if mapping is BlockMapping.HEADS:
-        return 1  # a head run is a byte range of each token
+        return mine if head_major else 1  # a head run is a byte range of each block/token
     return slice_tokens(mine, theirs) if mapping is BlockMapping.TOKENS else mine
 
 

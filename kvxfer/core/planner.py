@@ -61,6 +61,7 @@ from kvxfer.core.tp_map import (
     check_head_split,
     check_serves,
     check_state_split,
+    head_unit_bytes,
     mla_server,
     served_slices,
     served_state,
@@ -367,6 +368,10 @@ def plan_between(
         if mapping is BlockMapping.HEADS and not served_slices(src, dst, group):
             out.append(GroupPlan(group, range(0)))  # another source rank serves it
             continue
+        if mapping is BlockMapping.HEADS and dst.head_major:  # whole blocks, equal sizes
+            per_block = _served_bytes(src, dst, group)
+            out.append(GroupPlan(group, plan.blocks, None, len(plan.blocks) * per_block))
+            continue
         if mapping not in (BlockMapping.TOKENS, BlockMapping.HEADS):
             out.append(plan)
             continue
@@ -405,7 +410,10 @@ def _group_chunks(
     if _state_split(src, dst, plan.group):
         pairs = _state_pairs(pairs, served_state(src, dst, plan.group), plan.group)
     elif mapping_of(dst, plan.group, src, src.group(gid)) is BlockMapping.HEADS:
-        unit, pairs = 1, _head_pairs(src, dst, plan.group)
+        if dst.head_major:  # a run of heads is one byte range of each block
+            pairs = _head_pairs(src, dst, plan.group)
+        else:  # ... of each token
+            unit, pairs = 1, _head_pairs(src, dst, plan.group)
     elif tokens is not None:
         pairs = tuple(
             RegionPair(slice_region(p.src, src_size, unit), slice_region(p.dst, dst_size, unit))
@@ -431,28 +439,35 @@ def _group_chunks(
 
 
 def _served_bytes(src: EngineLayout, dst: EngineLayout, group: KVGroup) -> int:
-    """Bytes of one token of `group` the source rank serves the destination rank."""
+    """Bytes of `group` the source rank serves the destination rank per unit a head run
+    is cut from: a token (token-major), a block (head-major)."""
     heads = sum(len(piece.dst_heads) for piece in served_slices(src, dst, group))
-    return sum(heads * (dst.head_bytes(group, t) or 0) for t in group.tensors)
+    return sum(heads * (head_unit_bytes(dst, group, t) or 0) for t in group.tensors)
 
 
 def _head_pairs(src: EngineLayout, dst: EngineLayout, group: KVGroup) -> tuple[RegionPair, ...]:
-    """Different TP sizes: every tensor's regions seen one token per block, narrowed on
-    each side to the run of heads this source serves the destination (tp_map)."""
+    """Different TP sizes: every tensor's regions narrowed on each side to the run of
+    heads this source serves the destination (tp_map): inside every token, seen one
+    token per block, when blocks are token-major; inside every block when head-major."""
     src_group = src.group(group.group_id)
     src_size, dst_size = src.block_size_of(src_group), dst.block_size_of(group)
     out = []
     for pair, tensor in zip(_region_pairs(src, dst, group), group.tensors, strict=True):
-        head = dst.head_bytes(group, tensor)
+        head = head_unit_bytes(dst, group, tensor)
         assert head is not None  # check_head_split said so
         for piece in served_slices(src, dst, group):
             src_at, dst_at, length = piece.byte_range(head)
-            out.append(
-                RegionPair(
+            if dst.head_major:
+                narrowed = RegionPair(
+                    _narrow(pair.src, src_at, length),
+                    _narrow(pair.dst, dst_at, length),
+                )
+            else:
+                narrowed = RegionPair(
                     head_region(pair.src, src_size, src_at, length),
                     head_region(pair.dst, dst_size, dst_at, length),
                 )
-            )
+            out.append(narrowed)
     return tuple(out)
 
 

@@ -15,7 +15,10 @@ Negotiation and the planner use it for groups whose blocks map by heads
 
 Inside a token-major block a rank's token is its heads one after another, so a
 run of heads read from one prefill rank is one byte range of each token:
-`HeadSlice.byte_range` says which. An mla latent is read whole from one rank
+`HeadSlice.byte_range` says which. Inside a head-major block (vLLM's CPU pages) a
+head holds every token of the block, so the run is one byte range of the block
+(`head_unit_bytes`); both sides must then order blocks alike, at equal block sizes
+(`pair_split_problem`). An mla latent is read whole from one rank
 (`mla_server`). A state tensor (`layout.StateShard`) is rows of segments, each
 split over the ranks like KV heads: `state_pieces` says which byte ranges of a
 decode rank's state block come from which prefill rank. A unit replicated on the
@@ -31,7 +34,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvxfer._exceptions import LayoutError, PlanError
-from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup, StateShard, check_int
+from kvxfer.core.layout import (
+    EngineLayout,
+    GroupKind,
+    KVGroup,
+    StateShard,
+    TensorSpec,
+    check_int,
+)
 from kvxfer.core.reblock import HEAD_SPLIT_KINDS, slicing_problem
 
 
@@ -117,6 +127,14 @@ def split_problem(layout: EngineLayout, group: KVGroup) -> str | None:
             "the layout does not carry the group's KV head count (num_kv_heads), so a "
             "token cannot be cut into heads"
         )
+    if layout.head_major:
+        for tensor in group.tensors:
+            if layout.head_block_bytes(group, tensor) is None:
+                return (
+                    f"tensor '{tensor.name}': a head-major block's bytes do not split into "
+                    f"the {layout.rank_heads(group)} heads this rank holds"
+                )
+        return None
     problem = slicing_problem(layout, group)
     if problem is not None:
         return problem
@@ -126,6 +144,27 @@ def split_problem(layout: EngineLayout, group: KVGroup) -> str | None:
                 f"tensor '{tensor.name}': a token's bytes do not split into the "
                 f"{layout.rank_heads(group)} heads this rank holds"
             )
+    return None
+
+
+def pair_split_problem(src: EngineLayout, a: KVGroup, dst: EngineLayout, b: KVGroup) -> str | None:
+    """Why the two sides' blocks, each cut into heads, do not cut the same way, or None.
+    A head-major block (vLLM's CPU pages) holds a head for every token of the block: a
+    run of heads is one byte range of a block there, and of every token in a
+    token-major one."""
+    if src.head_major != dst.head_major:
+        major = "src" if src.head_major else "dst"
+        return (
+            f"the {major} side's blocks are head-major (a head's bytes for every token of "
+            "the block), the other side's token-major: a run of heads is one byte range "
+            "of a block on one side and of every token on the other"
+        )
+    if src.head_major and src.block_size_of(a) != dst.block_size_of(b):
+        return (
+            f"head-major blocks of {src.block_size_of(a)} and {dst.block_size_of(b)} "
+            "tokens: a head holds every token of its block, so a run of heads is one byte "
+            "range only between equal block sizes; run the same block size on both sides"
+        )
     return None
 
 
@@ -160,10 +199,21 @@ def check_head_split(
         raise PlanError(
             f"{where}.num_kv_heads", f"src has {a.num_kv_heads} KV heads, dst {b.num_kv_heads}"
         )
-    if [(t.name, src.head_bytes(a, t)) for t in a.tensors] != [
-        (t.name, dst.head_bytes(b, t)) for t in b.tensors
+    problem = pair_split_problem(src, a, dst, b)
+    if problem is not None:
+        raise PlanError(f"{where}.block_size", problem)
+    if [(t.name, head_unit_bytes(src, a, t)) for t in a.tensors] != [
+        (t.name, head_unit_bytes(dst, b, t)) for t in b.tensors
     ]:
         raise PlanError(f"{where}.tensors", "tensor names or bytes per head differ")
+
+
+def head_unit_bytes(layout: EngineLayout, group: KVGroup, tensor: TensorSpec) -> int | None:
+    """Bytes of one head in the unit a head run is cut from: a token of a token-major
+    block, a whole head-major block."""
+    if layout.head_major:
+        return layout.head_block_bytes(group, tensor)
+    return layout.head_bytes(group, tensor)
 
 
 def check_state_split(

@@ -271,6 +271,7 @@ class EngineLayout(_message.Message):
     GROUPS_FIELD_NUMBER: _builtins.int
     REGIONS_FIELD_NUMBER: _builtins.int
     TOKEN_MAJOR_FIELD_NUMBER: _builtins.int
+    HEAD_MAJOR_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     fingerprint: _builtins.str
     kv_dtype: _builtins.str
@@ -281,6 +282,11 @@ class EngineLayout(_message.Message):
     """Every attention/latent block is [block_size tokens][bytes of one token]
     (K and V in regions of their own), so a token range of a block is one byte
     range. Unset (false) refuses pairings with different block sizes.
+    """
+    head_major: _builtins.bool
+    """Every attention block is [the heads this rank holds][one head's bytes for
+    every token of the block] (vLLM's CPU pages: per head, the block's K then
+    V), so a run of heads is one byte range of a block. Never with token_major.
     """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVGroup]: ...
@@ -298,10 +304,11 @@ class EngineLayout(_message.Message):
         groups: _abc.Iterable[Global___KVGroup] | None = ...,
         regions: _abc.Iterable[Global___Region] | None = ...,
         token_major: _builtins.bool = ...,
+        head_major: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "groups", b"groups", "kv_dtype", b"kv_dtype", "model", b"model", "regions", b"regions", "token_major", b"token_major", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "groups", b"groups", "head_major", b"head_major", "kv_dtype", b"kv_dtype", "model", b"model", "regions", b"regions", "token_major", b"token_major", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -46,6 +46,7 @@ def layout_to_proto(layout: EngineLayout) -> pb.EngineLayout:
         groups=[_group_to_proto(g) for g in layout.groups],
         regions=[_region_to_proto(r) for r in layout.regions],
         token_major=layout.token_major,
+        head_major=layout.head_major,
     )
 
 
@@ -110,6 +111,7 @@ def layout_from_proto(message: pb.EngineLayout, field: str = "layout") -> Engine
             groups=tuple(_group_from_proto(g, i) for i, g in enumerate(message.groups)),
             regions=tuple(_region_from_proto(r) for r in message.regions),
             token_major=message.token_major,
+            head_major=message.head_major,
         )
     except LayoutError as exc:
         raise LayoutError(f"{field}.{exc.field}", exc.detail) from exc
