@@ -11,7 +11,11 @@ import pytest
 from kvxfer._exceptions import LayoutError
 from kvxfer.core.layout import GroupKind
 from kvxfer.core.planner import plan_blocks
-from kvxfer.integrations.vllm_layout import layout_from_vllm, spans_from_block_ids
+from kvxfer.integrations.vllm_layout import (
+    layout_from_vllm,
+    pages_are_head_major,
+    spans_from_block_ids,
+)
 
 
 @dataclass(frozen=True)
@@ -244,3 +248,59 @@ def test_chunked_local_spec_maps_to_chunked_local_with_its_chunk() -> None:
     assert layout_from_vllm(other, buffer="seg", base_offset=0, model="llama4").fingerprint != (
         layout.fingerprint
     )
+
+
+@dataclass(frozen=True)
+class HeadedSpec(FullAttentionSpec):
+    """FullAttentionSpec with vLLM's head fields (per-rank heads, as vLLM has them)."""
+
+    num_kv_heads: int = 2
+    head_size: int = 64
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """What the check reads of a torch tensor: shape and element strides."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    def stride(self) -> tuple[int, ...]:
+        return self.strides
+
+
+def _headed(num_blocks: int = 8, heads: int = 2, head_size: int = 64) -> KVCacheConfig:
+    page = heads * 128 * 2 * head_size * 2
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[KVCacheTensor(page * num_blocks, [_name(0)], page * num_blocks, page)],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                [_name(0)], HeadedSpec(128, page, num_kv_heads=heads, head_size=head_size)
+            )
+        ],
+    )
+
+
+def test_head_major_pages_are_checked_on_the_tensors_never_assumed() -> None:
+    config = _headed()
+    dense = Tensor((8, 2, 128, 128), (2 * 128 * 128, 128 * 128, 128, 1))
+    assert pages_are_head_major(config, {_name(0): dense})
+    token_major = Tensor((8, 128, 2, 128), (2 * 128 * 128, 2 * 128, 128, 1))
+    assert not pages_are_head_major(config, {_name(0): token_major})
+    split = Tensor((16, 2, 64, 128), (2 * 64 * 128, 64 * 128, 128, 1))  # kernel blocks of 64
+    assert not pages_are_head_major(config, {_name(0): split})
+    assert not pages_are_head_major(config, {})
+    # With the model's head count and head-major pages, TP ranks agree on a fingerprint.
+    rank = layout_from_vllm(
+        _headed(heads=1), buffer="seg", base_offset=0, model="m", tp_size=2, tp_rank=1,
+        num_kv_heads=2, head_major=True,
+    )  # fmt: skip
+    whole = layout_from_vllm(
+        config, buffer="seg", base_offset=0, model="m", num_kv_heads=2, head_major=True
+    )
+    assert rank.head_major and not rank.token_major and rank.tp_rank == 1
+    assert rank.groups[0].num_kv_heads == whole.groups[0].num_kv_heads == 2
+    assert rank.fingerprint == whole.fingerprint
+    other = layout_from_vllm(config, buffer="seg", base_offset=0, model="m", num_kv_heads=4)
+    assert other.fingerprint != whole.fingerprint

@@ -3,6 +3,7 @@ becomes the block ids vLLM recomputes from."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,17 @@ import pytest
 from kvxfer._exceptions import InvalidInputError, KvxferError
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
-from kvxfer.integrations.vllm_params import load_errors, params_from_dict, params_to_dict
+from kvxfer.integrations.vllm_params import (
+    decode_tp_size,
+    load_errors,
+    params_from_dict,
+    params_to_dict,
+    publication_id,
+    publication_of,
+    rank_params,
+    reader_sources,
+    readers_of,
+)
 
 
 def _params() -> TransferParams:
@@ -65,3 +76,58 @@ def test_hybrid_caches_get_no_block_level_errors() -> None:
     # vLLM 0.32 refuses block ids with several groups; the connector fails the request.
     done = _done(PullStatus.PARTIAL, {0: (2,)}, 256)
     assert load_errors(done, [[1, 2, 3], [4, 5, 6]], 128) == set()
+
+
+# ---- different TP sizes ------------------------------------------------------------
+
+
+def test_publication_ids_name_their_reader_and_plain_ids_do_not() -> None:
+    pub = publication_id("cmpl-1~x", 3, 1, 2)
+    assert pub == "cmpl-1~x~p3d1of2"
+    assert publication_of(pub) == ("cmpl-1~x", 3, 1, 2)
+    # A decode rank reading two prefill ranks pulls two distinct ids.
+    assert publication_id("r", 0, 0, 1) != publication_id("r", 1, 0, 1)
+    assert publication_of("cmpl-1") is None
+    assert publication_of("cmpl~d1of2") is None
+
+
+@pytest.mark.parametrize(
+    ("heads", "prefill", "decode", "sources", "readers"),
+    [
+        (2, 1, 2, [[0], [0]], [[0, 1]]),  # 1 -> 2: both decode ranks read rank 0
+        (2, 2, 1, [[0, 1]], [[0], [0]]),  # 2 -> 1: the decode rank reads both
+        (8, 2, 2, [[0], [1]], [[0], [1]]),  # equal: rank r <- rank r
+        (2, 4, 1, [[0, 2]], [[0], [], [0], []]),  # replicated heads: one replica each
+    ],
+)
+def test_sources_and_readers_agree(
+    heads: int, prefill: int, decode: int, sources: list[list[int]], readers: list[list[int]]
+) -> None:
+    assert [reader_sources(heads, prefill, decode, d) for d in range(decode)] == sources
+    assert [readers_of(heads, prefill, decode, p) for p in range(prefill)] == readers
+
+
+def test_a_decode_rank_takes_its_own_params_and_refuses_a_wrong_count() -> None:
+    first = params_to_dict(_params())
+    second = params_to_dict(dataclasses.replace(_params(), engine_id="engine-2", tp_rank=1))
+    published = {"num_tokens": 299, "readers": [[first], [first, second]]}
+    assert rank_params(published, 2, 0) == [_params()]
+    assert [p.engine_id for p in rank_params(published, 2, 1)] == ["engine-1", "engine-2"]
+    with pytest.raises(InvalidInputError, match="published for 2 decode ranks") as caught:
+        rank_params(published, 4, 0)
+    assert caught.value.field == "kv_transfer_params.kvxfer.readers"
+    with pytest.raises(InvalidInputError, match="decode_tp_size=2") as single:
+        rank_params(first, 2, 1)  # one publication, two decode ranks
+    assert single.value.field == "kv_transfer_params.decode_tp_size"
+    assert rank_params(first, 1, 0) == [_params()]
+    bad = {"num_tokens": 299, "readers": [[], [first]]}
+    with pytest.raises(InvalidInputError, match="non-empty"):
+        rank_params(bad, 2, 0)
+
+
+@pytest.mark.parametrize("value", [0, -1, "2", True, 5000, 1.5])
+def test_a_bad_decode_tp_size_is_named(value: object) -> None:
+    with pytest.raises(InvalidInputError) as caught:
+        decode_tp_size({"decode_tp_size": value}, 1)
+    assert caught.value.field == "kv_transfer_params.decode_tp_size"
+    assert decode_tp_size({}, 2) == 2 and decode_tp_size({"decode_tp_size": 4}, 1) == 4

@@ -106,14 +106,14 @@ def workload(args: argparse.Namespace, block_size: int) -> list[Request]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":  # vLLM's own config checks the TP sizes, the sidecars the pair
+        from kvxfer.cli.vllm_demo import run_vllm  # noqa: PLC0415 (only this engine needs it)
+
+        return run_vllm(args)
     if args.prefill_tp != args.decode_tp:
         from kvxfer.cli.demo_tp import check_tp_args  # noqa: PLC0415
 
         check_tp_args(args)
-    if args.engine == "vllm":
-        from kvxfer.cli.vllm_demo import run_vllm  # noqa: PLC0415 (only this engine needs it)
-
-        return run_vllm(args)
     args.model = args.model or "gpt-oss-20b"
     args.requests = args.requests or 24
     if not args.tokens and not args.tokens_range:

@@ -57,8 +57,6 @@ def check_tp_args(args: argparse.Namespace) -> None:
     from kvxfer.core.negotiation import find_mismatches  # noqa: PLC0415
     from kvxfer.core.profiles import layout_for_model  # noqa: PLC0415
 
-    if args.engine == "vllm":
-        raise InvalidInputError("--prefill-tp", "different TP sizes run with --engine sim only")
     p_block = args.prefill_block_size or args.block_size
     d_block = args.decode_block_size or args.block_size
     for d_rank in range(args.decode_tp):

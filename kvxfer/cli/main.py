@@ -429,12 +429,14 @@ def _add_demo(commands: Any) -> None:
         help="sim: the decode engine's tokens per block (default --block-size); "
         "different sizes move token ranges",
     )
-    demo.add_argument("--prefill-tp", type=positive_int, default=1, help="sim: prefill TP size")
+    demo.add_argument(
+        "--prefill-tp", type=positive_int, default=1, help="prefill TP size (ranks or vLLM workers)"
+    )
     demo.add_argument(
         "--decode-tp",
         type=positive_int,
         default=1,
-        help="sim: decode TP size; different from --prefill-tp, decode ranks read heads",
+        help="decode TP size; different from --prefill-tp, decode ranks read heads",
     )
     demo.add_argument(
         "--mode",

@@ -26,6 +26,8 @@ def run_vllm(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         fail_rate=args.fail_rate,
         seed=args.seed,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
     )
     with sigint_raises(), local_fleet("kvxfer-demo-vllm-", "kvxfer-cli demo") as fleet:
         # Synchronous: Ctrl-C raises KeyboardInterrupt here, and the vLLM workers (in

@@ -48,22 +48,32 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.parallel_state import get_tp_group
 from vllm.v1.request import RequestStatus
 
 from kvxfer._exceptions import KvxferError
 from kvxfer.client.engine import SyncEngineClient
-from kvxfer.core.layout import EngineLayout, GroupKind
+from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind
 from kvxfer.core.requests import EngineEvent, LeaseExpired, PullDone, PullStatus, Released
 from kvxfer.integrations.cpu_amx import allow_amx
 from kvxfer.integrations.shm_remap import SharedRemap
-from kvxfer.integrations.vllm_layout import group_kinds, layout_from_vllm, spans_from_block_ids
+from kvxfer.integrations.vllm_layout import (
+    group_kinds,
+    layout_from_vllm,
+    pages_are_head_major,
+    spans_from_block_ids,
+)
 from kvxfer.integrations.vllm_params import (
     KEY,
+    decode_tp_size,
     handshake_path,
     load_errors,
-    params_from_dict,
     params_to_dict,
+    publication_id,
+    publication_of,
+    rank_params,
     read_handshake,
+    reader_sources,
     write_handshake,
 )
 
@@ -103,6 +113,20 @@ class PullOrder:
 @dataclass
 class KvxferMetadata(KVConnectorMetadata):
     pulls: list[PullOrder] = field(default_factory=list)
+    # Scheduler -> prefill workers: request id -> TP rank -> the publications its blocks
+    # are held for (one per decode rank reading from that rank); a request is sent once
+    # every one of them was released.
+    published: dict[str, dict[int, list[str]]] = field(default_factory=dict)
+
+
+@dataclass
+class _Receiving:
+    """One request's pulls on a decode worker: one per prefill rank it reads from."""
+
+    order: PullOrder
+    pending: int = 0
+    failed: bool = False
+    errors: set[int] = field(default_factory=set)
 
 
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
@@ -114,10 +138,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         sidecar = extra.get("sidecar")
         if not isinstance(sidecar, str) or not sidecar:
             raise KvxferError('kv_connector_extra_config.sidecar: required, e.g. "unix:/path"')
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise KvxferError(
-                "tensor_parallel_size: the kvxfer vLLM connector supports TP 1 only so far"
-            )
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._kinds = group_kinds(kv_cache_config)
         self._has_state = GroupKind.MAMBA in self._kinds
         self._scheduler = _Scheduler(self, sidecar) if role is KVConnectorRole.SCHEDULER else None
@@ -161,8 +182,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        meta = KvxferMetadata(self._scheduler.pending)
-        self._scheduler.pending = []
+        meta = KvxferMetadata(self._scheduler.pending, self._scheduler.published)
+        self._scheduler.pending, self._scheduler.published = [], {}
         return meta
 
     def request_finished(
@@ -197,15 +218,15 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         # Under a MultiConnector the channel carries the first child's metadata only: a
         # sibling's (NixlConnector's...) is not ours, and the scheduler falls back to the
         # worker's handshake file (vllm_params.handshake_path).
-        handshake = metadata.get(0)
-        if isinstance(handshake, KvxferHandshake):
-            self._scheduler.handshake = handshake
-        elif handshake is not None:
-            log.info(
-                "kvxfer: the handshake channel carries %s (a MultiConnector sibling's); "
-                "reading the worker's registration from its file",
-                type(handshake).__name__,
-            )
+        for rank, handshake in metadata.items():
+            if isinstance(handshake, KvxferHandshake):
+                self._scheduler.handshakes[rank] = handshake
+            elif handshake is not None:
+                log.info(
+                    "kvxfer: the handshake channel carries %s (a MultiConnector sibling's); "
+                    "reading the worker's registration from its file",
+                    type(handshake).__name__,
+                )
 
     # ---- worker side ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -220,6 +241,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxferMetadata)
+        self._worker.expect_released(meta.published)
         for order in meta.pulls:
             self._worker.pull(order)
 
@@ -281,9 +303,10 @@ class _Scheduler:
     def __init__(self, owner: KvxferConnector, sidecar: str) -> None:
         self._owner = owner
         self._sidecar = sidecar
-        self._client: SyncEngineClient | None = None
-        self.handshake: KvxferHandshake | None = None
+        self._clients: dict[int, SyncEngineClient] = {}  # per TP rank's engine
+        self.handshakes: dict[int, KvxferHandshake] = {}  # TP rank -> its registration
         self.pending: list[PullOrder] = []
+        self.published: dict[str, dict[int, list[str]]] = {}  # for the next metadata
 
     def publish(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -293,24 +316,66 @@ class _Scheduler:
             RequestStatus.FINISHED_STOPPED,
         ):
             return False, None  # aborted: nothing to hand off
-        if self.handshake is None:
-            self.handshake = self._handshake_from_file()
-        if self.handshake is None:
-            log.error("kvxfer: no worker registration reached the scheduler; not publishing")
-            return False, None
-        if self._client is None:
-            self._client = SyncEngineClient(self._sidecar, engine_id=self.handshake.engine_id)
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        tp_size = self._owner._tp_size
         try:
+            readers = decode_tp_size(request.kv_transfer_params, tp_size)
             spans = spans_from_block_ids(self._owner._kinds, block_ids)
-            params = self._client.publish(request.request_id, num_tokens, spans)
+            if tp_size == 1 and readers == 1:
+                params = self._client(0).publish(request.request_id, num_tokens, spans)
+                return True, {"do_remote_prefill": True, KEY: params_to_dict(params)}
+            published = self._publish_per_reader(request.request_id, num_tokens, spans, readers)
         except KvxferError as exc:
             log.error("kvxfer: publish of %s failed: %s", request.request_id, exc)
             return False, None
-        return True, {"do_remote_prefill": True, KEY: params_to_dict(params)}
+        return True, {"do_remote_prefill": True, KEY: published}
 
-    def _handshake_from_file(self) -> KvxferHandshake | None:
-        path = handshake_path(str(self._owner._kv_transfer_config.engine_id))
+    def _publish_per_reader(
+        self, request_id: str, num_tokens: int, spans: tuple[BlockSpan, ...], readers: int
+    ) -> dict[str, Any]:
+        """Different TP sizes (or TP > 1): one publication per (prefill rank, decode rank
+        reading heads from it); the params of every decode rank's sources. A failure
+        withdraws what was published, so no lease outlives the blocks vLLM frees."""
+        heads = self._owner._vllm_config.model_config.get_total_num_kv_heads()
+        tp_size = self._owner._tp_size
+        made: list[tuple[int, str]] = []
+        by_reader: list[list[dict[str, Any]]] = []
+        try:
+            for reader in range(readers):
+                mine = []
+                for source in reader_sources(heads, tp_size, readers, reader):
+                    publication = publication_id(request_id, source, reader, readers)
+                    params = self._client(source).publish(publication, num_tokens, spans)
+                    made.append((source, publication))
+                    mine.append(params_to_dict(params))
+                by_reader.append(mine)
+        except BaseException:
+            # No worker hears of these publications, so their Released never frees blocks
+            # vLLM already freed.
+            for source, publication in made:
+                with contextlib.suppress(KvxferError):
+                    self._client(source).abort(publication)
+            raise
+        held: dict[int, list[str]] = {rank: [] for rank in range(tp_size)}
+        for source, publication in made:
+            held[source].append(publication)
+        self.published[request_id] = held
+        return {"num_tokens": num_tokens, "readers": by_reader}
+
+    def _client(self, rank: int) -> SyncEngineClient:
+        """The sidecar client of TP rank `rank`'s engine."""
+        client = self._clients.get(rank)
+        if client is None:
+            handshake = self.handshakes.get(rank) or self._handshake_from_file(rank)
+            if handshake is None:
+                raise KvxferError(f"no registration of TP rank {rank}'s worker reached here")
+            self.handshakes[rank] = handshake
+            client = SyncEngineClient(self._sidecar, engine_id=handshake.engine_id)
+            self._clients[rank] = client
+        return client
+
+    def _handshake_from_file(self, rank: int) -> KvxferHandshake | None:
+        path = handshake_path(str(self._owner._kv_transfer_config.engine_id), rank)
         try:
             record = read_handshake(path)
         except KvxferError as exc:
@@ -321,8 +386,8 @@ class _Scheduler:
         return KvxferHandshake(record["engine_id"], record["epoch"], record["peer_address"])
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
+        for client in self._clients.values():
+            client.close()
 
 
 class _Worker:
@@ -336,9 +401,12 @@ class _Worker:
         self.layout: EngineLayout | None = None
         self.handshake: KvxferHandshake | None = None
         self._events: queue.Queue[EngineEvent] = queue.Queue()
-        self._pulls: dict[str, PullOrder] = {}  # prefill request id -> order
+        self._pulls: dict[str, _Receiving] = {}  # prefill request (publication) id -> pulls
         self._finished: set[str] = set()  # ids vLLM told this worker have finished
         self._released: set[str] = set()  # released by the sidecar, not reported yet
+        self._held: dict[str, set[str]] = {}  # request -> its publications still held
+        self._released_publications: set[str] = set()  # released before announced
+        self._tp_rank = 0
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self.load_errors: set[int] = set()
@@ -352,18 +420,25 @@ class _Worker:
         self._remap = SharedRemap(storage.data_ptr(), storage.nbytes())
         remapped = self._remap.range
         config = self._owner._vllm_config
+        self._tp_rank = get_tp_group().rank_in_group if self._owner._tp_size > 1 else 0
         self.layout = layout_from_vllm(
             self._owner._kv_cache_config,
             buffer=remapped.name,
             base_offset=remapped.offset_of(storage.data_ptr()),
             model=str(config.model_config.model).rstrip("/").rsplit("/", 1)[-1],
+            tp_size=self._owner._tp_size,
+            tp_rank=self._tp_rank,
+            num_kv_heads=config.model_config.get_total_num_kv_heads(),
+            head_major=pages_are_head_major(self._owner._kv_cache_config, kv_caches),
         )
         role = self._owner._kv_transfer_config.kv_role
         registration = self._client.register(self.layout, [remapped.handle()], name=f"vllm-{role}")
         self.handshake = KvxferHandshake(
             registration.engine_id, registration.epoch, registration.peer_address
         )
-        self._handshake_file = handshake_path(str(self._owner._kv_transfer_config.engine_id))
+        self._handshake_file = handshake_path(
+            str(self._owner._kv_transfer_config.engine_id), self._tp_rank
+        )
         write_handshake(self._handshake_file, vars(self.handshake))
         log.info(
             "kvxfer: registered %d bytes as %s (remap %.3f s)",
@@ -374,6 +449,7 @@ class _Worker:
         self._record(
             layout={
                 "block_size": self.layout.block_size,
+                "tp_size": self.layout.tp_size,
                 "groups": [
                     [
                         g.kind.value,
@@ -393,7 +469,7 @@ class _Worker:
         """One JSON line of facts for benchmarks and the demo (extra config stats_path)."""
         if self._stats_path:
             with open(self._stats_path, "a") as out:
-                out.write(json.dumps(fields) + "\n")
+                out.write(json.dumps({**fields, "tp_rank": self._tp_rank}) + "\n")
 
     def _watch(self) -> None:
         try:
@@ -403,21 +479,38 @@ class _Worker:
             log.error("kvxfer: event stream ended: %s", exc)
 
     def pull(self, order: PullOrder) -> None:
+        """Pull one request: with different TP sizes, one pull per prefill rank this rank
+        reads heads from; the request is received once all of them ended."""
+        receiving = _Receiving(order)
         try:
-            params = params_from_dict(order.params)
+            tp_size = self.layout.tp_size if self.layout is not None else 1
+            every = rank_params(order.params, tp_size, self._tp_rank)
             spans = spans_from_block_ids(self._owner._kinds, order.block_ids)
-            self._pulls[params.request_id] = order
-            accepted = self._client.pull(params, spans, order.computed_tokens)
+        except KvxferError as exc:
+            log.error("kvxfer: pull of %s refused: %s", order.request_id, exc)
+            every, receiving.failed = [], True
+        for params in every:
+            try:
+                accepted = self._client.pull(params, spans, order.computed_tokens)
+            except KvxferError as exc:
+                log.error("kvxfer: pull of %s refused: %s", params.request_id, exc)
+                receiving.failed = True
+                continue
+            self._pulls[params.request_id] = receiving
+            receiving.pending += 1
             self._record(
                 request_id=order.request_id,
+                pull_id=params.request_id,
                 bytes_planned=accepted.bytes_planned,
                 full_attention_bytes=accepted.full_attention_bytes,
             )
-        except KvxferError as exc:
-            log.error("kvxfer: pull of %s refused: %s", order.request_id, exc)
-            if order.awaiting:
-                self._failed_recving.add(order.request_id)
-                self._done_recving.add(order.request_id)
+        if not receiving.pending:
+            self._received(receiving)
+
+    def expect_released(self, published: dict[str, dict[int, list[str]]]) -> None:
+        """The publications this rank holds each request's blocks for (TP > 1)."""
+        for request_id, by_rank in published.items():
+            self._held[request_id] = set(by_rank.get(self._tp_rank, ()))
 
     def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         self._finished |= finished_req_ids
@@ -427,6 +520,14 @@ class _Worker:
             except queue.Empty:
                 break
             self._on_event(event)
+        for request_id, held in list(self._held.items()):
+            released = held & self._released_publications
+            self._released_publications -= released
+            if held <= released:
+                del self._held[request_id]
+                self._released.add(request_id)
+            else:
+                held.difference_update(released)
         sending = self._released & self._finished
         self._released -= sending
         self._finished -= sending
@@ -436,15 +537,20 @@ class _Worker:
 
     def _on_event(self, event: EngineEvent) -> None:
         if isinstance(event, Released | LeaseExpired):
-            self._released.add(event.request_id)
+            if publication_of(event.request_id) is None:
+                self._released.add(event.request_id)
+            else:
+                self._released_publications.add(event.request_id)
             return
         assert isinstance(event, PullDone)
-        order = self._pulls.pop(event.request_id, None)
-        if order is None or not order.awaiting:
+        receiving = self._pulls.pop(event.request_id, None)
+        if receiving is None:
             return
-        self._done_recving.add(order.request_id)
+        order = receiving.order
+        receiving.pending -= 1
         self._record(
             request_id=order.request_id,
+            pull_id=event.request_id,
             num_tokens=int(order.params["num_tokens"]),
             computed_tokens=order.computed_tokens,
             status=event.status.value,
@@ -453,19 +559,31 @@ class _Worker:
             failed_blocks={str(g): list(b) for g, b in event.failed_blocks.items()},
             valid_tokens=event.valid_tokens,
         )
-        if event.status is PullStatus.OK:
+        if event.status is not PullStatus.OK:
+            log.warning(
+                "kvxfer: pull of %s %s: failed blocks %s, resume at %d",
+                event.request_id,
+                event.status.value,
+                dict(event.failed_blocks),
+                event.valid_tokens,
+            )
+            if len(order.block_ids) == 1 and self.layout is not None:
+                receiving.errors |= load_errors(event, order.block_ids, self.layout.block_size)
+            else:
+                receiving.failed = True
+        if not receiving.pending:
+            self._received(receiving)
+
+    def _received(self, receiving: _Receiving) -> None:
+        """Every pull of a request ended: vLLM hears it received (or what to recompute)."""
+        order = receiving.order
+        if not order.awaiting:
             return
-        log.warning(
-            "kvxfer: pull of %s %s: failed blocks %s, resume at %d",
-            order.request_id,
-            event.status.value,
-            dict(event.failed_blocks),
-            event.valid_tokens,
-        )
-        if len(order.block_ids) == 1 and self.layout is not None:
-            self.load_errors |= load_errors(event, order.block_ids, self.layout.block_size)
-        else:
+        self._done_recving.add(order.request_id)
+        if receiving.failed:
             self._failed_recving.add(order.request_id)
+        else:
+            self.load_errors |= receiving.errors
 
     def close(self) -> None:
         if self._handshake_file is not None:

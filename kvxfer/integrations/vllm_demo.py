@@ -38,6 +38,15 @@ class DemoOptions:
     max_tokens: int = 8
     fail_rate: float = 0.0
     seed: int = 0
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+    @property
+    def dtype(self) -> str:
+        """float32 across different TP sizes: TP changes the order of the sums (each rank
+        reduces its own heads), and in bfloat16 that alone flips near-tied tokens of a
+        random-weight model, KV moved byte-exact or not; in float32 it does not."""
+        return "float32" if self.prefill_tp != self.decode_tp else "bfloat16"
 
     def __post_init__(self) -> None:
         low, high = self.tokens_range
@@ -76,19 +85,26 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
     # Prefix caching off on both: the control must not hit a cache on decode, and both
     # sides must size their groups alike (with Mamba layers vLLM sizes them differently
     # when caching is on; the sidecars refuse such a pair, naming the fields).
-    prefill = replace(prefill, enable_prefix_caching=False)
-    decode = replace(decode, enable_prefix_caching=False)
+    # With TP > 1 the engines share cores with each other and the sidecars (vllm_fleet,
+    # EngineSpec.nice).
+    nice = 10 if max(options.prefill_tp, options.decode_tp) > 1 else 0
+    dtype = options.dtype
+    prefill = replace(prefill, enable_prefix_caching=False, tp_size=options.prefill_tp, nice=nice,
+                      dtype=dtype)  # fmt: skip
+    decode = replace(decode, enable_prefix_caching=False, tp_size=options.decode_tp, nice=nice,
+                     dtype=dtype)  # fmt: skip
     reference, reference_kind = _reference(family, model, block, [*prompts, control], options,
                                            python, workdir)  # fmt: skip
     with vllm_fleet.PdPair(prefill, decode, python, workdir) as pair:
-        warm_up = len(stats.read_text().splitlines())  # the pair's warm-up is not the demo's
         routed = [pair.route(prompt, options.max_tokens) for prompt in prompts]
         donor, _ = pair.prefill_for_decode(prompts[1])
         fake = pair.decode.generate([control], options.max_tokens, [donor])
     n = len(prompts)
-    pulls = read_pulls(stats, warm_up)
-    if len(pulls) != n + 1:  # the control's pull comes last
-        raise vllm_fleet.VllmWorkerError(f"{len(pulls)} pulls recorded for {n} requests + 1")
+    # The pair's warm-up requests come first: a request ends only once every decode
+    # rank's pulls ended, so the demo's are the last n + 1, the control's last of all.
+    pulls = read_pulls(stats)[-(n + 1) :]
+    if len(pulls) != n + 1:
+        raise vllm_fleet.VllmWorkerError(f"pulls of {len(pulls)} requests recorded for {n} + 1")
     counted, control_pull = pulls[:n], pulls[n]
     per_request = []
     for prompt, result, want, pull in zip(prompts, routed, reference[:n], counted, strict=True):
@@ -102,6 +118,8 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
     return {
         "engine": "vllm",
         "model": options.model,
+        "prefill_tp": options.prefill_tp,
+        "decode_tp": options.decode_tp,
         "requests": len(prompts),
         "matched": sum(r["match"] for r in per_request),
         "reference": reference_kind,
@@ -151,31 +169,47 @@ def _reference(
         with vllm_fleet.PdPair(*specs, python, workdir) as pair:
             tokens = [pair.route(p, options.max_tokens).token_ids for p in prompts[:-1]]
         # The control's own tokens come from one engine: it is compared, never matched.
-        alone = vllm_fleet.EngineSpec(model, 1024, block, None, enable_prefix_caching=False)
+        alone = vllm_fleet.EngineSpec(
+            model, 1024, block, None, enable_prefix_caching=False, dtype=options.dtype
+        )
         last = vllm_fleet.reference_run(alone, prompts[-1:], options.max_tokens, python, workdir)
         return [*tokens, last.outputs[0].token_ids], "vllm NixlConnector P/D"
-    spec = vllm_fleet.EngineSpec(model, 1024, block, None, enable_prefix_caching=False)
+    spec = vllm_fleet.EngineSpec(
+        model, 1024, block, None, enable_prefix_caching=False, dtype=options.dtype
+    )
     reply = vllm_fleet.reference_run(spec, prompts, options.max_tokens, python, workdir)
     return [g.token_ids for g in reply.outputs], "vllm single instance"
 
 
-def read_pulls(stats: Path, skip: int) -> list[dict[str, Any]]:
-    """Each finished pull in a connector's stats file (extra config stats_path) after the
-    first `skip` lines, in order, with what its Pull call planned."""
-    planned: dict[str, dict[str, Any]] = {}
-    done = []
+def read_pulls(stats: Path, skip: int = 0) -> list[dict[str, Any]]:
+    """Each request's finished pulls in a connector's stats file (extra config
+    stats_path) after the first `skip` lines, in the order requests finished, with what
+    their Pull calls planned: summed over the pulls of every decode rank (one per prefill
+    rank it reads heads from, under different TP sizes), resuming where the worst did."""
+    planned: dict[tuple[int, str], dict[str, Any]] = {}
+    merged: dict[str, dict[str, Any]] = {}
     for line in stats.read_text().splitlines()[skip:]:
         fact = json.loads(line)
+        key = (fact.get("tp_rank", 0), fact.get("pull_id", fact.get("request_id")))
         if "bytes_planned" in fact:
-            planned[fact["request_id"]] = fact
+            planned[key] = fact
         elif "bytes_moved" in fact:
-            plan = planned.get(fact["request_id"], {"bytes_planned": 0, "full_attention_bytes": 0})
-            done.append({
-                **fact, **plan,
-                "failed": sum(len(b) for b in fact["failed_blocks"].values()),
-                "transfer_ms": round(fact["duration_s"] * 1000, 2),
-            })  # fmt: skip
-    return done
+            plan = planned.get(key, {"bytes_planned": 0, "full_attention_bytes": 0})
+            failed = sum(len(b) for b in fact["failed_blocks"].values())
+            ms = round(fact["duration_s"] * 1000, 2)
+            row = merged.get(fact["request_id"])
+            if row is None:
+                merged[fact["request_id"]] = {
+                    **fact, **plan, "failed": failed, "transfer_ms": ms, "pulls": 1,
+                }  # fmt: skip
+                continue
+            for field in ("bytes_moved", "bytes_planned", "full_attention_bytes"):
+                row[field] += (fact if field == "bytes_moved" else plan)[field]
+            row["failed"] += failed
+            row["valid_tokens"] = min(row["valid_tokens"], fact["valid_tokens"])
+            row["transfer_ms"] = max(row["transfer_ms"], ms)
+            row["pulls"] += 1
+    return list(merged.values())
 
 
 def read_layout(stats: Path) -> dict[str, Any] | None:

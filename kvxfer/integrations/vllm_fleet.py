@@ -187,6 +187,13 @@ class EngineSpec:
     # None keeps vLLM's default (on); off where a reference must not reuse earlier prompts.
     enable_prefix_caching: bool | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    # Tensor-parallel size: that many worker processes, one core each from `cpu` on.
+    tp_size: int = 1
+    # Scheduling niceness of the engine's processes. vLLM-CPU's TP workers poll their
+    # shared-memory queue for a second after every step, so on a machine with fewer
+    # cores than engines they would starve the sidecars; niced, they take the idle CPU.
+    nice: int = 0
+    dtype: str = "bfloat16"
 
     def config_json(self) -> str:
         return json.dumps(
@@ -195,6 +202,9 @@ class EngineSpec:
                 "max_model_len": self.max_model_len,
                 "block_size": self.block_size,
                 "enable_prefix_caching": self.enable_prefix_caching,
+                "tensor_parallel_size": self.tp_size,
+                "nice": self.nice,
+                "dtype": self.dtype,
                 "kv_transfer_config": (
                     None if self.kv_transfer_config is None else dict(self.kv_transfer_config)
                 ),
@@ -203,7 +213,11 @@ class EngineSpec:
 
     def environ(self) -> dict[str, str]:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_gib)}
-        if self.cpu is not None:
+        if self.tp_size > 1:  # vLLM-CPU wants one core list per worker ("0|1")
+            cores, first = os.cpu_count() or 1, self.cpu or 0
+            ranks = (str((first + rank) % cores) for rank in range(self.tp_size))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(ranks)
+        elif self.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
         connector = (self.kv_transfer_config or {}).get("kv_connector")
         if connector != "KvxferConnector":  # kvxfer's connector asks itself (cpu_amx.py)
@@ -483,6 +497,7 @@ class PdPair:
         started = time.perf_counter()
         workers = start_workers({"prefill": prefill, "decode": decode}, python, workdir)
         self.prefill, self.decode = workers["prefill"], workers["decode"]
+        self._decode_tp = decode.tp_size if (prefill.tp_size, decode.tp_size) != (1, 1) else None
         try:
             self._warm_up()
         except BaseException:
@@ -506,7 +521,10 @@ class PdPair:
     def prefill_for_decode(self, prompt: Sequence[int]) -> tuple[dict[str, Any], Reply]:
         """The router's first step: prefill one token, KV kept for a remote decode. Returns
         the kv_transfer_params to hand to the decode, and the prefill's reply."""
-        first = self.prefill.generate([prompt], 1, [{"do_remote_decode": True}])
+        route: dict[str, Any] = {"do_remote_decode": True}
+        if self._decode_tp is not None:  # a prefill rank publishes once per decode reader
+            route["decode_tp_size"] = self._decode_tp
+        first = self.prefill.generate([prompt], 1, [route])
         params = first.outputs[0].kv_transfer_params
         if params is None:
             raise VllmWorkerError(

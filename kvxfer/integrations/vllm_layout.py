@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,9 +123,16 @@ def layout_from_vllm(
     model: str,
     tp_size: int = 1,
     tp_rank: int = 0,
+    num_kv_heads: int | None = None,
+    head_major: bool = False,
 ) -> EngineLayout:
     """The layout of one vLLM worker whose backing allocation starts at
-    `base_offset` inside the registered buffer `buffer`."""
+    `base_offset` inside the registered buffer `buffer`.
+
+    `num_kv_heads` is the model's KV head count (all ranks), set on every attention
+    group; `head_major` says every attention page is `[heads][block_size][2 *
+    head_size]` (vLLM's CPU pages, which the worker checks on the tensors): with both,
+    a pairing of different TP sizes cuts each block into head runs."""
     groups: list[KVGroup] = []
     regions: list[Region] = []
     shapes: list[GroupShape] = []
@@ -154,6 +161,7 @@ def layout_from_vllm(
                 tensors=tuple(tensors),
                 block_size=shape.block_size,
                 chunk_size=shape.chunk,
+                num_kv_heads=None if shape.kind is GroupKind.MAMBA else num_kv_heads,
             )
         )
     attention = [s for s in shapes if s.kind is not GroupKind.MAMBA]
@@ -164,7 +172,7 @@ def layout_from_vllm(
     kv_dtype = dtypes.pop() if dtypes else "bfloat16"
     return EngineLayout(
         model=model,
-        fingerprint=_fingerprint(model, shapes, groups),
+        fingerprint=_fingerprint(model, shapes, groups, tp_size),
         kv_dtype=kv_dtype,
         block_size=block_size,
         tp_size=tp_size,
@@ -172,17 +180,54 @@ def layout_from_vllm(
         groups=tuple(groups),
         regions=tuple(regions),
         token_major=False,  # K and V share one page: a token range is two byte ranges
+        head_major=head_major,
     )
 
 
-def _fingerprint(model: str, shapes: Sequence[GroupShape], groups: Sequence[KVGroup]) -> str:
-    """Same model and same cache shape on both sides -> same fingerprint."""
+def pages_are_head_major(kv_cache_config: Any, kv_caches: Mapping[str, Any]) -> bool:
+    """Whether every attention layer's tensor is `[num_blocks, heads, block_size, 2 *
+    head_size]` and dense inside a block (vLLM 0.32's pages: per head, the block's K rows
+    then its V rows): a run of heads is then one byte range of a block. Checked on the
+    tensors vLLM hands the worker, never assumed: anything else (a kernel block size
+    that splits the block, a packed or quantized page, K and V of different head
+    sizes) is not head-major, and different TP sizes are refused for it by name."""
+    num_blocks = int(kv_cache_config.num_blocks)
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if "MambaSpec" in _class_names(spec):
+            continue
+        heads, size, block = int(spec.num_kv_heads), int(spec.head_size), int(spec.block_size)
+        if int(getattr(spec, "head_size_v", None) or size) != size:
+            return False
+        if getattr(spec, "num_head_slots", None) not in (None, heads):
+            return False
+        for layer in group.layer_names:
+            tensor = kv_caches.get(layer)
+            if tensor is None or tuple(tensor.shape) != (num_blocks, heads, block, 2 * size):
+                return False
+            if tuple(tensor.stride())[1:] != (block * 2 * size, 2 * size, 1):
+                return False
+    return True
+
+
+def _fingerprint(
+    model: str, shapes: Sequence[GroupShape], groups: Sequence[KVGroup], tp_size: int
+) -> str:
+    """Same model and same cache shape on both sides -> same fingerprint, whatever the
+    TP size where the head count is known: an attention page then counts per head."""
     described = [
-        [s.kind.value, s.window, s.chunk, s.block_size, s.page_bytes, s.dtype, _names(g)]
+        [s.kind.value, s.window, s.chunk, s.block_size, _page(s, g, tp_size), s.dtype, _names(g)]
         for s, g in zip(shapes, groups, strict=True)
     ]
     text = json.dumps([model, described], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _page(shape: GroupShape, group: KVGroup, tp_size: int) -> object:
+    """A group's page bytes, per head (with the model's head count) where it is known."""
+    if group.num_kv_heads is None:
+        return shape.page_bytes
+    return [group.num_kv_heads, shape.page_bytes // max(1, group.num_kv_heads // tp_size)]
 
 
 def _names(group: KVGroup) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -20,8 +21,13 @@ from typing import Any
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
+from kvxfer.core.tp_map import head_sources
 
 KEY = "kvxfer"
+# The prefill request's kv_transfer_params field naming the decode engine's TP size
+# (default: the prefill's own): a prefill rank publishes once per decode rank it serves.
+DECODE_TP = "decode_tp_size"
+_PUBLICATION = re.compile(r"(?P<request>.+)~p(?P<source>\d+)d(?P<reader>\d+)of(?P<readers>\d+)")
 
 
 def params_to_dict(params: TransferParams) -> dict[str, Any]:
@@ -57,6 +63,81 @@ def params_from_dict(value: object, field: str = f"kv_transfer_params.{KEY}") ->
         raise InvalidInputError(f"{field}.{exc.args[0]}", "missing") from exc
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"{field}.spans", f"must be [group, first, [ids]]: {exc}") from exc
+
+
+# ---- different TP sizes: one publication per (prefill rank, decode rank) ---------------
+#
+# A lease has one reader, so a prefill rank publishes a request once for every decode
+# rank that reads heads from it (`reader_sources`), as `<request>~p<prefill rank>d<decode
+# rank>of<decode TP size>` (unique per decode engine, which pulls each id once);
+# kv_transfer_params carry, per decode rank, the params of each of its sources. The
+# ids say which reader a publication is for, so a prefill worker knows from its
+# Released events alone when every publication of a request has been read.
+
+
+def publication_id(request_id: str, source: int, reader: int, readers: int) -> str:
+    return f"{request_id}~p{source}d{reader}of{readers}"
+
+
+def publication_of(publication: str) -> tuple[str, int, int, int] | None:
+    """(request id, prefill rank, decode rank, decode TP size) of a publication id, None
+    for a plain request id (TP 1 on both sides)."""
+    found = _PUBLICATION.fullmatch(publication)
+    if found is None:
+        return None
+    return found["request"], int(found["source"]), int(found["reader"]), int(found["readers"])
+
+
+def reader_sources(num_kv_heads: int, prefill_tp: int, decode_tp: int, reader: int) -> list[int]:
+    """The prefill ranks decode rank `reader` reads its KV heads from."""
+    return sorted({s.src_rank for s in head_sources(num_kv_heads, prefill_tp, decode_tp, reader)})
+
+
+def readers_of(num_kv_heads: int, prefill_tp: int, decode_tp: int, source: int) -> list[int]:
+    """The decode ranks that read heads from prefill rank `source`."""
+    return [
+        d
+        for d in range(decode_tp)
+        if source in reader_sources(num_kv_heads, prefill_tp, decode_tp, d)
+    ]
+
+
+def decode_tp_size(params: Mapping[str, Any], default: int) -> int:
+    """The decode TP size a prefill request names (`decode_tp_size`), else `default`."""
+    value = params.get(DECODE_TP, default)
+    if type(value) is not int or not 1 <= value <= 1 << 12:
+        raise InvalidInputError(
+            f"kv_transfer_params.{DECODE_TP}", f"must be an integer 1..4096, got {value!r}"
+        )
+    return value
+
+
+def rank_params(value: object, tp_size: int, tp_rank: int) -> list[TransferParams]:
+    """The params decode rank `tp_rank` of `tp_size` pulls with: one per prefill rank it
+    reads from (`readers`), or the one of a single-rank publication."""
+    field = f"kv_transfer_params.{KEY}"
+    if not isinstance(value, Mapping):
+        raise InvalidInputError(field, f"must be an object, got {type(value).__name__}")
+    readers = value.get("readers")
+    if readers is None:
+        if tp_size != 1:
+            raise InvalidInputError(
+                f"kv_transfer_params.{DECODE_TP}",
+                f"the prefill published for one decode rank, but this engine runs TP "
+                f"{tp_size}: send {DECODE_TP}={tp_size} with the prefill request",
+            )
+        return [params_from_dict(value)]
+    if not isinstance(readers, list) or len(readers) != tp_size:
+        count = len(readers) if isinstance(readers, list) else type(readers).__name__
+        raise InvalidInputError(
+            f"{field}.readers",
+            f"published for {count} decode ranks, but this engine runs TP {tp_size}: send "
+            f"{DECODE_TP}={tp_size} with the prefill request",
+        )
+    mine = readers[tp_rank]
+    if not isinstance(mine, list) or not mine:
+        raise InvalidInputError(f"{field}.readers[{tp_rank}]", "must be a non-empty list")
+    return [params_from_dict(p, f"{field}.readers[{tp_rank}][{i}]") for i, p in enumerate(mine)]
 
 
 def load_errors(

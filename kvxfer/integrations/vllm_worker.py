@@ -54,7 +54,7 @@ def _engine(config: dict[str, Any]) -> Any:
         "model": config["model"],
         "skip_tokenizer_init": True,
         "enforce_eager": True,
-        "dtype": "bfloat16",
+        "dtype": config.get("dtype", "bfloat16"),
         "max_model_len": config["max_model_len"],
         "seed": config.get("seed", 0),
         # Stats on: the NixlConnector transfer metrics and TTFT come from them.
@@ -63,6 +63,9 @@ def _engine(config: dict[str, Any]) -> Any:
     for key in ("block_size", "enable_prefix_caching"):
         if config.get(key) is not None:
             options[key] = config[key]
+    if config.get("tensor_parallel_size", 1) > 1:
+        options["tensor_parallel_size"] = config["tensor_parallel_size"]
+        options["distributed_executor_backend"] = "mp"
     if config.get("kv_transfer_config") is not None:
         from vllm.config import KVTransferConfig  # noqa: PLC0415
 
@@ -147,6 +150,8 @@ def _generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     replies = _protocol_stream()
     config = json.loads(sys.argv[1])
+    if config.get("nice"):
+        os.nice(int(config["nice"]))  # the engine's processes inherit it
     started = time.perf_counter()
     llm = _engine(config)
     ready = {"ok": True, "ready": True, "load_s": time.perf_counter() - started}
