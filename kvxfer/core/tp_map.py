@@ -127,21 +127,15 @@ def split_problem(layout: EngineLayout, group: KVGroup) -> str | None:
             "the layout does not carry the group's KV head count (num_kv_heads), so a "
             "token cannot be cut into heads"
         )
-    if layout.head_major:
-        for tensor in group.tensors:
-            if layout.head_block_bytes(group, tensor) is None:
-                return (
-                    f"tensor '{tensor.name}': a head-major block's bytes do not split into "
-                    f"the {layout.rank_heads(group)} heads this rank holds"
-                )
-        return None
-    problem = slicing_problem(layout, group)
-    if problem is not None:
-        return problem
+    if not layout.head_major:
+        problem = slicing_problem(layout, group)
+        if problem is not None:
+            return problem
+    unit = "a head-major block's" if layout.head_major else "a token's"
     for tensor in group.tensors:
-        if layout.head_bytes(group, tensor) is None:
+        if head_unit_bytes(layout, group, tensor) is None:
             return (
-                f"tensor '{tensor.name}': a token's bytes do not split into the "
+                f"tensor '{tensor.name}': {unit} bytes do not split into the "
                 f"{layout.rank_heads(group)} heads this rank holds"
             )
     return None
