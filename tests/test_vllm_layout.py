@@ -264,9 +264,13 @@ class Tensor:
 
     shape: tuple[int, ...]
     strides: tuple[int, ...]
+    itemsize: int = 2
 
     def stride(self) -> tuple[int, ...]:
         return self.strides
+
+    def element_size(self) -> int:
+        return self.itemsize
 
 
 def _headed(num_blocks: int = 8, heads: int = 2, head_size: int = 64) -> KVCacheConfig:
@@ -291,6 +295,8 @@ def test_head_major_pages_are_checked_on_the_tensors_never_assumed() -> None:
     split = Tensor((16, 2, 64, 128), (2 * 64 * 128, 64 * 128, 128, 1))  # kernel blocks of 64
     assert not pages_are_head_major(config, {_name(0): split})
     assert not pages_are_head_major(config, {})
+    wide = Tensor(dense.shape, dense.strides, itemsize=4)  # not the page's bytes
+    assert not pages_are_head_major(config, {_name(0): wide})
     # With the model's head count and head-major pages, TP ranks agree on a fingerprint.
     rank = layout_from_vllm(
         _headed(heads=1), buffer="seg", base_offset=0, model="m", tp_size=2, tp_rank=1,

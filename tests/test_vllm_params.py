@@ -108,26 +108,46 @@ def test_sources_and_readers_agree(
 
 
 def test_a_decode_rank_takes_its_own_params_and_refuses_a_wrong_count() -> None:
-    first = params_to_dict(_params())
-    second = params_to_dict(dataclasses.replace(_params(), engine_id="engine-2", tp_rank=1))
-    published = {"num_tokens": 299, "readers": [[first], [first, second]]}
-    assert rank_params(published, 2, 0) == [_params()]
-    assert [p.engine_id for p in rank_params(published, 2, 1)] == ["engine-1", "engine-2"]
-    with pytest.raises(InvalidInputError, match="published for 2 decode ranks") as caught:
-        rank_params(published, 4, 0)
-    assert caught.value.field == "kv_transfer_params.kvxfer.readers"
+    def pub(source: int, reader: int) -> dict[str, object]:
+        params = dataclasses.replace(
+            _params(), engine_id=f"engine-{source}", tp_rank=source,
+            request_id=publication_id("req-7", source, reader, 2),
+        )  # fmt: skip
+        return params_to_dict(params)
+
+    # Prefill TP 2 -> decode TP 2 with 2 heads: rank d reads rank d; with 1 head (both
+    # replicated) each reads one replica.
+    published = {
+        "num_tokens": 299, "prefill_tp_size": 2, "readers": [[pub(0, 0)], [pub(1, 1)]]
+    }  # fmt: skip
+    assert [p.tp_rank for p in rank_params(published, 2, 1, 2)] == [1]
+    field = "kv_transfer_params.kvxfer"
+    cases: list[tuple[object, int, str, str]] = [
+        (published, 4, f"{field}.readers", "published for 2 decode ranks"),
+        ({**published, "readers": [[], [pub(1, 1)]]}, 2, f"{field}.readers[0]", "non-empty"),
+        ({**published, "readers": [[pub(0, 0), pub(0, 0)], [pub(1, 1)]]}, 2,
+         f"{field}.readers[0]", "twice"),
+        ({**published, "readers": [[pub(0, 1)], [pub(1, 1)]]}, 2,
+         f"{field}.readers[0][0].request_id", "for decode rank 0 of 2"),
+        ({**published, "readers": [[pub(1, 0)], [pub(1, 1)]]}, 2, f"{field}.readers[0]",
+         r"reads its heads from prefill ranks \[0\]"),
+        ({**published, "num_tokens": 999}, 2, f"{field}.readers[0][0].num_tokens", "999"),
+        ({**published, "prefill_tp_size": "2"}, 2, f"{field}.prefill_tp_size", "integer"),
+    ]  # fmt: skip
+    for value, tp_size, where, words in cases:
+        with pytest.raises(InvalidInputError, match=words) as caught:
+            rank_params(value, tp_size, 0, 2)
+        assert caught.value.field == where
+    plain = params_to_dict(_params())
     with pytest.raises(InvalidInputError, match="decode_tp_size=2") as single:
-        rank_params(first, 2, 1)  # one publication, two decode ranks
+        rank_params(plain, 2, 1, 2)  # one publication, two decode ranks
     assert single.value.field == "kv_transfer_params.decode_tp_size"
-    assert rank_params(first, 1, 0) == [_params()]
-    bad = {"num_tokens": 299, "readers": [[], [first]]}
-    with pytest.raises(InvalidInputError, match="non-empty"):
-        rank_params(bad, 2, 0)
+    assert rank_params(plain, 1, 0, 2) == [_params()]
 
 
-@pytest.mark.parametrize("value", [0, -1, "2", True, 5000, 1.5])
+@pytest.mark.parametrize("value", [0, -1, "2", True, 5000, 1.5, 3, 4096])
 def test_a_bad_decode_tp_size_is_named(value: object) -> None:
     with pytest.raises(InvalidInputError) as caught:
-        decode_tp_size({"decode_tp_size": value}, 1)
+        decode_tp_size({"decode_tp_size": value}, 1, 8)  # 3: 8 heads do not place
     assert caught.value.field == "kv_transfer_params.decode_tp_size"
-    assert decode_tp_size({}, 2) == 2 and decode_tp_size({"decode_tp_size": 4}, 1) == 4
+    assert decode_tp_size({}, 2, 8) == 2 and decode_tp_size({"decode_tp_size": 16}, 1, 8) == 16

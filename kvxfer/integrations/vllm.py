@@ -319,24 +319,31 @@ class _Scheduler:
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
         tp_size = self._owner._tp_size
         try:
-            readers = decode_tp_size(request.kv_transfer_params, tp_size)
+            heads = self._owner._vllm_config.model_config.get_total_num_kv_heads()
+            readers = decode_tp_size(request.kv_transfer_params, tp_size, heads)
             spans = spans_from_block_ids(self._owner._kinds, block_ids)
             if tp_size == 1 and readers == 1:
                 params = self._client(0).publish(request.request_id, num_tokens, spans)
                 return True, {"do_remote_prefill": True, KEY: params_to_dict(params)}
-            published = self._publish_per_reader(request.request_id, num_tokens, spans, readers)
+            published = self._publish_per_reader(
+                request.request_id, num_tokens, spans, readers, heads
+            )
         except KvxferError as exc:
             log.error("kvxfer: publish of %s failed: %s", request.request_id, exc)
             return False, None
         return True, {"do_remote_prefill": True, KEY: published}
 
     def _publish_per_reader(
-        self, request_id: str, num_tokens: int, spans: tuple[BlockSpan, ...], readers: int
+        self,
+        request_id: str,
+        num_tokens: int,
+        spans: tuple[BlockSpan, ...],
+        readers: int,
+        heads: int,
     ) -> dict[str, Any]:
         """Different TP sizes (or TP > 1): one publication per (prefill rank, decode rank
         reading heads from it); the params of every decode rank's sources. A failure
         withdraws what was published, so no lease outlives the blocks vLLM frees."""
-        heads = self._owner._vllm_config.model_config.get_total_num_kv_heads()
         tp_size = self._owner._tp_size
         made: list[tuple[int, str]] = []
         by_reader: list[list[dict[str, Any]]] = []
@@ -360,7 +367,7 @@ class _Scheduler:
         for source, publication in made:
             held[source].append(publication)
         self.published[request_id] = held
-        return {"num_tokens": num_tokens, "readers": by_reader}
+        return {"num_tokens": num_tokens, "prefill_tp_size": tp_size, "readers": by_reader}
 
     def _client(self, rank: int) -> SyncEngineClient:
         """The sidecar client of TP rank `rank`'s engine."""
@@ -483,8 +490,11 @@ class _Worker:
         reads heads from; the request is received once all of them ended."""
         receiving = _Receiving(order)
         try:
-            tp_size = self.layout.tp_size if self.layout is not None else 1
-            every = rank_params(order.params, tp_size, self._tp_rank)
+            layout = self.layout
+            if layout is None:
+                raise KvxferError("the KV cache is not registered with the sidecar")
+            heads = next((g.num_kv_heads for g in layout.groups if g.num_kv_heads), None)
+            every = rank_params(order.params, layout.tp_size, self._tp_rank, heads)
             spans = spans_from_block_ids(self._owner._kinds, order.block_ids)
         except KvxferError as exc:
             log.error("kvxfer: pull of %s refused: %s", order.request_id, exc)

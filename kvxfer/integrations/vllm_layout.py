@@ -201,11 +201,18 @@ def pages_are_head_major(kv_cache_config: Any, kv_caches: Mapping[str, Any]) -> 
             return False
         if getattr(spec, "num_head_slots", None) not in (None, heads):
             return False
+        if getattr(spec, "state_content_bytes", None) is not None:  # a packed page
+            return False
+        if not str(getattr(spec, "kv_quant_mode", "NONE")).endswith("NONE"):
+            return False
+        page = int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
         for layer in group.layer_names:
             tensor = kv_caches.get(layer)
             if tensor is None or tuple(tensor.shape) != (num_blocks, heads, block, 2 * size):
                 return False
             if tuple(tensor.stride())[1:] != (block * 2 * size, 2 * size, 1):
+                return False
+            if tensor.element_size() * heads * block * 2 * size != page:  # the bytes, too
                 return False
     return True
 

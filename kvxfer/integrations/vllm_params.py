@@ -102,19 +102,31 @@ def readers_of(num_kv_heads: int, prefill_tp: int, decode_tp: int, source: int) 
     ]
 
 
-def decode_tp_size(params: Mapping[str, Any], default: int) -> int:
-    """The decode TP size a prefill request names (`decode_tp_size`), else `default`."""
+MAX_DECODE_TP = 256
+
+
+def decode_tp_size(params: Mapping[str, Any], default: int, num_kv_heads: int) -> int:
+    """The decode TP size a prefill request names (`decode_tp_size`), else `default`; it
+    must place the model's `num_kv_heads` as vLLM would (split evenly or replicated)."""
+    field = f"kv_transfer_params.{DECODE_TP}"
     value = params.get(DECODE_TP, default)
-    if type(value) is not int or not 1 <= value <= 1 << 12:
+    if type(value) is not int or not 1 <= value <= MAX_DECODE_TP:
+        raise InvalidInputError(field, f"must be an integer 1..{MAX_DECODE_TP}, got {value!r}")
+    if num_kv_heads % value and value % num_kv_heads:
         raise InvalidInputError(
-            f"kv_transfer_params.{DECODE_TP}", f"must be an integer 1..4096, got {value!r}"
+            field, f"{num_kv_heads} KV heads cannot be placed on {value} decode ranks"
         )
     return value
 
 
-def rank_params(value: object, tp_size: int, tp_rank: int) -> list[TransferParams]:
+def rank_params(
+    value: object, tp_size: int, tp_rank: int, num_kv_heads: int | None
+) -> list[TransferParams]:
     """The params decode rank `tp_rank` of `tp_size` pulls with: one per prefill rank it
-    reads from (`readers`), or the one of a single-rank publication."""
+    reads from (`readers`), or the one of a single-rank publication. Every publication
+    must be this rank's, of the request's length, and together they must be exactly the
+    prefill ranks holding this rank's heads: a missing one would leave heads unwritten
+    and reported received."""
     field = f"kv_transfer_params.{KEY}"
     if not isinstance(value, Mapping):
         raise InvalidInputError(field, f"must be an object, got {type(value).__name__}")
@@ -134,10 +146,42 @@ def rank_params(value: object, tp_size: int, tp_rank: int) -> list[TransferParam
             f"published for {count} decode ranks, but this engine runs TP {tp_size}: send "
             f"{DECODE_TP}={tp_size} with the prefill request",
         )
+    where = f"{field}.readers[{tp_rank}]"
     mine = readers[tp_rank]
     if not isinstance(mine, list) or not mine:
-        raise InvalidInputError(f"{field}.readers[{tp_rank}]", "must be a non-empty list")
-    return [params_from_dict(p, f"{field}.readers[{tp_rank}][{i}]") for i, p in enumerate(mine)]
+        raise InvalidInputError(where, "must be a non-empty list")
+    every = [params_from_dict(p, f"{where}[{i}]") for i, p in enumerate(mine)]
+    if len({p.request_id for p in every}) != len(every):
+        raise InvalidInputError(where, "names a publication twice")
+    prefill_tp = value.get("prefill_tp_size")
+    if type(prefill_tp) is not int or not 1 <= prefill_tp <= MAX_DECODE_TP:
+        raise InvalidInputError(
+            f"{field}.prefill_tp_size", f"must be an integer 1..{MAX_DECODE_TP}, got {prefill_tp!r}"
+        )
+    sources = []
+    for i, params in enumerate(every):
+        named = publication_of(params.request_id)
+        if named is None or named[1:] != (params.tp_rank, tp_rank, tp_size):
+            raise InvalidInputError(
+                f"{where}[{i}].request_id",
+                f"{params.request_id!r} is not prefill rank {params.tp_rank}'s publication for "
+                f"decode rank {tp_rank} of {tp_size}",
+            )
+        if params.num_tokens != value.get("num_tokens"):
+            raise InvalidInputError(
+                f"{where}[{i}].num_tokens",
+                f"{params.num_tokens}, but the request has {value.get('num_tokens')!r}",
+            )
+        sources.append(params.tp_rank)
+    if num_kv_heads is not None:
+        want = reader_sources(num_kv_heads, prefill_tp, tp_size, tp_rank)
+        if sorted(sources) != want:
+            raise InvalidInputError(
+                where,
+                f"publications of prefill ranks {sorted(sources)}, but decode rank {tp_rank} "
+                f"of {tp_size} reads its heads from prefill ranks {want} of {prefill_tp}",
+            )
+    return every
 
 
 def load_errors(
