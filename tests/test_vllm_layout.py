@@ -3,6 +3,8 @@ plain dataclasses named and shaped like vLLM 0.32's)."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -310,3 +312,26 @@ def test_head_major_pages_are_checked_on_the_tensors_never_assumed() -> None:
     assert rank.fingerprint == whole.fingerprint
     other = layout_from_vllm(config, buffer="seg", base_offset=0, model="m", num_kv_heads=4)
     assert other.fingerprint != whole.fingerprint
+
+
+def test_a_quantized_page_is_not_head_major() -> None:
+    """vLLM's kv_quant_mode is an IntEnum (its str() is "0"): read by name."""
+
+    class KVQuantMode(enum.IntEnum):
+        NONE = 0
+        FP8 = 1
+
+    @dataclass(frozen=True)
+    class QuantSpec(HeadedSpec):
+        kv_quant_mode: KVQuantMode = KVQuantMode.NONE
+
+    dense = {_name(0): Tensor((8, 2, 128, 128), (2 * 128 * 128, 128 * 128, 128, 1))}
+    config = _headed()
+    group = config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    assert isinstance(spec, HeadedSpec)
+    plain = QuantSpec(spec.block_size, spec.page_size_bytes, num_kv_heads=2, head_size=64)
+    group.kv_cache_spec = plain
+    assert pages_are_head_major(config, dense)
+    group.kv_cache_spec = dataclasses.replace(plain, kv_quant_mode=KVQuantMode.FP8)
+    assert not pages_are_head_major(config, dense)

@@ -203,7 +203,8 @@ def pages_are_head_major(kv_cache_config: Any, kv_caches: Mapping[str, Any]) -> 
             return False
         if getattr(spec, "state_content_bytes", None) is not None:  # a packed page
             return False
-        if not str(getattr(spec, "kv_quant_mode", "NONE")).endswith("NONE"):
+        quant = getattr(spec, "kv_quant_mode", None)  # vLLM's IntEnum: str() gives "0"
+        if quant is not None and getattr(quant, "name", quant) != "NONE":
             return False
         page = int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
         for layer in group.layer_names:
