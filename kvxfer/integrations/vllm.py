@@ -558,6 +558,10 @@ class _Worker:
             return
         order = receiving.order
         receiving.pending -= 1
+        if not order.awaiting:  # nothing was to load: it only let the prefill release
+            if not receiving.pending:
+                self._received(receiving)
+            return
         self._record(
             request_id=order.request_id,
             pull_id=event.request_id,
