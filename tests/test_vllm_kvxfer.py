@@ -92,6 +92,9 @@ def test_decode_is_token_identical_and_moves_the_oracle_minimum(
     assert_identical(report)
     assert report["failed_blocks"] == 0
     assert report["bytes_moved"] == report["bytes_exact_minimum"] == oracle_minimum(report)
+    # The worker found its pages head-major on the tensors and on vLLM's own kernel
+    # (vllm_kernel), so these engines could pair with another TP size.
+    assert report["layout"]["head_major"] is True
     if family == "gemma3":  # a sliding window: less than full attention would move
         assert report["bytes_exact_minimum"] < report["bytes_full_attention"]
 

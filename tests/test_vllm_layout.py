@@ -299,6 +299,12 @@ def test_head_major_pages_are_checked_on_the_tensors_never_assumed() -> None:
     assert not pages_are_head_major(config, {})
     wide = Tensor(dense.shape, dense.strides, itemsize=4)  # not the page's bytes
     assert not pages_are_head_major(config, {_name(0): wide})
+    # The kernel check is asked once per group, with the spec and a layer's tensor, and
+    # a kernel that mixes heads makes the pages not head-major whatever their shape.
+    asked: list[tuple[object, object]] = []
+    assert pages_are_head_major(config, {_name(0): dense}, lambda s, t: not asked.append((s, t)))
+    assert asked == [(config.kv_cache_groups[0].kv_cache_spec, dense)]
+    assert not pages_are_head_major(config, {_name(0): dense}, lambda s, t: False)
     # With the model's head count and head-major pages, TP ranks agree on a fingerprint.
     rank = layout_from_vllm(
         _headed(heads=1), buffer="seg", base_offset=0, model="m", tp_size=2, tp_rank=1,

@@ -317,9 +317,10 @@ class EngineLayout:
     # vLLM fuses K and V in one page: not token-major.
     token_major: bool = True
     # Every attention block is [the heads this rank holds][one head's bytes for every
-    # token of the block] (vLLM's CPU pages: per head, the block's K rows then its V
-    # rows), so a run of heads is one byte range of a block: what a pairing of
-    # different TP sizes with equal block sizes needs. Never with token_major.
+    # token of the block, in an order of the engine's own] (vLLM's CPU pages: per head,
+    # the block's K half then its V half, K transposed by its vec kernels), so a run of
+    # heads is one byte range of a block: what a pairing of different TP sizes with
+    # equal block sizes needs; a token range is not. Never with token_major.
     head_major: bool = False
 
     def __post_init__(self) -> None:

