@@ -22,6 +22,7 @@ from kvxfer._exceptions import (
     DataPlaneError,
     InvalidInputError,
     KvxferError,
+    LimitExceededError,
     PeerUnavailableError,
 )
 from kvxfer.core.planner import TransferPlan
@@ -282,16 +283,17 @@ async def _end_read(pull: Pull, ctx: PullContext, done: PullDone) -> None:
 
 
 async def end_patiently(call: Callable[[], Awaitable[T]], what: str, patience_s: float) -> T | None:
-    """Retry `call` while the peer cannot be reached: a stalled or frozen peer answers
-    later, and its lease clock stops while it is frozen (LiveClock), so without the
-    retry it would report the finished transfer as expired. Only a definite answer, or
-    `patience_s`, ends this (None: no answer)."""
+    """Retry `call` while the peer cannot be reached or runs too many of our calls at
+    once (its `limits.max_calls_per_peer`): a stalled or frozen peer answers later, and
+    its lease clock stops while it is frozen (LiveClock), so without the retry it would
+    report the finished transfer as expired. Only a definite answer, or `patience_s`,
+    ends this (None: no answer)."""
     give_up = time.monotonic() + patience_s
     pause = 0.25
     while True:
         try:
             return await call()
-        except PeerUnavailableError as exc:
+        except (PeerUnavailableError, LimitExceededError) as exc:
             if time.monotonic() + pause > give_up:
                 log.warning("%s: %s", what, exc)
                 return None  # its lease expires there on its own

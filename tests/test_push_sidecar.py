@@ -67,7 +67,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     try:
         p = start_sidecar(tmp, "p", *LEASE, "--transfer.chunk-blocks", "4")
         procs.append(p)
-        d = start_sidecar(tmp, "d", *LEASE)
+        d = start_sidecar(tmp, "d", *LEASE, "--limits.max-calls-per-peer", "2")
         procs.append(d)
         dp = start_sidecar(tmp, "dp", *LEASE, "--transfer.modes", "pull")
         procs.append(dp)
@@ -307,3 +307,30 @@ async def test_end_write_is_validated_by_field_and_capped_by_the_decode_side(pai
     assert reply.valid_tokens == want < tokens
     assert isinstance(received, Received) and received.status is PullStatus.FAILED
     assert received.valid_tokens == want and received.failed_blocks == {1: (2,)}
+
+
+async def test_a_burst_of_pushes_beyond_the_peers_call_limit_all_land(pair: Pair) -> None:
+    """D runs 2 calls at once per client (`--limits.max-calls-per-peer 2`). Sixteen
+    pushes started at once (a BeginWrite each, heartbeats, an EndWrite) all land byte
+    for byte: D's PeerService handlers answer without suspending, so one client's calls
+    do not pile up there, and none is refused (were an EndWrite refused, P would try
+    it again: `end_patiently`)."""
+    tokens, n = 64, 16
+    src = _blocks(tokens, 10)
+    dsts = [_blocks(tokens, 60 + 4 * i) for i in range(n)]
+    async with (
+        engine_link(pair.p, pair.pe) as (p, p_events),
+        engine_link(pair.d, pair.de) as (d, d_events),
+    ):
+        params = [await d.expect(f"burst-{i}", tokens, dsts[i]) for i in range(n)]
+        await asyncio.gather(*(p.push(x, src, tokens, final=True) for x in params))
+        received = {e.request_id: e for e in [await d_events.next() for _ in range(n)]}
+        pushed = [await p_events.next() for _ in range(n)]
+    assert sorted(received) == sorted(f"burst-{i}" for i in range(n))
+    for i in range(n):
+        event = received[f"burst-{i}"]
+        assert isinstance(event, Received) and event.status is PullStatus.OK, event
+        moved = pair.image.expect_pull(pair.pe, src, dsts[i], tokens, 0, {})
+        assert event.bytes_moved == moved
+    assert all(isinstance(e, Pushed) and e.status is PullStatus.OK for e in pushed), pushed
+    pair.image.check_all()
