@@ -82,6 +82,8 @@ def assert_identical(report: dict[str, Any]) -> None:
     assert report["negative_control_applies"], "the control's pull failed: it proves nothing"
     assert report["negative_control_diverged"], "the decode ignored the moved KV"
     assert report["returncode"] == 0, report["stderr"]
+    # Every request the prefill published was reported sent: vLLM freed its blocks.
+    assert report["prefill_blocks_held"] == [], report["prefill_blocks_held"]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -109,6 +111,7 @@ def test_failed_chunks_are_recomputed_and_the_output_does_not_change(
     # prove the moved KV is used.
     assert report["negative_control_diverged"] or not report["negative_control_applies"]
     assert report["returncode"] == 0, report["stderr"]
+    assert report["prefill_blocks_held"] == [], "a failed pull must still free the prefill"
 
 
 def test_a_state_model_matches_vllms_own_pd(

@@ -12,12 +12,14 @@ from kvxfer._exceptions import InvalidInputError, KvxferError
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
 from kvxfer.integrations.vllm_params import (
+    KEY,
     decode_tp_size,
     load_errors,
     params_from_dict,
     params_to_dict,
     publication_id,
     publication_of,
+    published_request,
     rank_params,
     reader_sources,
     readers_of,
@@ -89,6 +91,17 @@ def test_publication_ids_name_their_reader_and_plain_ids_do_not() -> None:
     assert publication_id("r", 0, 0, 1) != publication_id("r", 1, 0, 1)
     assert publication_of("cmpl-1") is None
     assert publication_of("cmpl~d1of2") is None
+
+
+def test_the_request_behind_the_params_a_prefill_returned() -> None:
+    """What the demo waits to see in the prefill's `finished_sending`."""
+    assert published_request({KEY: {"request_id": "cmpl-7", "num_tokens": 3}}) == "cmpl-7"
+    readers = [[{"request_id": publication_id("cmpl-7~x", 0, d, 2)}] for d in range(2)]
+    assert published_request({KEY: {"num_tokens": 3, "readers": readers}}) == "cmpl-7~x"
+    with pytest.raises(InvalidInputError, match=f"kv_transfer_params.{KEY}"):
+        published_request({})
+    with pytest.raises(InvalidInputError, match="readers"):
+        published_request({KEY: {"readers": [[{"request_id": "plain"}]]}})
 
 
 @pytest.mark.parametrize(

