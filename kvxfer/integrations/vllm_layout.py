@@ -165,6 +165,14 @@ def layout_from_vllm(
             )
         )
     attention = [s for s in shapes if s.kind is not GroupKind.MAMBA]
+    if head_major and num_kv_heads is not None:
+        # A run of heads is cut by kvxfer's count of the heads a rank holds; a page that
+        # holds another count (a model whose layers differ) is not cut that way.
+        head_major = all(
+            int(g.kv_cache_spec.num_kv_heads) == max(1, num_kv_heads // tp_size)
+            for g, s in zip(kv_cache_config.kv_cache_groups, shapes, strict=True)
+            if s.kind is not GroupKind.MAMBA
+        )
     block_size = attention[0].block_size if attention else shapes[0].block_size
     dtypes = {s.dtype for s in attention}
     if len(dtypes) > 1:
