@@ -55,6 +55,8 @@ def type_name(annotation: Any) -> str:
         return f"list of {type_name(args[0])}"
     if origin is dict:
         return f"map of {type_name(args[0])} to {type_name(args[1])}"
+    if origin is typing.Literal:
+        return " or ".join(f"`{a}`" for a in args)
     return {Path: "path", str: "string", int: "integer", float: "number", bool: "boolean"}.get(
         annotation, getattr(annotation, "__name__", str(annotation))
     )

@@ -20,7 +20,7 @@ import signal
 import socket
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,20 @@ from kvxfer.wire.lane import lane_path
 log = logging.getLogger("kvxfer.server")
 
 
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    """The event loop the `event_loop` setting names. uvloop is a dependency of the
+    sidecar: a missing one is an error naming the setting, never a quiet fallback."""
+    if name == "asyncio":
+        return asyncio.new_event_loop
+    try:
+        import uvloop  # noqa: PLC0415 (not on every platform: see pyproject.toml)
+    except ImportError as exc:
+        raise KvxferError(
+            f"event_loop: uvloop cannot be imported ({exc}); install it, or set event_loop=asyncio"
+        ) from exc
+    return uvloop.new_event_loop
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(sys.argv[1:] if argv is None else argv)
@@ -63,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        return asyncio.run(serve(settings))
+        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
+            return runner.run(serve(settings))
     except KvxferError as exc:
         print(f"kvxfer-server: {exc}", file=sys.stderr)
         return 1
@@ -135,6 +150,7 @@ async def serve(settings: Settings) -> int:
         "epoch": sidecar.epoch,
         "sidecar_id": sidecar.sidecar_id,
         "pid": os.getpid(),
+        "event_loop": type(loop).__module__.partition(".")[0],  # uvloop or asyncio
     }
     print(json.dumps(ready), flush=True)
     log.info("serving: %s", ready)

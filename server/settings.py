@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -203,6 +203,11 @@ class Settings(BaseSettings):
     sidecar_id: str = Field("", description="name in logs and peers' views; unset: the hostname")
     shutdown_grace_s: float = Field(10.0, ge=0, le=600, description="SIGTERM grace period")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+    event_loop: Literal["uvloop", "asyncio"] = Field(
+        "uvloop",
+        description="the sidecar's event loop: uvloop (libuv's, the faster) or Python's "
+        "own asyncio loop",
+    )
     insecure_peer_port: bool = Field(
         False,
         description="INSECURE: serve PeerService without mTLS on a non-loopback address; "

@@ -73,6 +73,13 @@ def test_server_exits_2_with_one_line_on_bad_settings() -> None:
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_an_unknown_event_loop_is_refused_naming_the_setting() -> None:
+    assert load_settings([], environ={}).event_loop == "uvloop"
+    assert load_settings([], environ={"KVXFER_EVENT_LOOP": "asyncio"}).event_loop == "asyncio"
+    with pytest.raises(InvalidInputError, match="event_loop"):
+        load_settings([], environ={"KVXFER_EVENT_LOOP": "trio"})
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.3.2.1", "[::1]", "localhost"])
 def test_loopback_peer_port_needs_no_tls(host: str) -> None:
     assert load_settings(["--peer-address", f"{host}:0"], environ={}).peer_address == f"{host}:0"
