@@ -322,10 +322,12 @@ def test_head_major_pages_are_checked_on_the_tensors_never_assumed() -> None:
     assert not layout_from_vllm(
         config, buffer="seg", base_offset=0, model="m", num_kv_heads=4, head_major=True
     ).head_major  # 2 heads per page, but 4 // 1 by kvxfer's count
-    assert layout_from_vllm(
+    # 2 heads over 4 ranks: each holds one, replicated.
+    replicated = layout_from_vllm(
         _headed(heads=1), buffer="seg", base_offset=0, model="m", tp_size=4, tp_rank=3,
         num_kv_heads=2, head_major=True,
-    ).head_major  # fmt: skip  (2 heads over 4 ranks: each holds one, replicated)
+    )  # fmt: skip
+    assert replicated.head_major
 
 
 def test_a_quantized_page_is_not_head_major() -> None:
