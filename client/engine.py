@@ -51,6 +51,7 @@ from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.errors import guarded, rpc_error
 from kvxfer.wire.lane import lane_path
 from kvxfer.wire.layout import layout_to_proto, span_to_proto
+from kvxfer.wire.loops import DEFAULT_EVENT_LOOP, EventLoop, loop_factory
 from kvxfer.wire.sidecar import (
     abort_state_from_proto,
     event_from_proto,
@@ -297,8 +298,9 @@ class SyncEngineClient:
         timeout_s: float = 30.0,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         lane: bool | None = None,
+        event_loop: EventLoop = DEFAULT_EVENT_LOOP,
     ) -> None:
-        self._loop = asyncio.new_event_loop()
+        self._loop = loop_factory(event_loop, "event_loop")()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         # A call may first wait for the sidecar to come up.

@@ -20,7 +20,7 @@ import signal
 import socket
 import stat
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,22 +46,9 @@ from kvxfer.server.sidecar import Sidecar
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.lane import lane_path
+from kvxfer.wire.loops import loop_factory, loop_name
 
 log = logging.getLogger("kvxfer.server")
-
-
-def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
-    """The event loop the `event_loop` setting names. uvloop is a dependency of the
-    sidecar: a missing one is an error naming the setting, never a quiet fallback."""
-    if name == "asyncio":
-        return asyncio.new_event_loop
-    try:
-        import uvloop  # noqa: PLC0415 (not on every platform: see pyproject.toml)
-    except ImportError as exc:
-        raise KvxferError(
-            f"event_loop: uvloop cannot be imported ({exc}); install it, or set event_loop=asyncio"
-        ) from exc
-    return uvloop.new_event_loop
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,7 +137,7 @@ async def serve(settings: Settings) -> int:
         "epoch": sidecar.epoch,
         "sidecar_id": sidecar.sidecar_id,
         "pid": os.getpid(),
-        "event_loop": type(loop).__module__.partition(".")[0],  # uvloop or asyncio
+        "event_loop": loop_name(loop),
     }
     print(json.dumps(ready), flush=True)
     log.info("serving: %s", ready)

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -40,6 +40,7 @@ from kvxfer.server.settings_sources import (
     read_file,
     unknown_env_names,
 )
+from kvxfer.wire.loops import DEFAULT_EVENT_LOOP, EventLoop
 
 CONFIG_ENV = "KVXFER_CONFIG"
 
@@ -203,8 +204,8 @@ class Settings(BaseSettings):
     sidecar_id: str = Field("", description="name in logs and peers' views; unset: the hostname")
     shutdown_grace_s: float = Field(10.0, ge=0, le=600, description="SIGTERM grace period")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
-    event_loop: Literal["uvloop", "asyncio"] = Field(
-        "uvloop",
+    event_loop: EventLoop = Field(
+        DEFAULT_EVENT_LOOP,
         description="the sidecar's event loop: uvloop (libuv's, the faster) or Python's "
         "own asyncio loop",
     )
