@@ -7,13 +7,11 @@ first. Bamba has no model class in vLLM 0.32 and is left out."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 from test_state_families import CASES
-from vllm_harness import vllm_python
+from vllm_harness import run_script
 
 from kvxfer.core.layout import GroupKind
 from kvxfer.core.profiles import layout_from_config
@@ -36,17 +34,7 @@ def test_state_bytes_equal_what_vllm_allocates() -> None:
         if config.get("model_type") != "bamba"
     }
     assert len(cases) == len(CASES) - 2  # all but bamba-9b and bamba-9b-tp2
-    run = subprocess.run(
-        [str(vllm_python()), str(SCRIPT)],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        timeout=500,
-        check=False,
-        env={"PYTHONDONTWRITEBYTECODE": "1", "PATH": "/usr/bin:/bin"},
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    vllm = json.loads(run.stdout)
+    vllm = run_script(SCRIPT, cases, timeout_s=500)
     for name, case in cases.items():
         config, state_dtype, tp, _ = CASES[name]
         layout = layout_from_config(config, name=name, tp_size=tp, state_dtype=state_dtype)

@@ -13,12 +13,10 @@ whatever vLLM runs for it must pass the same checks."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
-from vllm_harness import vllm_python
+from vllm_harness import run_script
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -27,17 +25,7 @@ ISAS = [["vec", "float32"], ["vec", "bfloat16"], ["vec16", "float32"], ["amx", "
 
 
 def test_every_kernel_keeps_heads_apart_and_none_keeps_tokens_in_rows() -> None:
-    run = subprocess.run(
-        [str(vllm_python()), str(SCRIPT)],
-        input=json.dumps({"isas": ISAS}),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-        env={"PYTHONDONTWRITEBYTECODE": "1", "PATH": "/usr/bin:/bin"},
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout)
+    found = run_script(SCRIPT, {"isas": ISAS}, timeout_s=240)
     assert sorted(found) == sorted(f"{isa}/{dtype}" for isa, dtype in ISAS)
     for case, facts in found.items():
         assert facts["heads_contained"] is True, case

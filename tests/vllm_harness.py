@@ -6,6 +6,7 @@ first); a missing venv fails the tests with that instruction, it never skips.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -37,6 +38,22 @@ def vllm_python() -> Path:
     if not python.exists():
         pytest.fail(f"{python} missing: run `make vllm-venv` (make test builds it)")
     return python
+
+
+def run_script(script: Path, payload: object, timeout_s: float) -> Any:
+    """Run a script of tests/ under .venv-vllm with `payload` as JSON on stdin, and
+    return the JSON it prints (its stderr's tail if it fails)."""
+    run = subprocess.run(
+        [str(vllm_python()), str(script)],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+        env={"PYTHONDONTWRITEBYTECODE": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
 
 
 def write_models(root: Path, families: Sequence[str] = FAMILIES) -> dict[str, Path]:
