@@ -7,6 +7,7 @@ imported on their own so that planning never pays for torch or nixl.
 """
 
 from kvxfer._exceptions import (
+    BusyError,
     DataPlaneError,
     InvalidInputError,
     KvxferError,
@@ -49,6 +50,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockId",
     "BlockSpan",
+    "BusyError",
     "Chunk",
     "DataPlaneError",
     "Descriptor",

@@ -8,6 +8,8 @@
     │   └── ProfileError                      a model config cannot be read
     │       └── UnsupportedModelError         a readable config of an architecture not handled yet
     ├── LimitExceededError                    a configured limit was hit (message names the limit)
+    │   └── BusyError                         a peer runs as many of this client's calls as it
+    │                                         allows: the same call may succeed a moment later
     ├── NegotiationError                      two layouts do not agree; `.mismatches` lists why
     ├── NotFoundError                         unknown request, engine or peer
     ├── LeaseError                            a lease expired or was released under a request
@@ -59,6 +61,12 @@ class UnsupportedModelError(ProfileError):
 
 class LimitExceededError(KvxferError):
     """A configured limit (message size, blocks per request, in-flight pulls) was exceeded."""
+
+
+class BusyError(LimitExceededError):
+    """The peer already runs `limits.max_calls_per_peer` calls of this client: the call
+    never started there, and the same call may succeed once one of them ends. Every
+    other LimitExceededError is about the call itself and fails again as it is."""
 
 
 class NotFoundError(KvxferError):

@@ -29,7 +29,7 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
-from kvxfer._exceptions import InvalidInputError, LimitExceededError, PermissionDeniedError
+from kvxfer._exceptions import BusyError, InvalidInputError, PermissionDeniedError
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.settings import Settings
 from kvxfer.server.status import abort_with
@@ -104,7 +104,7 @@ class PeerPortGuard(grpc.aio.ServerInterceptor):
                 self._metrics.refusals.labels("too_many_calls").inc()
                 await abort_with(
                     context,
-                    LimitExceededError(
+                    BusyError(
                         f"limits.max_calls_per_peer: {self._max_calls} calls from {who} "
                         "already running"
                     ),

@@ -23,6 +23,7 @@ import grpc
 import grpc.aio
 
 from kvxfer._exceptions import (
+    BusyError,
     InvalidInputError,
     KvxferError,
     NegotiationError,
@@ -414,8 +415,8 @@ class PeerLinks:
     ) -> T:
         try:
             reply = await self._dialer.call(link.address, what, rpc)
-        except PeerUnavailableError:
-            raise
+        except (PeerUnavailableError, BusyError):
+            raise  # the call may be tried again: keep its token for it
         except KvxferError:
             self._read_tokens.pop(key, None)
             raise

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from kvxfer._exceptions import (
+    BusyError,
     DataPlaneError,
     InvalidInputError,
     KvxferError,
-    LimitExceededError,
     PeerUnavailableError,
 )
 from kvxfer.core.planner import TransferPlan
@@ -284,7 +284,7 @@ async def _end_read(pull: Pull, ctx: PullContext, done: PullDone) -> None:
 
 async def end_patiently(call: Callable[[], Awaitable[T]], what: str, patience_s: float) -> T | None:
     """Retry `call` while the peer cannot be reached or runs too many of our calls at
-    once (its `limits.max_calls_per_peer`): a stalled or frozen peer answers later, and
+    once (BusyError, its `limits.max_calls_per_peer`): a stalled or frozen peer answers later, and
     its lease clock stops while it is frozen (LiveClock), so without the retry it would
     report the finished transfer as expired. Only a definite answer, or `patience_s`,
     ends this (None: no answer)."""
@@ -293,7 +293,7 @@ async def end_patiently(call: Callable[[], Awaitable[T]], what: str, patience_s:
     while True:
         try:
             return await call()
-        except (PeerUnavailableError, LimitExceededError) as exc:
+        except (PeerUnavailableError, BusyError) as exc:
             if time.monotonic() + pause > give_up:
                 log.warning("%s: %s", what, exc)
                 return None  # its lease expires there on its own

@@ -33,6 +33,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from kvxfer._exceptions import (
+    BusyError,
     DataPlaneError,
     InvalidInputError,
     KvxferError,
@@ -65,6 +66,7 @@ _INPUT_CLASSES: tuple[type[InvalidInputError], ...] = (
     UnsupportedModelError,
 )
 _OTHER_CLASSES: tuple[type[KvxferError], ...] = (
+    BusyError,
     LimitExceededError,
     NotFoundError,
     LeaseError,
