@@ -42,6 +42,21 @@ async def restarts_reach(sidecar: Proc, count: int, timeout_s: float = 60.0) -> 
         await asyncio.sleep(0.05)
 
 
+# A terminal's Ctrl-C or hangup, or a SIGTERM to the process group, is the sidecar's to
+# act on: none of them may end the serving agent, which ends when the sidecar closes it
+# (it ignores them; UCX then takes SIGHUP over for its debug handler).
+SIDECARS_SIGNALS = {signal.SIGHUP, signal.SIGINT, signal.SIGTERM}
+
+
+def ignored_signals(pid: int) -> set[int]:
+    """The signals that do not act as by default on process `pid` (ignored or caught)."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    mask = 0
+    for key in ("SigIgn:", "SigCgt:"):
+        mask |= int(next(x for x in status if x.startswith(key)).split()[1], 16)
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+
 async def test_a_dead_serving_agent_is_replaced_and_the_sidecar_keeps_serving(
     tmp_path: Path,
 ) -> None:
@@ -54,6 +69,7 @@ async def test_a_dead_serving_agent_is_replaced_and_the_sidecar_keeps_serving(
     try:
         children = process_tree(p.pid)[1:]
         assert len(children) == 1, f"one serving agent process under the sidecar: {children}"
+        assert ignored_signals(children[0]) >= SIDECARS_SIGNALS
         async with engine_link(p, pe) as (pc, p_events), engine_link(d, de) as (dc, d_events):
             for request_id, dst_first in (("before", 10), ("after", 20)):
                 params = await pc.publish(request_id, TOKENS, src)
@@ -73,6 +89,7 @@ async def test_a_dead_serving_agent_is_replaced_and_the_sidecar_keeps_serving(
         assert p.popen.poll() is None, "the sidecar died with its serving agent"
         replaced = process_tree(p.pid)[1:]
         assert len(replaced) == 1 and replaced != children, replaced
+        assert ignored_signals(replaced[0]) >= SIDECARS_SIGNALS
     finally:
         for proc in (pe, de, p, d):
             proc.stop()

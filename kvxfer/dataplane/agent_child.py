@@ -125,10 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     # The sidecar decides when this process ends (close, or its socket closing): a
-    # terminal's SIGINT or a SIGTERM sent to the whole process group is for the sidecar,
-    # which closes this agent only once peers' reads have drained.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # terminal's SIGINT or hangup, or a SIGTERM sent to the whole process group, is for
+    # the sidecar, which closes this agent only once peers' reads have drained. Set here,
+    # not inherited: a sidecar on uvloop starts this process with default handlers.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     conn = Connection(int(args[0]))
     try:
         return asyncio.run(_serve(conn))
