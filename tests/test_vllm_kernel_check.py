@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvxfer.integrations.vllm_kernel import heads_stay_apart
+from kvxfer.integrations.vllm_kernel import KernelFacts, heads_stay_apart, kernel_facts, page_order
 
 HEADS, BLOCK, HEAD = 4, 32, 16
 
@@ -61,3 +61,21 @@ def test_heads_stay_apart(write, apart: bool, dtype: torch.dtype) -> None:  # ty
 def test_more_heads_than_codes_is_not_checked() -> None:
     assert not heads_stay_apart(rows, heads=257, block_size=BLOCK, head_size=HEAD,
                                 dtype=torch.float32)  # fmt: skip
+
+
+def test_page_order_names_where_a_kernel_puts_each_value() -> None:
+    """The same kernel gets the same name on every call (any host), another order
+    another name: what keeps engines on different kernels from pairing."""
+    order = {
+        name: page_order(write, block_size=BLOCK, head_size=HEAD, dtype=torch.bfloat16)
+        for name, write in (("rows", rows), ("transposed", transposed), ("again", rows))
+    }
+    assert order["rows"] == order["again"] != order["transposed"]
+    assert order["rows"] != page_order(rows, block_size=BLOCK, head_size=HEAD, dtype=torch.float32)
+
+
+def test_without_vllm_no_kernel_is_named_and_no_page_is_head_major() -> None:
+    """kvxfer's own venv has no vLLM: nothing to ask, so nothing is claimed."""
+    spec = type("Spec", (), {"block_size": BLOCK, "head_size": HEAD, "num_kv_heads": HEADS})()
+    facts = kernel_facts(spec, torch.zeros(1, HEADS, BLOCK, 2 * HEAD), "auto")
+    assert facts == KernelFacts(None, False, None) and facts.name is None

@@ -322,6 +322,15 @@ def test_head_major_pages_are_checked_on_the_tensors_never_assumed() -> None:
     assert not layout_from_vllm(
         config, buffer="seg", base_offset=0, model="m", num_kv_heads=4, head_major=True
     ).head_major  # 2 heads per page, but 4 // 1 by kvxfer's count
+
+    # The kernel each side's pages were written by is part of the fingerprint.
+    def kernel(name: str | None) -> str:
+        return layout_from_vllm(
+            config, buffer="seg", base_offset=0, model="m", num_kv_heads=2, kernels=[name]
+        ).fingerprint
+
+    assert kernel("vec:0a1b") == kernel("vec:0a1b") != kernel("amx:9f8e")
+    assert kernel(None) != kernel("vec:0a1b")
     # 2 heads over 4 ranks: each holds one, replicated.
     replicated = layout_from_vllm(
         _headed(heads=1), buffer="seg", base_offset=0, model="m", tp_size=4, tp_rank=3,

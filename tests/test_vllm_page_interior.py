@@ -4,6 +4,8 @@
 - Every kernel keeps each KV head inside its own `[block, head]` slice: a pairing of
   different TP sizes moves a run of heads as one byte range of each block on that
   ground, and the connector's own check (`vllm_kernel.heads_stay_apart`) says so too.
+- Kernels order a page differently (amx against vec, in bf16): `page_order` names the
+  order, and the fingerprint carries it, so engines on different kernels do not pair.
 - No kernel keeps a token's K as a row of the head's K half (the vec kernels store K
   transposed): the reason different block sizes are refused for vLLM pages. Should a
   vLLM release change that, this test fails and the refusal is worth revisiting.
@@ -30,6 +32,10 @@ def test_every_kernel_keeps_heads_apart_and_none_keeps_tokens_in_rows() -> None:
     for case, facts in found.items():
         assert facts["heads_contained"] is True, case
         assert facts["connector_check"] is True, case
+        assert facts["order"] == facts["order_again"], case
+    # The amx kernel lays a bf16 page out unlike the vec one: the page order, in the
+    # fingerprint, keeps an AMX host's engine from pairing with an AVX-512 host's.
+    assert found["amx/bfloat16"]["order"] != found["vec/bfloat16"]["order"]
     for case in ("vec/float32", "vec16/float32"):
         assert found[case]["token_linear"] is False, (
             f"{case}: vLLM's kernel now keeps tokens as rows; token ranges of its pages "

@@ -11,6 +11,7 @@ allocates them (`[num_blocks, heads, block_size, 2 * head_size]`), then reports,
   pairing of different TP sizes relies on;
 - `connector_check`: what the connector's own check (`vllm_kernel.heads_stay_apart`)
   says of the same kernel;
+- `order`, `order_again`: `vllm_kernel.page_order` of the kernel, twice;
 - `token_linear`: the K of token t is at row t of the head's first half and its V at row
   t of the second half, so that a token range of a head would be two byte ranges;
 - `k_row_stride`: the element distance between dims d and d+1 of one token's K (1 when a
@@ -25,12 +26,12 @@ import sys
 import torch
 from vllm import _custom_ops as ops
 
-from kvxfer.integrations.vllm_kernel import heads_stay_apart
+from kvxfer.integrations.vllm_kernel import heads_stay_apart, page_order
 
 BLOCKS, HEADS, BLOCK, HEAD = 3, 4, 64, 32
 
 
-def probe(isa: str, dtype: torch.dtype) -> dict[str, bool | int | None]:
+def probe(isa: str, dtype: torch.dtype) -> dict[str, bool | int | str | None]:
     tokens = 2 * BLOCK  # blocks 1 and 2; block 0 stays empty
     t = torch.arange(tokens).view(tokens, 1, 1)
     h = torch.arange(HEADS).view(1, HEADS, 1)
@@ -86,6 +87,8 @@ def main() -> None:
         found["connector_check"] = heads_stay_apart(
             write, heads=HEADS, block_size=BLOCK, head_size=HEAD, dtype=dtype
         )
+        found["order"] = page_order(write, block_size=BLOCK, head_size=HEAD, dtype=dtype)
+        found["order_again"] = page_order(write, block_size=BLOCK, head_size=HEAD, dtype=dtype)
         out[f"{isa}/{name}"] = found
     json.dump(out, sys.stdout)
 

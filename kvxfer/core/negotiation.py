@@ -197,8 +197,9 @@ def _top_level(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
                 "layout.fingerprint",
                 f"{local.fingerprint} ({local.model})",
                 f"{peer.fingerprint} ({peer.model})",
-                "prefill and decode must serve the same model config; "
-                "start both engines with the same model",
+                "prefill and decode must serve the same model config with the same cache "
+                "(for vLLM on CPU, the same attention kernel too: its log names it); "
+                "start both engines with the same model and settings",
             )
         )
     if local.kv_dtype != peer.kv_dtype:

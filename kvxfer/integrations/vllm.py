@@ -58,9 +58,10 @@ from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind
 from kvxfer.core.requests import EngineEvent, LeaseExpired, PullDone, PullStatus, Released
 from kvxfer.integrations.cpu_amx import allow_amx
 from kvxfer.integrations.shm_remap import SharedRemap
-from kvxfer.integrations.vllm_kernel import kernel_keeps_heads_apart
+from kvxfer.integrations.vllm_kernel import KernelFacts, kernel_facts
 from kvxfer.integrations.vllm_layout import (
     group_kinds,
+    is_state_spec,
     layout_from_vllm,
     pages_are_head_major,
     spans_from_block_ids,
@@ -400,6 +401,21 @@ class _Scheduler:
             client.close()
 
 
+def group_kernels(
+    kv_cache_config: Any, kv_caches: dict[str, torch.Tensor], cache_dtype: str
+) -> list[KernelFacts | None]:
+    """Each group's attention kernel, asked once per group (None: a state group, or one
+    without a tensor here)."""
+    out: list[KernelFacts | None] = []
+    for group in kv_cache_config.kv_cache_groups:
+        layers = [kv_caches[n] for n in group.layer_names if n in kv_caches]
+        if is_state_spec(group.kv_cache_spec) or not layers:
+            out.append(None)
+        else:
+            out.append(kernel_facts(group.kv_cache_spec, layers[0], cache_dtype))
+    return out
+
+
 class _Worker:
     """Registers the KV cache, issues pulls, turns sidecar events into vLLM results."""
 
@@ -429,8 +445,15 @@ class _Worker:
         config = self._owner._vllm_config
         self._tp_rank = get_tp_group().rank_in_group if self._owner._tp_size > 1 else 0
         self._releases = Releases(self._tp_rank)
+        kv_config = self._owner._kv_cache_config
+        kernels = group_kernels(kv_config, kv_caches, str(config.cache_config.cache_dtype))
+        apart = {
+            id(group.kv_cache_spec): facts.heads_apart
+            for group, facts in zip(kv_config.kv_cache_groups, kernels, strict=True)
+            if facts is not None
+        }
         self.layout = layout_from_vllm(
-            self._owner._kv_cache_config,
+            kv_config,
             buffer=remapped.name,
             base_offset=remapped.offset_of(storage.data_ptr()),
             model=str(config.model_config.model).rstrip("/").rsplit("/", 1)[-1],
@@ -438,12 +461,9 @@ class _Worker:
             tp_rank=self._tp_rank,
             num_kv_heads=config.model_config.get_total_num_kv_heads(),
             head_major=pages_are_head_major(
-                self._owner._kv_cache_config,
-                kv_caches,
-                lambda spec, tensor: kernel_keeps_heads_apart(
-                    spec, tensor, str(config.cache_config.cache_dtype)
-                ),
+                kv_config, kv_caches, lambda spec, _: apart.get(id(spec), False)
             ),
+            kernels=[k.name if k else None for k in kernels],
         )
         role = self._owner._kv_transfer_config.kv_role
         registration = self._client.register(self.layout, [remapped.handle()], name=f"vllm-{role}")

@@ -1,21 +1,28 @@
-"""Whether vLLM-CPU's attention kernel keeps each KV head inside its own slice of a page.
+"""What vLLM-CPU's attention kernel does inside a page, checked on the kernel itself.
 
-A pairing of different TP sizes moves a run of heads as one byte range of each block
-(`EngineLayout.head_major`). That holds for vLLM-CPU's pages only if the kernel that
-writes them (`cpu_attn_reshape_and_cache`, one implementation per ISA: vec, vec16,
-amx, neon, ...) puts every byte of head h inside `page[block, h]`. What it does inside
-that slice is its own: here the vec kernels store K transposed (a head's K is head_size
-rows of block_size tokens), so a token range of a head is not one or two byte ranges,
-and kvxfer never cuts vLLM pages by tokens (different block sizes are refused).
+The kernel that writes the pages (`cpu_attn_reshape_and_cache`, one implementation per
+ISA: vec, vec16, amx, neon, ...) orders each head's keys and values its own way: here
+the vec kernels store K transposed (a head's K is head_size rows of block_size tokens)
+and the amx kernel orders the same values differently again. Two things follow.
 
-The worker checks the containment on the kernel its engine will use, once, on a scratch
-page, before it calls its pages head-major; anything it cannot check is not.
+- A pairing of different TP sizes moves a run of heads as one byte range of each block
+  (`EngineLayout.head_major`): that holds only if the kernel puts every byte of head h
+  inside `page[block, h]`. `heads_stay_apart` checks it; a page it cannot check is not
+  head-major. A token range of a head is no byte range kvxfer can name, so vLLM pages
+  are never cut by tokens (different block sizes are refused).
+- Two engines whose kernels order a page differently cannot share pages at all, whatever
+  their TP sizes: a prefill on an AMX host and a decode on an AVX-512 one would move
+  bytes the decode misreads. `page_order` writes one block of distinct values through
+  the kernel and names the order it produced; it goes into the layout's fingerprint,
+  so such a pair is refused by negotiation instead of decoding garbage.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,16 +63,59 @@ def heads_stay_apart(
     return not (cache[0].any() or cache[2].any())
 
 
+def page_order(write: KernelWrite, *, block_size: int, head_size: int, dtype: torch.dtype) -> str:
+    """A name of where `write` puts each key and value of one head's block: the hash of
+    a page written with a value per element (a fixed arithmetic sequence, small
+    integers exact in every float dtype), so kernels that store the same block in
+    different orders get different names, and the same kernel the same name on any host."""
+    n = block_size * head_size
+    index = torch.arange(2 * n, dtype=torch.int64)
+    codes = ((index * 2654435761) >> 7) % 251 + 1  # 1..251: exact in bf16 and fp16
+    key = codes[:n].view(block_size, 1, head_size).to(torch.float32).to(dtype)
+    value = (-codes[n:]).view(block_size, 1, head_size).to(torch.float32).to(dtype)
+    cache = torch.zeros(_BLOCKS, 1, block_size, 2 * head_size, dtype=dtype)
+    key_cache, value_cache = cache.view(_BLOCKS, 1, 2 * block_size, head_size).chunk(2, dim=2)
+    slots = torch.arange(block_size, 2 * block_size, dtype=torch.long)
+    write(key, value, key_cache, value_cache, slots)
+    page = cache[1].contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(page).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class KernelFacts:
+    """What the worker learnt of the kernel writing one group's pages."""
+
+    isa: str | None  # None: no kernel could be asked (not vLLM-CPU)
+    heads_apart: bool
+    order: str | None  # `page_order`, None where no kernel could be asked
+
+    @property
+    def name(self) -> str | None:
+        """The kernel as the fingerprint sees it."""
+        return None if self.isa is None else f"{self.isa}:{self.order}"
+
+
+def cpu_kernel_isa(spec: Any, dtype: torch.dtype, kv_cache_dtype: str) -> str | None:
+    """The ISA vLLM-CPU's backend picks for pages of `spec` (None: not vLLM-CPU)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: PLC0415
+    except ImportError as exc:  # not vLLM-CPU, or a vLLM that moved it
+        log.info("cannot ask vLLM which attention kernel it uses: %s", exc)
+        return None
+    return str(_get_attn_isa(dtype, int(spec.block_size), int(spec.head_size), kv_cache_dtype))
+
+
 def cpu_kernel_write(spec: Any, dtype: torch.dtype, kv_cache_dtype: str) -> KernelWrite | None:
     """vLLM-CPU's own write for pages of `spec`, through the ISA its CPU backend picks for
     them; None where that backend or its op is not there to ask."""
+    isa = cpu_kernel_isa(spec, dtype, kv_cache_dtype)
     try:
         from vllm import _custom_ops as ops  # noqa: PLC0415 (only in the vLLM venv)
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: PLC0415
-    except ImportError as exc:  # not vLLM-CPU, or a vLLM that moved them
+    except ImportError as exc:
         log.info("cannot check vLLM's attention kernel: %s", exc)
         return None
-    isa = _get_attn_isa(dtype, int(spec.block_size), int(spec.head_size), kv_cache_dtype)
+    if isa is None or not hasattr(ops, "cpu_attn_reshape_and_cache"):
+        return None
 
     def write(
         key: torch.Tensor,
@@ -79,20 +129,24 @@ def cpu_kernel_write(spec: Any, dtype: torch.dtype, kv_cache_dtype: str) -> Kern
     return write
 
 
-def kernel_keeps_heads_apart(spec: Any, tensor: torch.Tensor, kv_cache_dtype: str) -> bool:
-    """The check `pages_are_head_major` makes for one attention group: vLLM-CPU's kernel
-    for these pages, probed with `heads_stay_apart`."""
-    write = cpu_kernel_write(spec, tensor.dtype, kv_cache_dtype)
-    if write is None:
-        return False
+def kernel_facts(spec: Any, tensor: torch.Tensor, kv_cache_dtype: str) -> KernelFacts:
+    """Ask the kernel vLLM-CPU uses for one attention group's pages (`spec`, a layer's
+    `tensor`). Anything that fails makes the pages not head-major and names no order:
+    never an exception out of registration."""
     try:
-        return heads_stay_apart(
-            write,
-            heads=int(spec.num_kv_heads),
-            block_size=int(spec.block_size),
-            head_size=int(spec.head_size),
+        write = cpu_kernel_write(spec, tensor.dtype, kv_cache_dtype)
+        if write is None:
+            return KernelFacts(None, False, None)
+        isa = cpu_kernel_isa(spec, tensor.dtype, kv_cache_dtype)
+        size, block = int(spec.head_size), int(spec.block_size)
+        apart = heads_stay_apart(
+            write, heads=int(spec.num_kv_heads), block_size=block, head_size=size,
             dtype=tensor.dtype,
-        )
-    except (RuntimeError, ValueError, TypeError) as exc:  # the op refused the probe
-        log.info("vLLM's attention kernel refused the probe: %s", exc)
-        return False
+        )  # fmt: skip
+        order = page_order(write, block_size=block, head_size=size, dtype=tensor.dtype)
+    except Exception as exc:  # the op refused the probe, or vLLM changed under us
+        log.warning("vLLM's attention kernel could not be probed: %s", exc)
+        return KernelFacts(None, False, None)
+    log.info("kvxfer: vLLM attention kernel %s, page order %s, heads apart: %s", isa, order,
+             apart)  # fmt: skip
+    return KernelFacts(isa, apart, order)

@@ -72,6 +72,11 @@ def _class_names(spec: object) -> list[str]:
     return [cls.__name__ for cls in type(spec).__mro__]
 
 
+def is_state_spec(spec: object) -> bool:
+    """A Mamba/GDN state group's spec (no attention kernel writes its pages)."""
+    return "MambaSpec" in _class_names(spec)
+
+
 def group_shape(spec: Any, where: str) -> GroupShape:
     """Classify one group's spec; refuse what kvxfer does not model, by name."""
     names = _class_names(spec)
@@ -125,6 +130,7 @@ def layout_from_vllm(
     tp_rank: int = 0,
     num_kv_heads: int | None = None,
     head_major: bool = False,
+    kernels: Sequence[str | None] | None = None,
 ) -> EngineLayout:
     """The layout of one vLLM worker whose backing allocation starts at
     `base_offset` inside the registered buffer `buffer`.
@@ -132,7 +138,9 @@ def layout_from_vllm(
     `num_kv_heads` is the model's KV head count (all ranks), set on every attention
     group; `head_major` says every attention page is `[heads][block_size][2 *
     head_size]` (vLLM's CPU pages, which the worker checks on the tensors): with both,
-    a pairing of different TP sizes cuts each block into head runs."""
+    a pairing of different TP sizes cuts each block into head runs. `kernels` names each
+    group's attention kernel and page order (None for a state group), so that two
+    engines whose kernels lay a page out differently do not agree."""
     groups: list[KVGroup] = []
     regions: list[Region] = []
     shapes: list[GroupShape] = []
@@ -180,7 +188,7 @@ def layout_from_vllm(
     kv_dtype = dtypes.pop() if dtypes else "bfloat16"
     return EngineLayout(
         model=model,
-        fingerprint=_fingerprint(model, shapes, groups, tp_size),
+        fingerprint=_fingerprint(model, shapes, groups, tp_size, kernels),
         kv_dtype=kv_dtype,
         block_size=block_size,
         tp_size=tp_size,
@@ -237,14 +245,24 @@ def pages_are_head_major(
 
 
 def _fingerprint(
-    model: str, shapes: Sequence[GroupShape], groups: Sequence[KVGroup], tp_size: int
+    model: str,
+    shapes: Sequence[GroupShape],
+    groups: Sequence[KVGroup],
+    tp_size: int,
+    kernels: Sequence[str | None] | None,
 ) -> str:
     """Same model and same cache shape on both sides -> same fingerprint, whatever the
-    TP size where the head count is known: an attention page then counts per head."""
+    TP size where the head count is known: an attention page then counts per head.
+    `kernels` (each group's attention kernel and the order it writes a page in,
+    `vllm_kernel.KernelFacts.name`) tell apart pages of the same shape whose bytes mean
+    different things."""
     described = [
         [s.kind.value, s.window, s.chunk, s.block_size, _page(s, g, tp_size), s.dtype, _names(g)]
         for s, g in zip(shapes, groups, strict=True)
     ]
+    if kernels is not None:
+        for row, kernel in zip(described, kernels, strict=True):
+            row.append(kernel)
     text = json.dumps([model, described], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
