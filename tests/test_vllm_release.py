@@ -75,3 +75,16 @@ def test_sent_exactly_once_after_the_last_release_and_the_finish(
             sent_at.append(step)
     assert sent_at == [max(len(releases) - 1, finish_at)]
     assert len(r) == 0
+
+
+def test_a_gone_sidecar_frees_every_announced_request_and_every_later_one() -> None:
+    """Its leases died with it (the worker's `_watch` says so): nothing it held can be
+    read any more, so vLLM may free the blocks, once each request finished."""
+    r = Releases(0)
+    r.announce({"a": {0: ["a"]}, "b": {0: ["b~p0d0of2", "b~p0d1of2"]}})
+    r.released("b~p0d0of2", 0.0)
+    r.release_all()
+    assert r.sending_done({"a"}, 1.0) == {"a"}
+    r.announce({"c": {0: ["c"]}})  # published just before the sidecar went
+    assert r.sending_done({"b", "c"}, 2.0) == {"b", "c"}
+    assert len(r) == 0

@@ -52,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.v1.request import RequestStatus
 
-from kvxfer._exceptions import KvxferError
+from kvxfer._exceptions import KvxferError, NotFoundError, PeerUnavailableError
 from kvxfer.client.engine import SyncEngineClient
 from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind
 from kvxfer.core.requests import EngineEvent, LeaseExpired, PullDone, PullStatus, Released
@@ -120,6 +120,14 @@ class KvxferMetadata(KVConnectorMetadata):
     # are held for (one per decode rank reading from that rank; at TP 1 the request's
     # own id); a request is sent once every one of them was released (vllm_release).
     published: dict[str, dict[int, list[str]]] = field(default_factory=dict)
+
+
+class _Lost:
+    """The event `_watch` queues once the sidecar is gone."""
+
+
+SIDECAR_LOST = _Lost()
+_WATCH_PAUSE_S = 0.2
 
 
 @dataclass
@@ -426,7 +434,8 @@ class _Worker:
         self._remap: SharedRemap | None = None
         self.layout: EngineLayout | None = None
         self.handshake: KvxferHandshake | None = None
-        self._events: queue.Queue[EngineEvent] = queue.Queue()
+        self._events: queue.Queue[EngineEvent | _Lost] = queue.Queue()
+        self._closing = threading.Event()
         self._pulls: dict[str, _Receiving] = {}  # prefill request (publication) id -> pulls
         self._releases = Releases(0)  # when a published request's blocks are free
         self._tp_rank = 0
@@ -507,11 +516,27 @@ class _Worker:
                 out.write(json.dumps({**fields, "tp_rank": self._tp_rank}) + "\n")
 
     def _watch(self) -> None:
-        try:
-            for event in self._client.events():
-                self._events.put(event)
-        except KvxferError as exc:
-            log.error("kvxfer: event stream ended: %s", exc)
+        """The sidecar's events, watched again when the stream ends, until the sidecar is
+        gone: it no longer knows this engine (it restarted) or nothing listens on its
+        socket (it died). Its agents and leases died with it, so nothing of what it held
+        can move any more: the worker then fails every pull still waiting (vLLM
+        recomputes) and releases every publication (vLLM frees the blocks), where vLLM
+        would otherwise wait for ever."""
+        pause = _WATCH_PAUSE_S
+        while not self._closing.is_set():
+            try:
+                for event in self._client.events():
+                    self._events.put(event)
+                    pause = _WATCH_PAUSE_S
+            except (NotFoundError, PeerUnavailableError) as exc:
+                if not self._closing.is_set():
+                    log.error("kvxfer: the sidecar is gone (%s): pulls fail, blocks go", exc)
+                    self._events.put(SIDECAR_LOST)
+                return
+            except KvxferError as exc:
+                log.warning("kvxfer: event stream ended: %s; watching again", exc)
+            self._closing.wait(pause)
+            pause = min(2 * pause, 5.0)
 
     def pull(self, order: PullOrder) -> None:
         """Pull one request: with different TP sizes, one pull per prefill rank this rank
@@ -563,7 +588,10 @@ class _Worker:
         self._done_recving, self._failed_recving = set(), set()
         return KVConnectorTransferResults(sending, recving, failed)
 
-    def _on_event(self, event: EngineEvent) -> None:
+    def _on_event(self, event: EngineEvent | _Lost) -> None:
+        if isinstance(event, _Lost):
+            self._sidecar_lost()
+            return
         if isinstance(event, Released | LeaseExpired):
             self._releases.released(event.request_id, time.monotonic())
             return
@@ -603,6 +631,15 @@ class _Worker:
         if not receiving.pending:
             self._received(receiving)
 
+    def _sidecar_lost(self) -> None:
+        """Every pull still waiting failed; every publication released (see `_watch`)."""
+        waiting = {id(r): r for r in self._pulls.values()}
+        self._pulls.clear()
+        for receiving in waiting.values():
+            receiving.pending, receiving.failed = 0, True
+            self._received(receiving)
+        self._releases.release_all()
+
     def _received(self, receiving: _Receiving) -> None:
         """Every pull of a request ended: vLLM hears it received (or what to recompute)."""
         order = receiving.order
@@ -615,6 +652,7 @@ class _Worker:
             self.load_errors |= receiving.errors
 
     def close(self) -> None:
+        self._closing.set()
         if self._handshake_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._handshake_file)

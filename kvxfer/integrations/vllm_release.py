@@ -34,16 +34,28 @@ class Releases:
         self._released_leases: dict[str, float] = {}  # lease -> when, not yet claimed
         self._released: set[str] = set()  # requests whose every lease was released
         self._finished: set[str] = set()  # of those announced or released, finished
+        self._gone = False  # the sidecar holding the leases is gone (`release_all`)
 
     def announce(self, published: Mapping[str, Mapping[int, Sequence[str]]]) -> None:
         """The scheduler's word: request -> TP rank -> the leases holding its blocks
         there (a rank that holds none is listed with none, or not at all)."""
         for request_id, by_rank in published.items():
-            self._held[request_id] = set(by_rank.get(self._rank, ()))
+            if self._gone:  # no lease of it is held anywhere any more
+                self._released.add(request_id)
+            else:
+                self._held[request_id] = set(by_rank.get(self._rank, ()))
 
     def released(self, lease_id: str, now: float) -> None:
         """The sidecar released, or expired, a lease of this rank's engine."""
         self._released_leases[lease_id] = now
+
+    def release_all(self) -> None:
+        """The sidecar is gone, and every lease with it: every announced request's blocks
+        are free (it is reported once vLLM said it finished), and so are later ones'."""
+        self._released.update(self._held)
+        self._held.clear()
+        self._released_leases.clear()
+        self._gone = True
 
     def sending_done(self, finished_req_ids: Iterable[str], now: float) -> set[str]:
         """The requests to report in `finished_sending` now (each once)."""
