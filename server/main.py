@@ -46,7 +46,8 @@ from kvxfer.server.sidecar import Sidecar
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.lane import lane_path
-from kvxfer.wire.loops import loop_factory, loop_name
+from kvxfer.wire.loops import loop_name
+from kvxfer.wire.loops import run as run_on
 
 log = logging.getLogger("kvxfer.server")
 
@@ -64,8 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
-            return runner.run(serve(settings))
+        return run_on(serve(settings), settings.event_loop)
     except KvxferError as exc:
         print(f"kvxfer-server: {exc}", file=sys.stderr)
         return 1

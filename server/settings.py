@@ -206,8 +206,9 @@ class Settings(BaseSettings):
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     event_loop: EventLoop = Field(
         DEFAULT_EVENT_LOOP,
-        description="the sidecar's event loop: uvloop (libuv's, the faster) or Python's "
-        "own asyncio loop",
+        description="the sidecar's event loop: Python's own asyncio, or uvloop (libuv's: "
+        "faster, but a gRPC call's completion was seen lost under it, hanging a pull; for "
+        "measurements only)",
     )
     insecure_peer_port: bool = Field(
         False,

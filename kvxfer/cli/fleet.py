@@ -41,7 +41,8 @@ from kvxfer._exceptions import KvxferError
 from kvxfer.client.patterns import pattern, salt_for
 from kvxfer.core.layout import EngineLayout, Region
 from kvxfer.core.profiles import layout_for_model
-from kvxfer.wire.loops import DEFAULT_EVENT_LOOP, loop_factory
+from kvxfer.wire.loops import DEFAULT_EVENT_LOOP
+from kvxfer.wire.loops import run as run_on
 
 T = TypeVar("T")
 BIN = Path(sys.executable).parent
@@ -395,9 +396,9 @@ def _sigint_ignored() -> Iterator[None]:
 
 
 def run_until_interrupted(main: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run(main) on kvxfer's loop (uvloop: the bench's and demo's engines run on
-    what `SyncEngineClient` gives a real engine), where SIGINT cancels `main` and, once
-    it has unwound, raises
+    """asyncio.run(main) on kvxfer's loop (`loops.DEFAULT_EVENT_LOOP`: the bench's and
+    demo's engines run on what `SyncEngineClient` gives a real engine), where SIGINT
+    cancels `main` and, once it has unwound, raises
     KeyboardInterrupt whatever error the cancellation caused on the way (on a terminal
     the fleet's sidecars get the same SIGINT and may refuse requests before `main` hears
     of it)."""
@@ -420,8 +421,7 @@ def run_until_interrupted(main: Coroutine[Any, Any, T]) -> T:
             loop.remove_signal_handler(signal.SIGINT)
 
     try:
-        with asyncio.Runner(loop_factory=loop_factory(DEFAULT_EVENT_LOOP)) as runner:
-            return runner.run(interruptible())
+        return run_on(interruptible(), DEFAULT_EVENT_LOOP)
     except BaseException:
         if interrupted:
             raise KeyboardInterrupt from None
