@@ -152,8 +152,9 @@ class EngineClient:
         self._connected = True
 
     async def _call(self, what: str, rpc: Callable[[], Awaitable[T]]) -> T:
+        """`rpc` is one unary call with the client's `timeout_s` deadline."""
         await self.connect()
-        return await guarded(f"{what} at sidecar {self.address}", rpc)
+        return await guarded(f"{what} at sidecar {self.address}", rpc, self._timeout_s)
 
     async def _unary(self, what: str, method: str, request: Message, reply: type[R]) -> R:
         """One per-request call: on the lane when there is one, else over gRPC."""

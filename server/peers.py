@@ -113,7 +113,10 @@ class Dialer:
         return pb_grpc.PeerServiceStub(channel)
 
     async def call(self, address: str, what: str, rpc: Callable[[], Awaitable[T]]) -> T:
-        return await guarded(f"{what} at peer {address}", rpc)
+        """`rpc` is one call with the `transfer.rpc_timeout_s` deadline, which every
+        peer call gets."""
+        deadline = self._settings.transfer.rpc_timeout_s
+        return await guarded(f"{what} at peer {address}", rpc, deadline)
 
     async def forget(self, address: str) -> None:
         """Close the channel to a peer that has no link: params naming thousands of

@@ -40,15 +40,18 @@ async def _call(
     address: str,
     what: str,
     rpc: Callable[[grpc.aio.Channel], Awaitable[T]],
+    deadline_s: float,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> T:
+    """One call `rpc` makes on a new channel to `address`, with a deadline of
+    `deadline_s`."""
     channel = (
         grpc.aio.insecure_channel(address)
         if credentials is None
         else grpc.aio.secure_channel(address, credentials)
     )
     async with channel:
-        return await guarded(f"{what} at {address}", lambda: rpc(channel))
+        return await guarded(f"{what} at {address}", lambda: rpc(channel), deadline_s)
 
 
 async def fetch_hello(
@@ -70,6 +73,7 @@ async def fetch_hello(
         address,
         "handshake",
         lambda ch: pb_grpc.PeerServiceStub(ch).Handshake(request, timeout=timeout_s),
+        timeout_s,
         credentials,
     )
     return hello_from_proto(reply, dry_run=dry_run)
@@ -243,7 +247,7 @@ def _admin(args: argparse.Namespace, what: str, method: str, request: Message) -
         stub = pb_grpc.AdminServiceStub(channel)
         return getattr(stub, method)(request, timeout=args.timeout)  # type: ignore[no-any-return]
 
-    return asyncio.run(_call(args.sidecar, what, rpc))
+    return asyncio.run(_call(args.sidecar, what, rpc, args.timeout))
 
 
 def run_peers(args: argparse.Namespace) -> int:

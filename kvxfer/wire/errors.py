@@ -20,7 +20,9 @@ The old `kvxfer-*` trailers are gone: both sides ship together.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict
@@ -54,6 +56,7 @@ from kvxfer._exceptions import (
 )
 from kvxfer.core.negotiation import Mismatch
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 DOMAIN = "kvxfer.dev"
 DETAILS_TRAILER = "grpc-status-details-bin"  # the standard key (grpcio-status's too)
@@ -121,12 +124,40 @@ def trailers_for(status: status_pb2.Status) -> tuple[tuple[str, bytes], ...]:
     return ((DETAILS_TRAILER, status.SerializeToString()),)
 
 
-async def guarded(what: str, rpc: Callable[[], Awaitable[T]]) -> T:
-    """Await one RPC; a failure becomes the kvxfer error its status stands for."""
+def backstop_s(deadline_s: float) -> float:
+    """How long a call with a gRPC deadline of `deadline_s` may stay unanswered before
+    its caller stops waiting on gRPC: twice the deadline, and at least a second more."""
+    return deadline_s + max(deadline_s, 1.0)
+
+
+async def guarded(what: str, rpc: Callable[[], Awaitable[T]], deadline_s: float | None = None) -> T:
+    """Await one RPC; a failure becomes the kvxfer error its status stands for.
+
+    `deadline_s` is the deadline the call was given. gRPC ends the call by then, but
+    grpc.aio has been seen to lose a call's completion, deadline included (the
+    caller then waits for ever on an idle loop): a call still unanswered at
+    `backstop_s(deadline_s)` is cancelled here and ends as its deadline would,
+    PeerUnavailableError."""
+    if deadline_s is None:
+        try:
+            return await rpc()
+        except grpc.aio.AioRpcError as exc:
+            raise rpc_error(exc, what) from exc
+    limit = backstop_s(deadline_s)
     try:
-        return await rpc()
+        async with asyncio.timeout(limit) as scope:
+            return await rpc()
     except grpc.aio.AioRpcError as exc:
         raise rpc_error(exc, what) from exc
+    except TimeoutError:
+        if not scope.expired():
+            raise
+        log.error(
+            "%s: no answer from gRPC %.3g s after its %.3g s deadline", what, limit, deadline_s
+        )
+        raise PeerUnavailableError(
+            f"{what}: unreachable (no answer {limit:g}s after the call's {deadline_s:g}s deadline)"
+        ) from None
 
 
 def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> KvxferError:
