@@ -42,6 +42,9 @@ from kvxfer.wire.sidecar import PeerHello, hello_from_proto, hello_request
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _MAX_READ_TOKENS = 1 << 16
+# The refusals after which the same peer call may be made again (the peer could not be
+# reached, or ran too many of our calls to start this one): its read token is kept.
+TRY_AGAIN = (PeerUnavailableError, BusyError)
 OTHER_PEERS = "other"  # the metric label of peers beyond limits.max_peer_labels
 _MAX_LABEL_CHARS = 128  # a peer's identity as a label value: bounded like engine names
 
@@ -418,7 +421,7 @@ class PeerLinks:
     ) -> T:
         try:
             reply = await self._dialer.call(link.address, what, rpc)
-        except (PeerUnavailableError, BusyError):
+        except TRY_AGAIN:
             raise  # the call may be tried again: keep its token for it
         except KvxferError:
             self._read_tokens.pop(key, None)

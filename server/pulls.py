@@ -19,11 +19,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from kvxfer._exceptions import (
-    BusyError,
     DataPlaneError,
     InvalidInputError,
     KvxferError,
-    PeerUnavailableError,
 )
 from kvxfer.core.planner import TransferPlan
 from kvxfer.core.recompute import valid_tokens
@@ -33,7 +31,7 @@ from kvxfer.dataplane.executor import ExecOptions, TransferResult, execute_plan
 from kvxfer.dataplane.readers import Reader, Readers
 from kvxfer.server.engines import Engine
 from kvxfer.server.metrics import Metrics
-from kvxfer.server.peers import PeerLink, PeerLinks
+from kvxfer.server.peers import TRY_AGAIN, PeerLink, PeerLinks
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.wire.layout import spans_from_proto
 
@@ -293,7 +291,7 @@ async def end_patiently(call: Callable[[], Awaitable[T]], what: str, patience_s:
     while True:
         try:
             return await call()
-        except (PeerUnavailableError, BusyError) as exc:
+        except TRY_AGAIN as exc:
             if time.monotonic() + pause > give_up:
                 log.warning("%s: %s", what, exc)
                 return None  # its lease expires there on its own
