@@ -143,7 +143,11 @@ class EngineClient:
                     )
                 await asyncio.sleep(_SOCKET_POLL_S)
         try:
-            await asyncio.wait_for(self._channel.channel_ready(), deadline - loop.time())
+            # Not asyncio.wait_for: on Python 3.11 a task cancelled in the loop turn the
+            # channel became ready returns from it as if not cancelled (an event watcher
+            # cancelled while connecting then watched for ever).
+            async with asyncio.timeout_at(deadline):
+                await self._channel.channel_ready()
         except TimeoutError:
             raise PeerUnavailableError(
                 f"sidecar at {self.address} did not accept a connection within "

@@ -121,7 +121,10 @@ class Lane:
         link.waiting[call_id] = answer
         try:
             link.send(call_id, Kind.UNARY, request_payload(method, request.SerializeToString()))
-            kind, payload = await asyncio.wait_for(answer, timeout_s)
+            # asyncio.timeout, not wait_for: a call cancelled as its answer arrives must end
+            # cancelled (Python 3.11's wait_for returns the answer instead).
+            async with asyncio.timeout(timeout_s):
+                kind, payload = await answer
         except TimeoutError:
             with contextlib.suppress(PeerUnavailableError):
                 link.send(call_id, Kind.CANCEL)

@@ -570,7 +570,8 @@ class Sidecar:
         if not self._engine_leases(engine.engine_id):
             return
         try:
-            await asyncio.wait_for(engine.reads_ended.wait(), deadline_s)
+            async with asyncio.timeout(deadline_s):
+                await engine.reads_ended.wait()
         except TimeoutError:
             # The reader kept its lease alive but never ended the read (an alive reader
             # learns of the abort within TTL/3 and ends within its stall deadline). Peers

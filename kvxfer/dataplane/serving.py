@@ -125,10 +125,12 @@ class AgentProcess:
     async def close(self) -> None:
         """Destroy the agent (it deregisters everything) and let the process exit; kill it
         if it does not within _CLOSE_TIMEOUT_S."""
-        with contextlib.suppress(DataPlaneError):
-            await asyncio.wait_for(self.call("close"), _CLOSE_TIMEOUT_S)
+        with contextlib.suppress(DataPlaneError, TimeoutError):
+            async with asyncio.timeout(_CLOSE_TIMEOUT_S):
+                await self.call("close")
         try:
-            await asyncio.wait_for(self.proc.wait(), _CLOSE_TIMEOUT_S)
+            async with asyncio.timeout(_CLOSE_TIMEOUT_S):
+                await self.proc.wait()
         except TimeoutError:
             await self.kill()
         self._release()
