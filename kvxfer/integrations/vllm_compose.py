@@ -26,6 +26,7 @@ The offloading connector is vLLM's own with kvxfer's host-copy spec
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -38,7 +39,14 @@ from kvxfer.integrations.vllm_demo import read_layout, read_pulls
 STORE_BYTES = "vllm:kv_offload_store_bytes"
 LOAD_BYTES = "vllm:kv_offload_load_bytes"
 ORDERS = ("kvxfer-first", "offload-first")
-RESET_ATTEMPTS = 50  # a prefill frees its blocks only once the decode's pull released them
+RESET_DEADLINE_S = 45.0  # past the lease TTL: see _reset_prefix_caches
+LEASE_METRICS = (
+    "kvxfer_active_leases",
+    "kvxfer_held_blocks",
+    "kvxfer_released_leases_total",
+    "kvxfer_expired_leases_total",
+    "kvxfer_events_dropped",
+)
 
 
 def composed_configs(
@@ -60,19 +68,42 @@ def composed_configs(
     return configs[0], configs[1]
 
 
-def _reset_prefix_caches(pair: vllm_fleet.PdPair) -> None:
-    """Drop both engines' own prefix caches (the offloading child keeps its copy)."""
+def _reset_prefix_caches(pair: vllm_fleet.PdPair, prefill_metrics: str | None) -> float:
+    """Drop both engines' own prefix caches (the offloading child keeps its copy);
+    returns how long the prefill's took.
+
+    A prefill frees a routed request's blocks once the decode's pull released its
+    lease, which the engine hears on its next step (so a step is taken between
+    tries). A lease its reader never ended frees them when it expires (the sidecars'
+    lease TTL, 30 s): the wait runs past that, and what the prefill sidecar says of
+    its leases is in the error if the blocks are still held."""
+    took = 0.0
     for worker in (pair.prefill, pair.decode):
-        for _ in range(RESET_ATTEMPTS):
-            if worker.reset_prefix_cache():
-                break
-            # Blocks still held (a release not yet seen by the engine): a short step.
+        start = time.monotonic()
+        while not worker.reset_prefix_cache():
+            if time.monotonic() - start > RESET_DEADLINE_S:
+                raise vllm_fleet.VllmWorkerError(
+                    f"{worker.name} kept blocks in use for {RESET_DEADLINE_S:g}s of reset "
+                    f"attempts; the prefill sidecar's leases: {_lease_samples(prefill_metrics)}"
+                )
             worker.generate([[7]], 1)
             time.sleep(0.1)
-        else:
-            raise vllm_fleet.VllmWorkerError(
-                f"{worker.name} kept blocks in use after {RESET_ATTEMPTS} reset attempts"
-            )
+        if worker is pair.prefill:
+            took = time.monotonic() - start
+    return took
+
+
+def _lease_samples(metrics_address: str | None) -> str:
+    """The lease and event lines of a sidecar's /metrics, for an error message."""
+    if metrics_address is None:
+        return "(no metrics address)"
+    try:
+        with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+    except OSError as exc:
+        return f"(scrape of {metrics_address} failed: {exc})"
+    lines = [line for line in text.splitlines() if line.startswith(LEASE_METRICS)]
+    return "; ".join(lines)
 
 
 def run_composed_pd(
@@ -103,10 +134,11 @@ def run_composed_pd(
     with vllm_fleet.PdPair(prefill, decode, python, workdir) as pair:
         reference = pair.prefill.generate(prompts, max_tokens)
         want = [g.token_ids for g in reference.outputs]
-        _reset_prefix_caches(pair)
+        metrics = p.ready.get("metrics_address")
+        _reset_prefix_caches(pair, metrics)
         warm_up = len(stats.read_text().splitlines())
         routed = [_route(pair, prompt, max_tokens) for prompt in prompts]
-        _reset_prefix_caches(pair)
+        release_wait_s = _reset_prefix_caches(pair, metrics)
         again = _route(pair, prompts[0], max_tokens)
     pulls = read_pulls(stats, warm_up)
     rows = [*routed, again]
@@ -120,6 +152,7 @@ def run_composed_pd(
         "reference_store_bytes": reference.metrics_delta.get(STORE_BYTES, 0.0),
         "routed": routed,
         "repeat": again,
+        "prefill_release_wait_s": release_wait_s,
         "pulls": pulls,
         "bytes_moved": sum(x["bytes_moved"] for x in pulls),
         "layout": read_layout(stats),
