@@ -1,5 +1,5 @@
 """`kvxfer.wire.loops`: the loop kvxfer runs where it picks one (sidecar, the engine
-client's thread, kvxfer-cli). asyncio by default, uvloop on request, and a loop that
+client's thread, kvxfer-cli). uvloop by default, asyncio on request, and a loop that
 cannot be had is an error naming the setting, never a quiet fallback."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_the_sync_engine_client_runs_its_calls_on_the_loop_it_is_given(
     tmp_path: object, name: str | None
 ) -> None:
     """What the vLLM connector calls through: its thread's loop is kvxfer's choice,
-    asyncio unless told otherwise."""
+    uvloop unless told otherwise."""
     chosen = {} if name is None else {"event_loop": name}
     client = SyncEngineClient(f"unix:{tmp_path}/absent.sock", connect_timeout_s=0.1,
                               **chosen)  # type: ignore[arg-type]  # fmt: skip
@@ -49,4 +49,4 @@ def test_the_sync_engine_client_runs_its_calls_on_the_loop_it_is_given(
         assert client._run(_running_loop_name()) == (name or DEFAULT_EVENT_LOOP)
     finally:
         client.close()
-    assert DEFAULT_EVENT_LOOP == "asyncio"
+    assert DEFAULT_EVENT_LOOP == "uvloop"

@@ -74,8 +74,8 @@ def test_server_exits_2_with_one_line_on_bad_settings() -> None:
 
 
 def test_an_unknown_event_loop_is_refused_naming_the_setting() -> None:
-    assert load_settings([], environ={}).event_loop == "asyncio"
-    assert load_settings([], environ={"KVXFER_EVENT_LOOP": "uvloop"}).event_loop == "uvloop"
+    assert load_settings([], environ={}).event_loop == "uvloop"
+    assert load_settings([], environ={"KVXFER_EVENT_LOOP": "asyncio"}).event_loop == "asyncio"
     with pytest.raises(InvalidInputError, match="event_loop"):
         load_settings([], environ={"KVXFER_EVENT_LOOP": "trio"})
 

@@ -116,7 +116,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         procs.append(d)
         df = start_sidecar(
             tmp, "df", *LEASE, "--faults.fail-rate", "0.3", "--faults.stall-rate", "0.3",
-            "--faults.seed", "7", "--transfer.chunk-blocks", "4",
+            "--faults.seed", "7", "--transfer.chunk-blocks", "4", "--event-loop", "asyncio",
         )  # fmt: skip
         procs.append(df)
         pe = start_engine(tmp, p, MODEL, "prefill", num_blocks=NUM_BLOCKS)
@@ -179,8 +179,9 @@ async def test_pull_moves_exactly_the_needed_blocks(
 
 
 def test_sidecars_run_the_event_loop_they_are_set_to(fleet: Fleet) -> None:
-    """asyncio's own loop by default, and the ready line says so."""
-    assert fleet.p.ready["event_loop"] == fleet.d.ready["event_loop"] == "asyncio"
+    """uvloop by default, asyncio when told (the faulty decode pulls on it), and the ready
+    line says which."""
+    assert fleet.p.ready["event_loop"] == fleet.d.ready["event_loop"] == "uvloop"
     assert fleet.df.ready["event_loop"] == "asyncio"
 
 

