@@ -206,8 +206,8 @@ class Settings(BaseSettings):
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     event_loop: EventLoop = Field(
         DEFAULT_EVENT_LOOP,
-        description="the sidecar's event loop: uvloop (libuv's: 0.2-0.7 ms less per "
-        "1k-token pull here), or Python's own asyncio",
+        description="the sidecar's event loop: uvloop (libuv's: scheduling and socket I/O in "
+        "C, a little faster here), or Python's own asyncio",
     )
     insecure_peer_port: bool = Field(
         False,

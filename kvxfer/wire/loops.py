@@ -2,8 +2,9 @@
 
 Where kvxfer picks the loop (the sidecar's setting `event_loop`, `SyncEngineClient`'s
 thread, which the vLLM connector calls through, and kvxfer-cli's bench and demo
-engines) it runs `uvloop` by default (libuv's: scheduling and socket I/O in C, 0.2-0.7 ms
-less per 1k-token pull here); Python's own `asyncio` loop on request. A missing uvloop
+engines) it runs `uvloop` by default (libuv's: scheduling and socket I/O in C; the 1k-token
+pull's overhead median 0.06-0.7 ms lower here in two A/Bs, docs/benchmarks.md); Python's
+own `asyncio` loop on request. A missing uvloop
 is an error that says how to choose the other loop, never a quiet fallback.
 """
 
