@@ -80,6 +80,19 @@ def test_multiconnector_configs_keep_the_order_role_and_recompute_policy() -> No
         vllm_fleet.host_offload_connector_config(0)
 
 
+def test_a_stuck_reset_says_what_the_prefill_sidecar_holds(tmp_path: Path) -> None:
+    """The harness's error when a prefill keeps its blocks: the sidecar's lease and
+    event counters (a real sidecar), or why they could not be read."""
+    fleet = Fleet(tmp_path)
+    try:
+        said = vllm_compose._lease_samples(fleet.sidecar("p").ready["metrics_address"])
+    finally:
+        fleet.close()
+    assert "kvxfer_active_leases 0.0" in said and "kvxfer_expired_leases_total 0.0" in said
+    assert "kvxfer_events_dropped_total 0.0" in said and "_created" not in said
+    assert "scrape of 127.0.0.1:9 failed" in vllm_compose._lease_samples("127.0.0.1:9")
+
+
 # ---- real vLLM processes ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

@@ -102,7 +102,11 @@ def _lease_samples(metrics_address: str | None) -> str:
             text = answer.read().decode()
     except OSError as exc:
         return f"(scrape of {metrics_address} failed: {exc})"
-    lines = [line for line in text.splitlines() if line.startswith(LEASE_METRICS)]
+    lines = [
+        line
+        for line in text.splitlines()
+        if line.startswith(LEASE_METRICS) and "_created" not in line
+    ]
     return "; ".join(lines)
 
 
