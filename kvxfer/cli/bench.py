@@ -72,6 +72,7 @@ from kvxfer.core.requests import PullDone, PullStatus, TransferParams
 from kvxfer.dataplane.adapter import NixlAgent
 from kvxfer.dataplane.descriptors import DescArray
 from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
+from kvxfer.wire.loops import within
 from kvxfer.wire.sidecar import PeerHello
 
 MODELS = ("gpt-oss-20b", "gemma-3-4b-it", "llama-3.1-8b", "qwen3-next-80b-a3b")
@@ -466,7 +467,7 @@ class _Case:
                 self.waiting[params.request_id] = done
                 try:
                     await self.d_client.pull(params, spans, 0)
-                    event = await asyncio.wait_for(done, 600)
+                    event = await within(done, 600)
                 finally:
                     self.waiting.pop(params.request_id, None)
                 if event.status is not PullStatus.OK or event.bytes_moved != nbytes:

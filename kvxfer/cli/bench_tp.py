@@ -56,6 +56,7 @@ from kvxfer.core.tp_map import pairing_sources, request_valid_tokens
 from kvxfer.dataplane.adapter import NixlAgent
 from kvxfer.dataplane.descriptors import DescArray
 from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
+from kvxfer.wire.loops import within
 from kvxfer.wire.sidecar import PeerHello
 
 EQUAL = (1, 1)
@@ -359,14 +360,14 @@ class _TpCase:
                     await pair.source.client.push(param, spans, tokens, final=True)
                 else:
                     await pair.reader.client.pull(param, spans, 0)
-                return await asyncio.wait_for(done, 600)
+                return await within(done, 600)
             finally:
                 pair.reader.waiting.pop(param.request_id, None)
 
         start = time.perf_counter()
         dones = await asyncio.gather(*(one(p, q) for p, q in zip(self.pairs, params, strict=True)))
         elapsed = time.perf_counter() - start
-        ends = await asyncio.wait_for(asyncio.gather(*pushed), 600)
+        ends = await within(asyncio.gather(*pushed), 600)
         per_rank: dict[int, int] = {}
         for pair, done, nbytes in zip(self.pairs, dones, planned, strict=True):
             _check(done, Received if self.push else PullDone, nbytes)

@@ -61,6 +61,7 @@ from kvxfer.core.requests import (
     Released,
     TransferParams,
 )
+from kvxfer.wire.loops import within
 
 CONCURRENCY = 2
 EVENT_TIMEOUT_S = 60.0
@@ -338,9 +339,9 @@ class _Runner:
             params: TransferParams = await p.publish(request_id, request.tokens, src)
             start = time.perf_counter()
             await d.pull(params, dst, request.computed)
-        done = await asyncio.wait_for(done_f, EVENT_TIMEOUT_S)
+        done = await within(done_f, EVENT_TIMEOUT_S)
         end = time.perf_counter()
-        released = await asyncio.wait_for(released_f, EVENT_TIMEOUT_S)
+        released = await within(released_f, EVENT_TIMEOUT_S)
         want = (Received, Pushed) if self.args.mode == "push" else (PullDone, Released)
         assert isinstance(done, want[0]) and isinstance(released, want[1]), (done, released)
         outcome = Outcome(request, done, released, start, end, sum(g.nbytes for g in groups), True)

@@ -39,6 +39,7 @@ from kvxfer.core.planner import GroupPlan, plan_between
 from kvxfer.core.recompute import valid_tokens
 from kvxfer.core.requests import EngineEvent, PullDone, Pushed, Received, Released
 from kvxfer.core.tp_map import pairing_sources, request_valid_tokens, served_slices, served_state
+from kvxfer.wire.loops import within
 
 Piece = tuple[int, int, int]  # offset in the source unit, in the destination unit, bytes
 
@@ -187,8 +188,8 @@ class _Runner:
                     await d_rank.client.pull(params, dst, request.computed)
             ends = (Received, Pushed) if self.push else (PullDone, Released)
             for p_rank in sources:
-                done = await asyncio.wait_for(d_rank.events.get(), EVENT_TIMEOUT_S)
-                released = await asyncio.wait_for(p_rank.events.get(), EVENT_TIMEOUT_S)
+                done = await within(d_rank.events.get(), EVENT_TIMEOUT_S)
+                released = await within(p_rank.events.get(), EVENT_TIMEOUT_S)
                 assert isinstance(done, ends[0]) and isinstance(released, ends[1])
                 dones.append(done)
             by_id = {done.request_id: done for done in dones}

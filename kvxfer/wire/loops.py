@@ -11,7 +11,7 @@ is an error that says how to choose the other loop, never a quiet fallback.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
 from kvxfer._exceptions import KvxferError
@@ -56,3 +56,11 @@ def run(main: Coroutine[Any, Any, T], name: str, setting: str = "event_loop") ->
 def loop_name(loop: asyncio.AbstractEventLoop) -> str:
     """ "uvloop" or "asyncio": which loop this is (the sidecar's ready line says it)."""
     return type(loop).__module__.partition(".")[0]
+
+
+async def within(awaitable: Awaitable[T], seconds: float) -> T:
+    """`await awaitable` for at most `seconds` (TimeoutError after). Not
+    asyncio.wait_for: on Python 3.11 it returns the result and drops a cancellation
+    that lands in the same loop turn (tests/test_cancel_as_answered.py)."""
+    async with asyncio.timeout(seconds):
+        return await awaitable
