@@ -13,6 +13,7 @@ from kvxfer.core.layout import BlockId, BlockSpan, GroupId
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
 from kvxfer.integrations.vllm_params import (
     KEY,
+    connector_event_loop,
     decode_tp_size,
     load_errors,
     params_from_dict,
@@ -164,3 +165,14 @@ def test_a_bad_decode_tp_size_is_named(value: object) -> None:
         decode_tp_size({"decode_tp_size": value}, 1, 8)  # 3: 8 heads do not place
     assert caught.value.field == "kv_transfer_params.decode_tp_size"
     assert decode_tp_size({}, 2, 8) == 2 and decode_tp_size({"decode_tp_size": 16}, 1, 8) == 16
+
+
+def test_the_connector_event_loop_is_kvxfers_default_or_one_named() -> None:
+    """What the connector hands its sidecar clients: nothing (kvxfer's default loop), or
+    the loop named, which each client then runs (test_event_loops)."""
+    assert connector_event_loop({"sidecar": "unix:/s"}) == {}
+    assert connector_event_loop({"event_loop": "asyncio"}) == {"event_loop": "asyncio"}
+    assert connector_event_loop({"event_loop": "uvloop"}) == {"event_loop": "uvloop"}
+    for bad in ("trio", "", 1):
+        with pytest.raises(InvalidInputError, match=r"kv_connector_extra_config\.event_loop"):
+            connector_event_loop({"event_loop": bad})

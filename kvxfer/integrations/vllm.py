@@ -68,6 +68,7 @@ from kvxfer.integrations.vllm_layout import (
 )
 from kvxfer.integrations.vllm_params import (
     KEY,
+    connector_event_loop,
     decode_tp_size,
     handshake_path,
     load_errors,
@@ -152,6 +153,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._kinds = group_kinds(kv_cache_config)
         self._has_state = GroupKind.MAMBA in self._kinds
+        self._loop_choice = connector_event_loop(extra)
         self._scheduler = _Scheduler(self, sidecar) if role is KVConnectorRole.SCHEDULER else None
         stats = extra.get("stats_path")
         worker = role is KVConnectorRole.WORKER
@@ -389,7 +391,9 @@ class _Scheduler:
             if handshake is None:
                 raise KvxferError(f"no registration of TP rank {rank}'s worker reached here")
             self.handshakes[rank] = handshake
-            client = SyncEngineClient(self._sidecar, engine_id=handshake.engine_id)
+            client = SyncEngineClient(
+                self._sidecar, engine_id=handshake.engine_id, **self._owner._loop_choice
+            )
             self._clients[rank] = client
         return client
 
@@ -429,7 +433,7 @@ class _Worker:
 
     def __init__(self, owner: KvxferConnector, sidecar: str, stats_path: str | None) -> None:
         self._owner = owner
-        self._client = SyncEngineClient(sidecar)
+        self._client = SyncEngineClient(sidecar, **owner._loop_choice)
         self._stats_path = stats_path
         self._remap: SharedRemap | None = None
         self.layout: EngineLayout | None = None

@@ -30,6 +30,22 @@ DECODE_TP = "decode_tp_size"
 _PUBLICATION = re.compile(r"(?P<request>.+)~p(?P<source>\d+)d(?P<reader>\d+)of(?P<readers>\d+)")
 
 
+EVENT_LOOPS = ("uvloop", "asyncio")
+
+
+def connector_event_loop(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The `event_loop` of the connector's `kv_connector_extra_config` as keyword
+    arguments for its sidecar clients: none given, kvxfer's default (uvloop)."""
+    loop = extra.get("event_loop")
+    if loop is None:
+        return {}
+    if loop not in EVENT_LOOPS:
+        raise InvalidInputError(
+            "kv_connector_extra_config.event_loop", f"{loop!r} is not one of {EVENT_LOOPS}"
+        )
+    return {"event_loop": loop}
+
+
 def params_to_dict(params: TransferParams) -> dict[str, Any]:
     return {
         "peer_address": params.peer_address,
