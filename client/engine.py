@@ -48,7 +48,7 @@ from kvxfer.core.requests import (
 )
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
-from kvxfer.wire.errors import guarded, rpc_error
+from kvxfer.wire.errors import backstop_s, guarded, rpc_error
 from kvxfer.wire.lane import lane_path
 from kvxfer.wire.layout import layout_to_proto, span_to_proto
 from kvxfer.wire.loops import DEFAULT_EVENT_LOOP, EventLoop, loop_factory
@@ -308,8 +308,9 @@ class SyncEngineClient:
         self._loop = loop_factory(event_loop, "event_loop")()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        # A call may first wait for the sidecar to come up.
-        self._timeout_s = timeout_s + connect_timeout_s
+        # A call may first wait for the sidecar to come up, and ends by its backstop
+        # (PeerUnavailableError, `guarded`): this wait is longer, a last resort.
+        self._timeout_s = backstop_s(timeout_s) + connect_timeout_s
 
         async def make() -> EngineClient:
             return EngineClient(

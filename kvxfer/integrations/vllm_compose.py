@@ -100,7 +100,7 @@ def _lease_samples(metrics_address: str | None) -> str:
     try:
         with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as answer:
             text = answer.read().decode()
-    except OSError as exc:
+    except Exception as exc:  # a diagnosis must not hide the error it explains
         return f"(scrape of {metrics_address} failed: {exc})"
     lines = [
         line

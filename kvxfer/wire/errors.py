@@ -133,11 +133,10 @@ def backstop_s(deadline_s: float) -> float:
 async def guarded(what: str, rpc: Callable[[], Awaitable[T]], deadline_s: float | None = None) -> T:
     """Await one RPC; a failure becomes the kvxfer error its status stands for.
 
-    `deadline_s` is the deadline the call was given. gRPC ends the call by then, but
-    grpc.aio has been seen to lose a call's completion, deadline included (the
-    caller then waits for ever on an idle loop): a call still unanswered at
-    `backstop_s(deadline_s)` is cancelled here and ends as its deadline would,
-    PeerUnavailableError."""
+    `deadline_s` is the deadline the call was given. gRPC ends the call by then; should
+    a completion ever not reach the loop (a pull once waited 240 s on an idle loop,
+    cause not established), a call still unanswered `backstop_s(deadline_s)` after it
+    started is cancelled here and ends as its deadline would, PeerUnavailableError."""
     if deadline_s is None:
         try:
             return await rpc()
@@ -153,10 +152,11 @@ async def guarded(what: str, rpc: Callable[[], Awaitable[T]], deadline_s: float 
         if not scope.expired():
             raise
         log.error(
-            "%s: no answer from gRPC %.3g s after its %.3g s deadline", what, limit, deadline_s
+            "%s: no answer from gRPC within %.3g s (its deadline %.3g s)", what, limit, deadline_s
         )
         raise PeerUnavailableError(
-            f"{what}: unreachable (no answer {limit:g}s after the call's {deadline_s:g}s deadline)"
+            f"{what}: unreachable (no answer within {limit:g}s; "
+            f"the call's deadline was {deadline_s:g}s)"
         ) from None
 
 
