@@ -134,9 +134,9 @@ async def guarded(what: str, rpc: Callable[[], Awaitable[T]], deadline_s: float 
     """Await one RPC; a failure becomes the kvxfer error its status stands for.
 
     `deadline_s` is the deadline the call was given. gRPC ends the call by then; should
-    a completion ever not reach the loop (a pull once waited 240 s on an idle loop,
-    cause not established), a call still unanswered `backstop_s(deadline_s)` after it
-    started is cancelled here and ends as its deadline would, PeerUnavailableError."""
+    a completion ever not reach the loop, a call still unanswered `backstop_s(deadline_s)`
+    after it started is cancelled here and ends as its deadline would,
+    PeerUnavailableError."""
     if deadline_s is None:
         try:
             return await rpc()
