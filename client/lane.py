@@ -28,6 +28,7 @@ from kvxfer.wire.lane import (
     read_frame,
     request_payload,
 )
+from kvxfer.wire.loops import within
 
 R = TypeVar("R", bound=Message)
 _RETRY_S = 0.05
@@ -121,10 +122,7 @@ class Lane:
         link.waiting[call_id] = answer
         try:
             link.send(call_id, Kind.UNARY, request_payload(method, request.SerializeToString()))
-            # asyncio.timeout, not wait_for: a call cancelled as its answer arrives must end
-            # cancelled (Python 3.11's wait_for returns the answer instead).
-            async with asyncio.timeout(timeout_s):
-                kind, payload = await answer
+            kind, payload = await within(answer, timeout_s)
         except TimeoutError:
             with contextlib.suppress(PeerUnavailableError):
                 link.send(call_id, Kind.CANCEL)

@@ -60,6 +60,7 @@ from kvxfer.server.pulls import Pull, PullContext, run_pull
 from kvxfer.server.push_side import PushSide
 from kvxfer.server.read_side import ReadSide
 from kvxfer.server.settings import Settings
+from kvxfer.wire.loops import within
 
 log = logging.getLogger(__name__)
 
@@ -570,8 +571,7 @@ class Sidecar:
         if not self._engine_leases(engine.engine_id):
             return
         try:
-            async with asyncio.timeout(deadline_s):
-                await engine.reads_ended.wait()
+            await within(engine.reads_ended.wait(), deadline_s)
         except TimeoutError:
             # The reader kept its lease alive but never ended the read (an alive reader
             # learns of the abort within TTL/3 and ends within its stall deadline). Peers

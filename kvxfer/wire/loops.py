@@ -4,8 +4,8 @@ Where kvxfer picks the loop (the sidecar's setting `event_loop`, `SyncEngineClie
 thread, which the vLLM connector calls through, and kvxfer-cli's bench and demo
 engines) it runs `uvloop` by default (libuv's: scheduling and socket I/O in C; the 1k-token
 pull's overhead median 0.06-0.7 ms lower here in two A/Bs, docs/benchmarks.md); Python's
-own `asyncio` loop on request. A missing uvloop
-is an error that says how to choose the other loop, never a quiet fallback.
+own `asyncio` loop on request. A missing uvloop is an error that says how to choose the
+other loop, never a quiet fallback.
 """
 
 from __future__ import annotations
