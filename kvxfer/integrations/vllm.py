@@ -54,7 +54,7 @@ from vllm.v1.request import RequestStatus
 
 from kvxfer._exceptions import KvxferError, NotFoundError, PeerUnavailableError
 from kvxfer.client.engine import SyncEngineClient
-from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind
+from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind, KVGroup, StateShard
 from kvxfer.core.requests import EngineEvent, LeaseExpired, PullDone, PullStatus, Released
 from kvxfer.integrations.cpu_amx import allow_amx
 from kvxfer.integrations.shm_remap import SharedRemap
@@ -80,6 +80,7 @@ from kvxfer.integrations.vllm_params import (
     write_handshake,
 )
 from kvxfer.integrations.vllm_release import Releases
+from kvxfer.integrations.vllm_state import StateTensor, cuts_from_config, state_groups
 
 if TYPE_CHECKING:
     import torch
@@ -153,6 +154,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._kinds = group_kinds(kv_cache_config)
         self._has_state = GroupKind.MAMBA in self._kinds
+        self._states = state_tensors(vllm_config, kv_cache_config, self._tp_size)
         self._loop_choice = connector_event_loop(extra)
         self._scheduler = _Scheduler(self, sidecar) if role is KVConnectorRole.SCHEDULER else None
         stats = extra.get("stats_path")
@@ -295,6 +297,45 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.close()
 
 
+def state_tensors(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_size: int
+) -> dict[int, tuple[StateTensor, ...]] | str:
+    """Each state group's packed tensors with their cuts over TP ranks (vllm_state), or
+    why they are not known: the pages then stay opaque, and a decode engine of another
+    TP size is refused."""
+    if not any(is_state_spec(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups):
+        return {}
+    from vllm.model_executor.layers.mamba.mamba_utils import (  # noqa: PLC0415
+        get_conv_state_layout,  # state models only: what vLLM stores conv states as
+    )
+
+    try:
+        config = vllm_config.model_config.hf_config.to_dict()
+        cuts = cuts_from_config(config, tp_size=tp_size, conv_layout=get_conv_state_layout())
+        return state_groups(kv_cache_config, cuts, tp_size=tp_size)
+    except KvxferError as exc:
+        log.warning(
+            "kvxfer: state pages are moved whole, not cut over TP ranks (%s): a decode "
+            "engine of another TP size is refused",
+            exc,
+        )
+        return str(exc)
+
+
+def state_cuts(states: dict[int, tuple[StateTensor, ...]] | str) -> tuple[StateShard, ...] | str:
+    """The distinct cuts of every state tensor (for the TP ranks a decode rank reads), or
+    why they are not known."""
+    if isinstance(states, str):
+        return states
+    return tuple(dict.fromkeys(t.shard for tensors in states.values() for t in tensors))
+
+
+def _state_suffixes(group: KVGroup) -> list[str]:
+    """The suffixes (conv, ssm, ...) of a state group's tensors cut over TP ranks."""
+    first = [t for t in group.tensors if t.layer == group.tensors[0].layer and t.shard]
+    return [t.name.rsplit(".", 1)[-1] for t in first]
+
+
 def _trim_last_prompt_token(request: Request) -> None:
     """Prefill of a state model computes N-1 tokens: the decode side then computes
     token N itself from the state at N-1 (what NixlConnector does too)."""
@@ -333,14 +374,15 @@ class _Scheduler:
         tp_size = self._owner._tp_size
         try:
             heads = self._owner._vllm_config.model_config.get_total_num_kv_heads()
-            readers = decode_tp_size(request.kv_transfer_params, tp_size, heads)
+            cuts = state_cuts(self._owner._states)
+            readers = decode_tp_size(request.kv_transfer_params, tp_size, heads, cuts)
             spans = spans_from_block_ids(self._owner._kinds, block_ids)
             if tp_size == 1 and readers == 1:
                 params = self._client(0).publish(request.request_id, num_tokens, spans)
                 self.published[request.request_id] = {0: [request.request_id]}
                 return True, {"do_remote_prefill": True, KEY: params_to_dict(params)}
             published = self._publish_per_reader(
-                request.request_id, num_tokens, spans, readers, heads
+                request.request_id, num_tokens, spans, readers, heads, cuts
             )
         except KvxferError as exc:
             log.error("kvxfer: publish of %s failed: %s", request.request_id, exc)
@@ -354,9 +396,10 @@ class _Scheduler:
         spans: tuple[BlockSpan, ...],
         readers: int,
         heads: int,
+        cuts: tuple[StateShard, ...] | str,
     ) -> dict[str, Any]:
         """Different TP sizes (or TP > 1): one publication per (prefill rank, decode rank
-        reading heads from it); the params of every decode rank's sources. A failure
+        reading heads or state from it); the params of every decode rank's sources. A failure
         withdraws what was published, so no lease outlives the blocks vLLM frees."""
         tp_size = self._owner._tp_size
         made: list[tuple[int, str]] = []
@@ -364,7 +407,8 @@ class _Scheduler:
         try:
             for reader in range(readers):
                 mine = []
-                for source in reader_sources(heads, tp_size, readers, reader):
+                states = () if isinstance(cuts, str) else cuts  # str: readers == tp_size
+                for source in reader_sources(heads, tp_size, readers, reader, states):
                     publication = publication_id(request_id, source, reader, readers)
                     params = self._client(source).publish(publication, num_tokens, spans)
                     made.append((source, publication))
@@ -477,6 +521,7 @@ class _Worker:
                 kv_config, kv_caches, lambda spec, _: apart.get(id(spec), False)
             ),
             kernels=[k.name if k else None for k in kernels],
+            states=None if isinstance(self._owner._states, str) else self._owner._states,
         )
         role = self._owner._kv_transfer_config.kv_role
         registration = self._client.register(self.layout, [remapped.handle()], name=f"vllm-{role}")
@@ -498,6 +543,10 @@ class _Worker:
                 "block_size": self.layout.block_size,
                 "tp_size": self.layout.tp_size,
                 "head_major": self.layout.head_major,
+                # Each state group's tensors when cut over TP ranks (vllm_state), else [].
+                "state_tensors": [
+                    _state_suffixes(g) for g in self.layout.groups if g.kind is GroupKind.MAMBA
+                ],
                 "groups": [
                     [
                         g.kind.value,
@@ -551,7 +600,9 @@ class _Worker:
             if layout is None:
                 raise KvxferError("the KV cache is not registered with the sidecar")
             heads = next((g.num_kv_heads for g in layout.groups if g.num_kv_heads), None)
-            every = rank_params(order.params, layout.tp_size, self._tp_rank, heads)
+            cuts = tuple(dict.fromkeys(t.shard for g in layout.groups for t in g.tensors))
+            states = tuple(c for c in cuts if c is not None)
+            every = rank_params(order.params, layout.tp_size, self._tp_rank, heads, states)
             spans = spans_from_block_ids(self._owner._kinds, order.block_ids)
         except KvxferError as exc:
             log.error("kvxfer: pull of %s refused: %s", order.request_id, exc)
@@ -619,12 +670,14 @@ class _Worker:
             duration_s=event.duration_s,
             failed_blocks={str(g): list(b) for g, b in event.failed_blocks.items()},
             valid_tokens=event.valid_tokens,
+            reason=event.reason,
         )
         if event.status is not PullStatus.OK:
             log.warning(
-                "kvxfer: pull of %s %s: failed blocks %s, resume at %d",
+                "kvxfer: pull of %s %s (%s): failed blocks %s, resume at %d",
                 event.request_id,
                 event.status.value,
+                event.reason or "no reason given",
                 dict(event.failed_blocks),
                 event.valid_tokens,
             )

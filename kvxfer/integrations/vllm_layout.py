@@ -15,7 +15,9 @@ What it maps, as vLLM 0.32 lays the cache out on CPU:
 - `ChunkedLocalAttentionSpec` -> chunked_local with its `attention_chunk_size`
   (a `FullAttentionSpec` carrying `attention_chunk_size` is, like the window
   case, the hybrid manager off: full_attention);
-- `MambaSpec` (Mamba, GDN, ...) -> mamba: one opaque state page per block;
+- `MambaSpec` (Mamba, GDN, ...) -> mamba: one state page per block, either one
+  opaque region per layer or, given `states` (`vllm_state.packed_states`), one region
+  per state tensor (conv, ssm, ...) carrying its cut over TP ranks;
 - MLA (`MLAAttentionSpec`: kvxfer has the mla kind, but no vLLM run of an MLA
   model has been checked through the connector here), cross-attention and
   anything else -> refused by name.
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,12 +49,13 @@ from kvxfer.core.layout import (
     GroupKind,
     KVGroup,
     Region,
+    StateShard,
     TensorSpec,
 )
+from kvxfer.integrations.vllm_state import StateTensor, layer_index
 
 NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null block
 _REFUSED = ("MLAAttentionSpec", "CrossAttentionSpec")
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -103,11 +105,6 @@ def group_shape(spec: Any, where: str) -> GroupShape:
     raise LayoutError(where, f"unknown vLLM KV cache spec {names[0]}")
 
 
-def _layer_index(name: str, fallback: int) -> int:
-    found = _LAYER_INDEX.search(name)
-    return int(found.group(1)) if found else fallback
-
-
 def _layer_places(kv_cache_config: Any) -> dict[str, tuple[int, int]]:
     """layer name -> (offset of its block 0 in the allocation, block stride)."""
     places: dict[str, tuple[int, int]] = {}
@@ -131,6 +128,7 @@ def layout_from_vllm(
     num_kv_heads: int | None = None,
     head_major: bool = False,
     kernels: Sequence[str | None] | None = None,
+    states: Mapping[int, Sequence[StateTensor]] | None = None,
 ) -> EngineLayout:
     """The layout of one vLLM worker whose backing allocation starts at
     `base_offset` inside the registered buffer `buffer`.
@@ -140,7 +138,10 @@ def layout_from_vllm(
     head_size]` (vLLM's CPU pages, which the worker checks on the tensors): with both,
     a pairing of different TP sizes cuts each block into head runs. `kernels` names each
     group's attention kernel and page order (None for a state group), so that two
-    engines whose kernels lay a page out differently do not agree."""
+    engines whose kernels lay a page out differently do not agree. `states` gives, per
+    state group, the tensors packed in its page with their cuts over TP ranks: each
+    becomes a region of its own, `<layer>.<suffix>`, which a pairing of different TP
+    sizes reads in byte ranges (without it a state page is one opaque region)."""
     groups: list[KVGroup] = []
     regions: list[Region] = []
     shapes: list[GroupShape] = []
@@ -150,16 +151,18 @@ def layout_from_vllm(
         where = f"kv_cache_groups[{gid}]"
         shape = group_shape(group.kv_cache_spec, f"{where}.kv_cache_spec")
         shapes.append(shape)
+        packed = _packed(shape, (states or {}).get(gid), where)
         tensors: list[TensorSpec] = []
         for position, layer in enumerate(group.layer_names):
             if layer not in places:
                 raise LayoutError(f"{where}.layer_names", f"{layer} has no kv_cache_tensor")
             offset, stride = places[layer]
-            index = _layer_index(layer, position)
-            tensors.append(TensorSpec(layer, index, shape.page_bytes))
-            regions.append(
-                Region(layer, buffer, base_offset + offset, num_blocks, stride, shape.page_bytes)
-            )
+            index = layer_index(layer, position)
+            for name, at, nbytes, shard in _pieces(layer, shape, packed):
+                tensors.append(TensorSpec(name, index, nbytes, shard))
+                regions.append(
+                    Region(name, buffer, base_offset + offset + at, num_blocks, stride, nbytes)
+                )
         groups.append(
             KVGroup(
                 group_id=GroupId(gid),
@@ -198,6 +201,31 @@ def layout_from_vllm(
         token_major=False,  # each head's K and V in the kernel's order: no token ranges
         head_major=head_major,
     )
+
+
+def _packed(
+    shape: GroupShape, packed: Sequence[StateTensor] | None, where: str
+) -> Sequence[StateTensor] | None:
+    if packed is None:
+        return None
+    if shape.kind is not GroupKind.MAMBA:
+        raise LayoutError(where, "state tensors given for a group that holds no state")
+    if sum(t.nbytes for t in packed) != shape.page_bytes:
+        raise LayoutError(
+            f"{where}.kv_cache_spec",
+            f"its state tensors hold {sum(t.nbytes for t in packed)} bytes, its page "
+            f"{shape.page_bytes}",
+        )
+    return packed
+
+
+def _pieces(
+    layer: str, shape: GroupShape, packed: Sequence[StateTensor] | None
+) -> list[tuple[str, int, int, StateShard | None]]:
+    """(region name, offset in the page, bytes, cut) of each tensor of `layer`'s page."""
+    if packed is None:
+        return [(layer, 0, shape.page_bytes, None)]
+    return [(f"{layer}.{t.suffix}", t.offset, t.nbytes, t.shard) for t in packed]
 
 
 def pages_are_head_major(
@@ -268,7 +296,17 @@ def _fingerprint(
 
 
 def _page(shape: GroupShape, group: KVGroup, tp_size: int) -> object:
-    """A group's page bytes, per head (with the model's head count) where it is known."""
+    """A group's page bytes, per head (with the model's head count) where it is known; a
+    state page cut over TP ranks by its cuts, which are the same on every TP size."""
+    cuts = [
+        (t.name.rsplit(".", 1)[-1], t.shard)
+        for t in group.tensors
+        if t.layer == group.tensors[0].layer and t.shard is not None
+    ]
+    if cuts:
+        return [
+            [name, cut.rows, [[s.heads, s.head_bytes] for s in cut.segments]] for name, cut in cuts
+        ]
     if group.num_kv_heads is None:
         return shape.page_bytes
     return [group.num_kv_heads, shape.page_bytes // max(1, group.num_kv_heads // tp_size)]

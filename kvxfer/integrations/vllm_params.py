@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvxfer._exceptions import InvalidInputError
-from kvxfer.core.layout import BlockId, BlockSpan, GroupId
+from kvxfer.core.layout import BlockId, BlockSpan, GroupId, StateShard
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
-from kvxfer.core.tp_map import head_sources
+from kvxfer.core.tp_map import head_sources, state_pieces
 
 KEY = "kvxfer"
 # The prefill request's kv_transfer_params field naming the decode engine's TP size
@@ -120,26 +120,50 @@ def published_request(params: Mapping[str, Any]) -> str:
     return named[0]
 
 
-def reader_sources(num_kv_heads: int, prefill_tp: int, decode_tp: int, reader: int) -> list[int]:
-    """The prefill ranks decode rank `reader` reads its KV heads from."""
-    return sorted({s.src_rank for s in head_sources(num_kv_heads, prefill_tp, decode_tp, reader)})
+def reader_sources(
+    num_kv_heads: int,
+    prefill_tp: int,
+    decode_tp: int,
+    reader: int,
+    states: Sequence[StateShard] = (),
+) -> list[int]:
+    """The prefill ranks decode rank `reader` reads its KV heads from, and the pieces of
+    its state tensors cut as `states` say (the sidecar plans each pull the same way:
+    kvxfer.core.tp_map)."""
+    ranks = {s.src_rank for s in head_sources(num_kv_heads, prefill_tp, decode_tp, reader)}
+    for shard in states:
+        ranks |= {p.src_rank for p in state_pieces(shard, prefill_tp, decode_tp, reader)}
+    return sorted(ranks)
 
 
-def readers_of(num_kv_heads: int, prefill_tp: int, decode_tp: int, source: int) -> list[int]:
-    """The decode ranks that read heads from prefill rank `source`."""
+def readers_of(
+    num_kv_heads: int,
+    prefill_tp: int,
+    decode_tp: int,
+    source: int,
+    states: Sequence[StateShard] = (),
+) -> list[int]:
+    """The decode ranks that read heads or state from prefill rank `source`."""
     return [
         d
         for d in range(decode_tp)
-        if source in reader_sources(num_kv_heads, prefill_tp, decode_tp, d)
+        if source in reader_sources(num_kv_heads, prefill_tp, decode_tp, d, states)
     ]
 
 
 MAX_DECODE_TP = 256
 
 
-def decode_tp_size(params: Mapping[str, Any], default: int, num_kv_heads: int) -> int:
+def decode_tp_size(
+    params: Mapping[str, Any],
+    default: int,
+    num_kv_heads: int,
+    states: Sequence[StateShard] | str = (),
+) -> int:
     """The decode TP size a prefill request names (`decode_tp_size`), else `default`; it
-    must place the model's `num_kv_heads` as vLLM would (split evenly or replicated)."""
+    must place the model's `num_kv_heads` as vLLM would (split evenly or replicated),
+    and every state tensor cut as `states` says. `states` is a string where the model
+    keeps state whose cut is not known (why): then only `default` is accepted."""
     field = f"kv_transfer_params.{DECODE_TP}"
     value = params.get(DECODE_TP, default)
     if type(value) is not int or not 1 <= value <= MAX_DECODE_TP:
@@ -148,17 +172,33 @@ def decode_tp_size(params: Mapping[str, Any], default: int, num_kv_heads: int) -
         raise InvalidInputError(
             field, f"{num_kv_heads} KV heads cannot be placed on {value} decode ranks"
         )
+    if isinstance(states, str):
+        if value != default:
+            raise InvalidInputError(
+                field,
+                f"{value} differs from this engine's TP size {default}, and its state pages "
+                f"cannot be cut over TP ranks ({states})",
+            )
+        return value
+    for index, shard in enumerate(states):
+        problem = shard.placement_problem(value)
+        if problem is not None:
+            raise InvalidInputError(field, f"state tensor {index}: {problem}")
     return value
 
 
 def rank_params(
-    value: object, tp_size: int, tp_rank: int, num_kv_heads: int | None
+    value: object,
+    tp_size: int,
+    tp_rank: int,
+    num_kv_heads: int | None,
+    states: Sequence[StateShard] = (),
 ) -> list[TransferParams]:
     """The params decode rank `tp_rank` of `tp_size` pulls with: one per prefill rank it
     reads from (`readers`), or the one of a single-rank publication. Every publication
     must be this rank's, of the request's length, and together they must be exactly the
     prefill ranks holding this rank's heads: a missing one would leave heads unwritten
-    and reported received."""
+    and reported received. `states` are the cuts of this engine's state tensors."""
     field = f"kv_transfer_params.{KEY}"
     if not isinstance(value, Mapping):
         raise InvalidInputError(field, f"must be an object, got {type(value).__name__}")
@@ -206,12 +246,13 @@ def rank_params(
             )
         sources.append(params.tp_rank)
     if num_kv_heads is not None:
-        want = reader_sources(num_kv_heads, prefill_tp, tp_size, tp_rank)
+        want = reader_sources(num_kv_heads, prefill_tp, tp_size, tp_rank, states)
         if sorted(sources) != want:
             raise InvalidInputError(
                 where,
                 f"publications of prefill ranks {sorted(sources)}, but decode rank {tp_rank} "
-                f"of {tp_size} reads its heads from prefill ranks {want} of {prefill_tp}",
+                f"of {tp_size} reads its heads{' and state' if states else ''} from prefill "
+                f"ranks {want} of {prefill_tp}",
             )
     return every
 
