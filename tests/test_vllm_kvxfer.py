@@ -121,7 +121,7 @@ def test_a_state_model_matches_vllms_own_pd(
     assert report["reference"] == "vllm NixlConnector P/D"
     assert_identical(report)
     assert report["bytes_moved"] == report["bytes_exact_minimum"]
-    # The real engine's state pages split into the conv and ssm states the model's config
-    # cuts over TP ranks (vllm_state): what vLLM allocated agreed with the cut, so this
-    # engine could pair with a decode of another TP size.
-    assert report["layout"]["state_tensors"] == [["conv", "ssm"]], report["layout"]
+    # The real engine's state pages (three GDN groups) split into the conv and ssm states
+    # the model's config cuts over TP ranks (vllm_state): what vLLM allocated agreed with
+    # the cut, so this engine could pair with a decode of another TP size.
+    assert report["layout"]["state_tensors"] == [["conv", "ssm"]] * 3, report["layout"]

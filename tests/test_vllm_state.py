@@ -8,9 +8,11 @@ tests/test_tp_state_oracle.py, which reads the config and knows nothing of the c
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -82,7 +84,8 @@ def gdn_shapes(tp: int, conv: str = "SD", spec_tokens: int = 0) -> tuple[tuple[i
 
 def vllm_config(tp: int, conv: str = "SD", **state: Any) -> KVCacheConfig:
     """Qwen3-Next's cache on one rank of `tp`: full-attention layers in one group of
-    head-major pages, Gated DeltaNet layers in another, every layer in its own tensor."""
+    head-major pages, Gated DeltaNet layers in three others, every layer in its own
+    tensor."""
     kinds = CONFIG["layer_types"]
     heads, head_size = max(1, CONFIG["num_key_value_heads"] // tp), CONFIG["head_dim"]
     states = {"shapes": gdn_shapes(tp, conv), "dtypes": (BF16, F32), **state}
@@ -94,6 +97,9 @@ def vllm_config(tp: int, conv: str = "SD", **state: Any) -> KVCacheConfig:
     linear = [n for n, k in zip(names, kinds, strict=True) if k != "full_attention"]
     size = page * NUM_BLOCKS
     headed = HeadedSpec(BLOCK, attention_page, num_kv_heads=heads, head_size=head_size)
+    # vLLM groups layers in groups of one size: 12 attention layers, 3 groups of 12 GDN.
+    gdn = GDNSpec(BLOCK, page, **states)
+    thirds = [linear[i : i + len(attention)] for i in range(0, len(linear), len(attention))]
     return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
         kv_cache_tensors=[
@@ -101,7 +107,7 @@ def vllm_config(tp: int, conv: str = "SD", **state: Any) -> KVCacheConfig:
         ],
         kv_cache_groups=[
             KVCacheGroupSpec(attention, headed),
-            KVCacheGroupSpec(linear, GDNSpec(BLOCK, page, **states)),
+            *(KVCacheGroupSpec(layers, gdn) for layers in thirds),
         ],
     )
 
@@ -122,7 +128,10 @@ def layout(tp: int, rank: int, conv: str = "SD", *, cut: bool = True) -> EngineL
 def test_a_gdn_page_is_its_conv_then_its_ssm_state_with_their_cuts() -> None:
     for tp in (1, 2, 4):
         conv, ssm = gdn_shapes(tp)
-        (tensors,) = state_groups(vllm_config(tp), cuts(tp), tp_size=tp).values()
+        groups = state_groups(vllm_config(tp), cuts(tp), tp_size=tp)
+        assert sorted(groups) == [1, 2, 3]
+        tensors = groups[1]
+        assert groups[2] == groups[3] == tensors
         conv_bytes = math.prod(conv) * 2
         assert [(t.suffix, t.offset, t.nbytes) for t in tensors] == [
             ("conv", 0, conv_bytes),
@@ -139,13 +148,13 @@ def test_regions_are_each_state_tensor_at_its_place_in_the_page() -> None:
     first = state.layers[0]
     name = f"model.layers.{first}.linear_attn"
     conv, ssm = one.region_map[f"{name}.conv"], one.region_map[f"{name}.ssm"]
-    page = one.region_map[f"{name}.conv"].stride_bytes
+    spec = vllm_config(2).kv_cache_groups[1].kv_cache_spec
+    page = spec.page_size_bytes
     assert (conv.offset_bytes, ssm.offset_bytes) == (
         64 + first * page * NUM_BLOCKS,
         conv.offset_bytes + conv.block_bytes,
     )
     assert ssm.stride_bytes == conv.stride_bytes == page
-    spec = vllm_config(2).kv_cache_groups[1].kv_cache_spec
     assert conv.block_bytes + ssm.block_bytes == spec.real_page_size_bytes
     assert [t.name for t in state.tensors[:2]] == [f"{name}.conv", f"{name}.ssm"]
 
@@ -157,7 +166,7 @@ def test_ranks_of_different_tp_sizes_agree_and_opaque_pages_are_refused_by_name(
     assert {(r.tensor, r.src_rank) for r in state.state_reads} == {("conv", 0), ("ssm", 0)}
     with pytest.raises(NegotiationError, match="shard"):
         negotiate(layout(2, 1, cut=False), layout(1, 0, cut=False))
-    with pytest.raises(NegotiationError):  # the two sides store conv states differently
+    with pytest.raises(NegotiationError, match="fingerprint"):  # conv states SD and DS
         negotiate(layout(2, 1, "DS"), layout(1, 0, "SD"))
 
 
@@ -251,7 +260,7 @@ def test_what_vllm_allocated_must_match_the_configs_cut_or_the_page_stays_opaque
     with pytest.raises(LayoutError, match=rf"{where}\.shapes.*1 state tensors"):
         split(vllm_config(2, shapes=gdn_shapes(2)[:1], dtypes=(BF16,)), cuts(2))
     # State layers other than the config's.
-    other = StateCuts(frozenset({0, 1}), cuts(2).tensors)
+    other = dataclasses.replace(cuts(2), layers=frozenset({0, 1}))
     with pytest.raises(LayoutError, match=r"kv_cache_groups.*state layers"):
         split(vllm_config(2), other)
     with pytest.raises(ProfileError):
@@ -286,3 +295,26 @@ def test_state_adds_the_prefill_ranks_a_decode_rank_reads() -> None:
         rank_params(heads_only, 2, 0, 2, states)
     both = {**heads_only, "readers": [[pub(0), pub(1)], [pub(3)]]}
     assert [p.tp_rank for p in rank_params(both, 2, 0, 2, states)] == [0, 1]
+
+
+def test_a_one_part_conv_state_stored_the_other_way_is_refused() -> None:
+    """Mamba-1's conv state is one run of channels: stored SD (3, C) or DS (C, 3) it has
+    the same bytes and one cut fits either shape's bytes, so the storage itself is checked
+    (a DS cut read over SD storage would hand a decode rank half the rows of every
+    channel instead of half the channels)."""
+    path = Path(__file__).parent / "data" / "configs" / "falcon-mamba-tiny-dev.json"
+    config = json.loads(path.read_text())
+    inner, rows = config["intermediate_size"] // 2, config["conv_kernel"] - 1
+    ssm = (inner, config["state_size"])
+    stored = {"SD": ((rows, inner), ssm), "DS": ((inner, rows), ssm)}
+    for layout_name, shapes in stored.items():
+        spec = GDNSpec(BLOCK, 1 << 16, shapes=shapes, dtypes=(F32, F32))
+        for cut_for in ("SD", "DS"):
+            cut = cuts_from_config(config, tp_size=2, conv_layout=cut_for)
+            assert cut.conv_rows == (rows, None)
+            if cut_for == layout_name:
+                conv, _ = packed_states(spec, cut, tp_size=2, where="g")
+                assert conv.nbytes == rows * inner * 4
+                continue
+            with pytest.raises(LayoutError, match=r"not its first dimension|conv state layout"):
+                packed_states(spec, cut, tp_size=2, where="g")

@@ -92,7 +92,9 @@ def group_shape(spec: Any, where: str) -> GroupShape:
     page = int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
     block_size = int(spec.block_size)
     if "MambaSpec" in names:
-        return GroupShape(GroupKind.MAMBA, None, block_size, page, "opaque")
+        # The state dtypes go into the fingerprint: the same cut in other dtypes is other bytes.
+        dtypes = [str(d).removeprefix("torch.") for d in getattr(spec, "dtypes", ())]
+        return GroupShape(GroupKind.MAMBA, None, block_size, page, ",".join(dtypes) or "opaque")
     dtype = str(spec.dtype).removeprefix("torch.")
     if "SlidingWindowSpec" in names:
         window = int(spec.sliding_window)

@@ -121,23 +121,25 @@ def published_request(params: Mapping[str, Any]) -> str:
 
 
 def reader_sources(
-    num_kv_heads: int,
+    num_kv_heads: int | None,
     prefill_tp: int,
     decode_tp: int,
     reader: int,
     states: Sequence[StateShard] = (),
 ) -> list[int]:
-    """The prefill ranks decode rank `reader` reads its KV heads from, and the pieces of
-    its state tensors cut as `states` say (the sidecar plans each pull the same way:
-    kvxfer.core.tp_map)."""
-    ranks = {s.src_rank for s in head_sources(num_kv_heads, prefill_tp, decode_tp, reader)}
+    """The prefill ranks decode rank `reader` reads its KV heads from (none for a model
+    without attention: `num_kv_heads` None or 0), and the pieces of its state tensors
+    cut as `states` say (the sidecar plans each pull the same way: kvxfer.core.tp_map)."""
+    ranks: set[int] = set()
+    if num_kv_heads:
+        ranks = {s.src_rank for s in head_sources(num_kv_heads, prefill_tp, decode_tp, reader)}
     for shard in states:
         ranks |= {p.src_rank for p in state_pieces(shard, prefill_tp, decode_tp, reader)}
     return sorted(ranks)
 
 
 def readers_of(
-    num_kv_heads: int,
+    num_kv_heads: int | None,
     prefill_tp: int,
     decode_tp: int,
     source: int,
@@ -168,7 +170,7 @@ def decode_tp_size(
     value = params.get(DECODE_TP, default)
     if type(value) is not int or not 1 <= value <= MAX_DECODE_TP:
         raise InvalidInputError(field, f"must be an integer 1..{MAX_DECODE_TP}, got {value!r}")
-    if num_kv_heads % value and value % num_kv_heads:
+    if num_kv_heads and num_kv_heads % value and value % num_kv_heads:
         raise InvalidInputError(
             field, f"{num_kv_heads} KV heads cannot be placed on {value} decode ranks"
         )
@@ -245,7 +247,7 @@ def rank_params(
                 f"{params.num_tokens}, but the request has {value.get('num_tokens')!r}",
             )
         sources.append(params.tp_rank)
-    if num_kv_heads is not None:
+    if num_kv_heads or states:
         want = reader_sources(num_kv_heads, prefill_tp, tp_size, tp_rank, states)
         if sorted(sources) != want:
             raise InvalidInputError(

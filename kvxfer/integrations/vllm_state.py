@@ -28,6 +28,7 @@ from typing import Any
 from kvxfer._exceptions import LayoutError
 from kvxfer.core.layout import GroupKind, ShardSegment, StateShard
 from kvxfer.core.profiles import layout_from_config
+from kvxfer.core.state_shards import check_conv_layout
 
 # The config's cut is sized with 4-byte elements (state_dtype float32 overrides every
 # state dtype), then each tensor is rescaled to the element size vLLM allocated it in.
@@ -38,10 +39,14 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 @dataclass(frozen=True)
 class StateCuts:
     """The model's state tensors per state layer, from its config: the layers that hold
-    state, and each tensor's suffix (conv, ssm, ...) and cut, in 4-byte elements."""
+    state, and each tensor's suffix (conv, ssm, ...) and cut, in 4-byte elements.
+    `conv_rows` is, per tensor, kernel - 1 for a conv state (whose storage, SD or DS,
+    changes its cut) and None for any other; `conv_layout` the storage the cuts are for."""
 
     layers: frozenset[int]
     tensors: tuple[tuple[str, StateShard], ...]
+    conv_rows: tuple[int | None, ...]
+    conv_layout: str
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,23 @@ def cuts_from_config(config: Mapping[str, Any], *, tp_size: int, conv_layout: st
     `tp_size` ranks with conv states stored as `conv_layout` (vLLM's
     get_conv_state_layout: "SD" or "DS"). Raises ProfileError / UnsupportedModelError
     for a config kvxfer does not read, LayoutError where its state layers differ."""
+    check_conv_layout(conv_layout)
+    # A conv state's cut depends on its storage: kernel - 1 rows of channels (SD), or one
+    # row of each channel's kernel - 1 values (DS). Where the two cuts differ the tensor
+    # is a conv state, and the SD cut's rows are its kernel - 1, which the storage check
+    # (`_check_conv`) needs.
+    layers, stored_sd = _config_cuts(config, tp_size, "SD")
+    _, stored_ds = _config_cuts(config, tp_size, "DS")
+    rows = tuple(
+        None if sd == ds else sd[1].rows for sd, ds in zip(stored_sd, stored_ds, strict=True)
+    )
+    tensors = stored_sd if conv_layout == "SD" else stored_ds
+    return StateCuts(layers, tensors, rows, conv_layout)
+
+
+def _config_cuts(
+    config: Mapping[str, Any], tp_size: int, conv_layout: str
+) -> tuple[frozenset[int], tuple[tuple[str, StateShard], ...]]:
     layout = layout_from_config(
         dict(config),
         name="vllm",
@@ -81,7 +103,7 @@ def cuts_from_config(config: Mapping[str, Any], *, tp_size: int, conv_layout: st
     shapes = {tuple(tensors) for tensors in per_layer.values()}
     if len(shapes) != 1:
         raise LayoutError("config", "the model's state layers hold different state tensors")
-    return StateCuts(frozenset(per_layer), shapes.pop())
+    return frozenset(per_layer), shapes.pop()
 
 
 def layer_index(name: str, fallback: int) -> int:
@@ -121,8 +143,7 @@ def packed_states(
     if getattr(spec, "tp_replicated", False):
         raise LayoutError(f"{where}.tp_replicated", "every rank holds the whole state")
     shapes = [tuple(int(n) for n in shape) for shape in spec.shapes]
-    sizes = [int(dtype.itemsize) for dtype in spec.dtypes]
-    if len(shapes) != len(cuts.tensors) or len(sizes) != len(shapes):
+    if len(shapes) != len(cuts.tensors) or len(spec.dtypes) != len(shapes):
         names = [suffix for suffix, _ in cuts.tensors]
         raise LayoutError(
             f"{where}.shapes",
@@ -130,15 +151,32 @@ def packed_states(
         )
     out: list[StateTensor] = []
     offset = 0
-    for index, (shape, itemsize, (suffix, cut)) in enumerate(
-        zip(shapes, sizes, cuts.tensors, strict=True)
+    for index, (shape, dtype, (suffix, cut), rows) in enumerate(
+        zip(shapes, spec.dtypes, cuts.tensors, cuts.conv_rows, strict=True)
     ):
+        itemsize = int(dtype.itemsize)
         shard = _rescaled(cut, itemsize)
-        _check_cut(shard, shape, itemsize, tp_size, f"{where}.shapes[{index}]", suffix)
+        at = f"{where}.shapes[{index}]"
+        _check_cut(shard, shape, itemsize, tp_size, at, suffix)
+        if rows is not None:
+            _check_conv(shape, rows, cuts.conv_layout, at, suffix)
         nbytes = math.prod(shape) * itemsize
         out.append(StateTensor(suffix, offset, nbytes, shard))
         offset += nbytes
     return tuple(out)
+
+
+def _check_conv(shape: tuple[int, ...], rows: int, layout: str, where: str, name: str) -> None:
+    """A conv state is (kernel - 1, channels) stored SD, (channels, kernel - 1) stored DS:
+    a cut for the other storage would read each row as channels, or the reverse."""
+    want = 0 if layout == "SD" else 1
+    if len(shape) != 2 or shape[want] != rows:
+        stored = "(kernel - 1, channels)" if layout == "SD" else "(channels, kernel - 1)"
+        raise LayoutError(
+            where,
+            f"{shape}: the {name} state is not {stored} with kernel - 1 = {rows}, as the conv "
+            f"state layout {layout} stores it",
+        )
 
 
 def _rescaled(cut: StateShard, itemsize: int) -> StateShard:
