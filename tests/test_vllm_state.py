@@ -318,3 +318,31 @@ def test_a_one_part_conv_state_stored_the_other_way_is_refused() -> None:
                 continue
             with pytest.raises(LayoutError, match=r"not its first dimension|conv state layout"):
                 packed_states(spec, cut, tp_size=2, where="g")
+
+
+def test_a_model_without_attention_takes_its_sources_from_its_state() -> None:
+    """Mamba-1 has no KV heads (vLLM reports 0): a decode rank's sources are the prefill
+    ranks holding its state, the decode TP size is checked on the state alone, and a
+    decode rank given a publication it does not read from is refused."""
+    path = Path(__file__).parent / "data" / "configs" / "falcon-mamba-tiny-dev.json"
+    config = json.loads(path.read_text())
+    states = tuple(
+        shard for _, shard in cuts_from_config(config, tp_size=1, conv_layout="SD").tensors
+    )
+    assert [reader_sources(0, 2, 1, 0, states)] == [[0, 1]]
+    assert [reader_sources(None, 1, 2, d, states) for d in range(2)] == [[0], [0]]
+    assert decode_tp_size({"decode_tp_size": 4}, 1, 0, states) == 4
+    with pytest.raises(InvalidInputError, match=r"decode_tp_size.*cannot be placed"):
+        decode_tp_size({"decode_tp_size": 3}, 1, 0, states)
+
+    def pub(source: int) -> dict[str, object]:
+        params = dataclasses.replace(
+            _params(), tp_rank=source, request_id=publication_id("r", source, 0, 1)
+        )
+        return params_to_dict(params)
+
+    one = {"num_tokens": 299, "prefill_tp_size": 2, "readers": [[pub(0)]]}
+    with pytest.raises(InvalidInputError, match=r"state from prefill ranks \[0, 1\]"):
+        rank_params(one, 1, 0, None, states)
+    both = {**one, "readers": [[pub(0), pub(1)]]}
+    assert [p.tp_rank for p in rank_params(both, 1, 0, None, states)] == [0, 1]
