@@ -50,8 +50,18 @@ class DemoOptions:
     def dtype(self) -> str:
         """float32 across different TP sizes: TP changes the order of the sums (each rank
         reduces its own heads), and in bfloat16 that alone flips near-tied tokens of a
-        random-weight model, KV moved byte-exact or not; in float32 it does not."""
-        return "float32" if self.prefill_tp != self.decode_tp else "bfloat16"
+        random-weight model, KV moved byte-exact or not; in float32 it does not. State
+        models stay bfloat16 (vLLM-CPU's Gated DeltaNet kernels take nothing else): their
+        reference is NixlConnector P/D at the same TP sizes, whose decode sums alike."""
+        if self.model in STATE_FAMILIES or self.prefill_tp == self.decode_tp:
+            return "bfloat16"
+        return "float32"
+
+    @property
+    def nice(self) -> int:
+        """Engines with TP > 1 run niced: vLLM-CPU's TP workers poll their shared-memory
+        queue after every step and otherwise starve the sidecars on two cores."""
+        return 10 if max(self.prefill_tp, self.decode_tp) > 1 else 0
 
     def __post_init__(self) -> None:
         low, high = self.tokens_range
@@ -95,8 +105,7 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
     # when caching is on; the sidecars refuse such a pair, naming the fields).
     # With TP > 1 the engines share cores with each other and the sidecars (vllm_fleet,
     # EngineSpec.nice).
-    nice = 10 if max(options.prefill_tp, options.decode_tp) > 1 else 0
-    dtype = options.dtype
+    dtype, nice = options.dtype, options.nice
     prefill = replace(prefill, enable_prefix_caching=False, tp_size=options.prefill_tp, nice=nice,
                       dtype=dtype)  # fmt: skip
     decode = replace(decode, enable_prefix_caching=False, tp_size=options.decode_tp, nice=nice,
@@ -177,9 +186,11 @@ def _reference(
 ) -> tuple[list[list[int]], str]:
     """The tokens each prompt must decode to, and where they come from."""
     if family in STATE_FAMILIES:
-        specs = vllm_fleet.pd_specs(model, vllm_fleet.nixl_connector_config(),
-                                    vllm_fleet.nixl_connector_config(), 1024, block)  # fmt: skip
-        with vllm_fleet.PdPair(*specs, python, workdir) as pair:
+        nixl = vllm_fleet.nixl_connector_config()
+        prefill, decode = vllm_fleet.pd_specs(model, nixl, nixl, 1024, block)
+        prefill = replace(prefill, tp_size=options.prefill_tp, nice=options.nice)
+        decode = replace(decode, tp_size=options.decode_tp, nice=options.nice)
+        with vllm_fleet.PdPair(prefill, decode, python, workdir) as pair:
             tokens = [pair.route(p, options.max_tokens).token_ids for p in prompts[:-1]]
         # The control's own tokens come from one engine: it is compared, never matched.
         alone = vllm_fleet.EngineSpec(
