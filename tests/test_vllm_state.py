@@ -227,6 +227,14 @@ def _spans(layout: EngineLayout, state_block: int) -> list[BlockSpan]:
     return spans
 
 
+def _pub(source: int, readers: int) -> dict[str, object]:
+    """Prefill rank `source`'s publication of request "r" for decode rank 0 of `readers`."""
+    params = dataclasses.replace(
+        _params(), tp_rank=source, request_id=publication_id("r", source, 0, readers)
+    )
+    return params_to_dict(params)
+
+
 def _cuts(layout: EngineLayout) -> tuple[Any, ...]:
     return tuple(dict.fromkeys(t.shard for g in layout.groups for t in g.tensors if t.shard))
 
@@ -284,16 +292,10 @@ def test_state_adds_the_prefill_ranks_a_decode_rank_reads() -> None:
     assert [reader_sources(2, 4, 2, d, states) for d in range(2)] == [[0, 1], [2, 3]]
     assert [readers_of(2, 4, 2, p, states) for p in range(4)] == [[0], [0], [1], [1]]
 
-    def pub(source: int) -> dict[str, object]:
-        params = dataclasses.replace(
-            _params(), tp_rank=source, request_id=publication_id("r", source, 0, 2)
-        )
-        return params_to_dict(params)
-
-    heads_only = {"num_tokens": 299, "prefill_tp_size": 4, "readers": [[pub(0)], [pub(3)]]}
+    heads_only = {"num_tokens": 299, "prefill_tp_size": 4, "readers": [[_pub(0, 2)], [_pub(3, 2)]]}
     with pytest.raises(InvalidInputError, match=r"heads and state from prefill ranks \[0, 1\]"):
         rank_params(heads_only, 2, 0, 2, states)
-    both = {**heads_only, "readers": [[pub(0), pub(1)], [pub(3)]]}
+    both = {**heads_only, "readers": [[_pub(0, 2), _pub(1, 2)], [_pub(3, 2)]]}
     assert [p.tp_rank for p in rank_params(both, 2, 0, 2, states)] == [0, 1]
 
 
@@ -335,14 +337,8 @@ def test_a_model_without_attention_takes_its_sources_from_its_state() -> None:
     with pytest.raises(InvalidInputError, match=r"decode_tp_size.*cannot be placed"):
         decode_tp_size({"decode_tp_size": 3}, 1, 0, states)
 
-    def pub(source: int) -> dict[str, object]:
-        params = dataclasses.replace(
-            _params(), tp_rank=source, request_id=publication_id("r", source, 0, 1)
-        )
-        return params_to_dict(params)
-
-    one = {"num_tokens": 299, "prefill_tp_size": 2, "readers": [[pub(0)]]}
+    one = {"num_tokens": 299, "prefill_tp_size": 2, "readers": [[_pub(0, 1)]]}
     with pytest.raises(InvalidInputError, match=r"state from prefill ranks \[0, 1\]"):
         rank_params(one, 1, 0, None, states)
-    both = {**one, "readers": [[pub(0), pub(1)]]}
+    both = {**one, "readers": [[_pub(0, 1), _pub(1, 1)]]}
     assert [p.tp_rank for p in rank_params(both, 1, 0, None, states)] == [0, 1]
