@@ -313,13 +313,15 @@ def state_tensors(
         config = vllm_config.model_config.hf_config.to_dict()
         cuts = cuts_from_config(config, tp_size=tp_size, conv_layout=get_conv_state_layout())
         return state_groups(kv_cache_config, cuts, tp_size=tp_size)
-    except KvxferError as exc:
+    except (KvxferError, AttributeError, KeyError, TypeError, ValueError) as exc:
+        # A config kvxfer cannot read costs the pairing across TP sizes, not the engine.
+        reason = str(exc) if isinstance(exc, KvxferError) else f"{type(exc).__name__}: {exc}"
         log.warning(
             "kvxfer: state pages are moved whole, not cut over TP ranks (%s): a decode "
             "engine of another TP size is refused",
-            exc,
+            reason,
         )
-        return str(exc)
+        return reason
 
 
 def state_cuts(states: dict[int, tuple[StateTensor, ...]] | str) -> tuple[StateShard, ...] | str:
@@ -405,9 +407,9 @@ class _Scheduler:
         made: list[tuple[int, str]] = []
         by_reader: list[list[dict[str, Any]]] = []
         try:
+            states = () if isinstance(cuts, str) else cuts  # str: readers == tp_size
             for reader in range(readers):
                 mine = []
-                states = () if isinstance(cuts, str) else cuts  # str: readers == tp_size
                 for source in reader_sources(heads, tp_size, readers, reader, states):
                     publication = publication_id(request_id, source, reader, readers)
                     params = self._client(source).publish(publication, num_tokens, spans)
