@@ -54,7 +54,7 @@ from vllm.v1.request import RequestStatus
 
 from kvxfer._exceptions import KvxferError, NotFoundError, PeerUnavailableError
 from kvxfer.client.engine import SyncEngineClient
-from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind, KVGroup, StateShard
+from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind, StateShard
 from kvxfer.core.requests import EngineEvent, LeaseExpired, PullDone, PullStatus, Released
 from kvxfer.integrations.cpu_amx import allow_amx
 from kvxfer.integrations.shm_remap import SharedRemap
@@ -155,6 +155,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._kinds = group_kinds(kv_cache_config)
         self._has_state = GroupKind.MAMBA in self._kinds
         self._states = state_tensors(vllm_config, kv_cache_config, self._tp_size)
+        self._state_cuts = state_cuts(self._states)
         self._loop_choice = connector_event_loop(extra)
         self._scheduler = _Scheduler(self, sidecar) if role is KVConnectorRole.SCHEDULER else None
         stats = extra.get("stats_path")
@@ -332,12 +333,6 @@ def state_cuts(states: dict[int, tuple[StateTensor, ...]] | str) -> tuple[StateS
     return tuple(dict.fromkeys(t.shard for tensors in states.values() for t in tensors))
 
 
-def _state_suffixes(group: KVGroup) -> list[str]:
-    """The suffixes (conv, ssm, ...) of a state group's tensors cut over TP ranks."""
-    first = [t for t in group.tensors if t.layer == group.tensors[0].layer and t.shard]
-    return [t.name.rsplit(".", 1)[-1] for t in first]
-
-
 def _trim_last_prompt_token(request: Request) -> None:
     """Prefill of a state model computes N-1 tokens: the decode side then computes
     token N itself from the state at N-1 (what NixlConnector does too)."""
@@ -376,7 +371,7 @@ class _Scheduler:
         tp_size = self._owner._tp_size
         try:
             heads = self._owner._vllm_config.model_config.get_total_num_kv_heads()
-            cuts = state_cuts(self._owner._states)
+            cuts = self._owner._state_cuts
             readers = decode_tp_size(request.kv_transfer_params, tp_size, heads, cuts)
             spans = spans_from_block_ids(self._owner._kinds, block_ids)
             if tp_size == 1 and readers == 1:
@@ -505,6 +500,7 @@ class _Worker:
         self._tp_rank = get_tp_group().rank_in_group if self._owner._tp_size > 1 else 0
         self._releases = Releases(self._tp_rank)
         kv_config = self._owner._kv_cache_config
+        states = {} if isinstance(self._owner._states, str) else self._owner._states
         kernels = group_kernels(kv_config, kv_caches, str(config.cache_config.cache_dtype))
         apart = {
             id(group.kv_cache_spec): facts.heads_apart
@@ -523,7 +519,7 @@ class _Worker:
                 kv_config, kv_caches, lambda spec, _: apart.get(id(spec), False)
             ),
             kernels=[k.name if k else None for k in kernels],
-            states=None if isinstance(self._owner._states, str) else self._owner._states,
+            states=states or None,
         )
         role = self._owner._kv_transfer_config.kv_role
         registration = self._client.register(self.layout, [remapped.handle()], name=f"vllm-{role}")
@@ -547,7 +543,9 @@ class _Worker:
                 "head_major": self.layout.head_major,
                 # Each state group's tensors when cut over TP ranks (vllm_state), else [].
                 "state_tensors": [
-                    _state_suffixes(g) for g in self.layout.groups if g.kind is GroupKind.MAMBA
+                    [t.suffix for t in states.get(g.group_id, ())]
+                    for g in self.layout.groups
+                    if g.kind is GroupKind.MAMBA
                 ],
                 "groups": [
                     [
@@ -602,8 +600,8 @@ class _Worker:
             if layout is None:
                 raise KvxferError("the KV cache is not registered with the sidecar")
             heads = next((g.num_kv_heads for g in layout.groups if g.num_kv_heads), None)
-            cuts = tuple(dict.fromkeys(t.shard for g in layout.groups for t in g.tensors))
-            states = tuple(c for c in cuts if c is not None)
+            cuts = self._owner._state_cuts
+            states = () if isinstance(cuts, str) else cuts  # str: the pages are opaque
             every = rank_params(order.params, layout.tp_size, self._tp_rank, heads, states)
             spans = spans_from_block_ids(self._owner._kinds, order.block_ids)
         except KvxferError as exc:
