@@ -58,9 +58,16 @@ from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind, StateShard
 from kvxfer.core.requests import EngineEvent, LeaseExpired, PullDone, PullStatus, Released
 from kvxfer.integrations.cpu_amx import allow_amx
 from kvxfer.integrations.shm_remap import SharedRemap
-from kvxfer.integrations.vllm_kernel import KernelFacts, kernel_facts
+from kvxfer.integrations.vllm_kernel import (
+    KernelFacts,
+    cpu_kernel_isa,
+    cpu_kernel_write,
+    kernel_facts,
+    kernel_positions,
+)
 from kvxfer.integrations.vllm_layout import (
     group_kinds,
+    group_shape,
     is_state_spec,
     layout_from_vllm,
     pages_are_head_major,
@@ -78,6 +85,16 @@ from kvxfer.integrations.vllm_params import (
     read_handshake,
     reader_sources,
     write_handshake,
+)
+from kvxfer.integrations.vllm_reblock import (
+    FIELD as REBLOCK_FIELD,
+)
+from kvxfer.integrations.vllm_reblock import (
+    GroupRepack,
+    reblock_ratio,
+    received_blocks,
+    repack,
+    sub_spans,
 )
 from kvxfer.integrations.vllm_release import Releases
 from kvxfer.integrations.vllm_state import StateTensor, cuts_from_config, state_groups
@@ -140,6 +157,7 @@ class _Receiving:
     pending: int = 0
     failed: bool = False
     errors: set[int] = field(default_factory=set)
+    valid_tokens: int = 1 << 62  # the least any of its pulls reported
 
 
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
@@ -157,6 +175,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._states = state_tensors(vllm_config, kv_cache_config, self._tp_size)
         self._state_cuts = state_cuts(self._states)
         self._loop_choice = connector_event_loop(extra)
+        # A decode with larger blocks than its prefill's reads them as sub-pages (vllm_reblock).
+        self._reblock = reblock_ratio(extra, self._kv_transfer_config.kv_role, kv_cache_config)
         self._scheduler = _Scheduler(self, sidecar) if role is KVConnectorRole.SCHEDULER else None
         stats = extra.get("stats_path")
         worker = role is KVConnectorRole.WORKER
@@ -455,18 +475,54 @@ class _Scheduler:
 
 
 def group_kernels(
-    kv_cache_config: Any, kv_caches: dict[str, torch.Tensor], cache_dtype: str
+    kv_cache_config: Any, kv_caches: dict[str, torch.Tensor], cache_dtype: str, reblock: int = 1
 ) -> list[KernelFacts | None]:
     """Each group's attention kernel, asked once per group (None: a state group, or one
-    without a tensor here)."""
+    without a tensor here); with `reblock`, the kernel of its sub-pages (vllm_reblock)."""
     out: list[KernelFacts | None] = []
     for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
         layers = [kv_caches[n] for n in group.layer_names if n in kv_caches]
-        if is_state_spec(group.kv_cache_spec) or not layers:
+        if is_state_spec(spec) or not layers:
             out.append(None)
         else:
-            out.append(kernel_facts(group.kv_cache_spec, layers[0], cache_dtype))
+            block = int(spec.block_size) // reblock
+            out.append(kernel_facts(spec, layers[0], cache_dtype, block))
     return out
+
+
+def group_repacks(
+    kv_cache_config: Any, kv_caches: dict[str, torch.Tensor], cache_dtype: str, reblock: int
+) -> dict[int, GroupRepack]:
+    """Per attention group, how its received sub-pages are laid out again (vllm_reblock):
+    the prefill kernel's positions at the sub-page size, learnt from that kernel, and the
+    decode's own write. Raises where vLLM's kernel cannot be asked: such a decode cannot
+    read another block size, and says so when it starts."""
+    repacks: dict[int, GroupRepack] = {}
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if is_state_spec(spec):
+            continue
+        caches = tuple(kv_caches[n] for n in group.layer_names)
+        block, dtype = int(spec.block_size), caches[0].dtype
+        own, theirs = (
+            cpu_kernel_isa(spec, dtype, cache_dtype, b) for b in (block, block // reblock)
+        )
+        write_own = None if own is None else cpu_kernel_write(own)
+        write_theirs = None if theirs is None else cpu_kernel_write(theirs)
+        if write_own is None or write_theirs is None:
+            raise KvxferError(
+                f"{REBLOCK_FIELD}: vLLM's attention kernel cannot be asked here, so pages "
+                "of another block size cannot be laid out again"
+            )
+        positions = kernel_positions(
+            write_theirs, heads=int(spec.num_kv_heads), block_size=block // reblock,
+            head_size=int(spec.head_size), dtype=dtype,
+        )  # fmt: skip
+        shape = group_shape(spec, f"kv_cache_groups[{gid}].kv_cache_spec")
+        repacks[gid] = GroupRepack(shape.kind, shape.window, shape.chunk, caches, positions,
+                                   write_own)  # fmt: skip
+    return repacks
 
 
 class _Worker:
@@ -488,6 +544,7 @@ class _Worker:
         self._failed_recving: set[str] = set()
         self.load_errors: set[int] = set()
         self._handshake_file: str | None = None
+        self._repacks: dict[int, GroupRepack] = {}  # gid -> re-layout (vllm_reblock)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         storages = {t.untyped_storage().data_ptr() for t in kv_caches.values()}
@@ -501,7 +558,10 @@ class _Worker:
         self._releases = Releases(self._tp_rank)
         kv_config = self._owner._kv_cache_config
         states = {} if isinstance(self._owner._states, str) else self._owner._states
-        kernels = group_kernels(kv_config, kv_caches, str(config.cache_config.cache_dtype))
+        cache_dtype, reblock = str(config.cache_config.cache_dtype), self._owner._reblock
+        kernels = group_kernels(kv_config, kv_caches, cache_dtype, reblock)
+        if reblock > 1:
+            self._repacks = group_repacks(kv_config, kv_caches, cache_dtype, reblock)
         apart = {
             id(group.kv_cache_spec): facts.heads_apart
             for group, facts in zip(kv_config.kv_cache_groups, kernels, strict=True)
@@ -520,6 +580,7 @@ class _Worker:
             ),
             kernels=[k.name if k else None for k in kernels],
             states=states or None,
+            reblock=reblock,
         )
         role = self._owner._kv_transfer_config.kv_role
         registration = self._client.register(self.layout, [remapped.handle()], name=f"vllm-{role}")
@@ -539,6 +600,7 @@ class _Worker:
         self._record(
             layout={
                 "block_size": self.layout.block_size,
+                "sub_pages": reblock,
                 "tp_size": self.layout.tp_size,
                 "head_major": self.layout.head_major,
                 # Each state group's tensors when cut over TP ranks (vllm_state), else [].
@@ -603,7 +665,10 @@ class _Worker:
             cuts = self._owner._state_cuts
             states = () if isinstance(cuts, str) else cuts  # str: the pages are opaque
             every = rank_params(order.params, layout.tp_size, self._tp_rank, heads, states)
-            spans = spans_from_block_ids(self._owner._kinds, order.block_ids)
+            kinds = self._owner._kinds
+            spans = sub_spans(
+                spans_from_block_ids(kinds, order.block_ids), kinds, self._owner._reblock
+            )
         except KvxferError as exc:
             log.error("kvxfer: pull of %s refused: %s", order.request_id, exc)
             every, receiving.failed = [], True
@@ -682,9 +747,12 @@ class _Worker:
                 event.valid_tokens,
             )
             if len(order.block_ids) == 1 and self.layout is not None:
-                receiving.errors |= load_errors(event, order.block_ids, self.layout.block_size)
+                receiving.errors |= load_errors(
+                    event, order.block_ids, self.layout.block_size, self._owner._reblock
+                )
             else:
                 receiving.failed = True
+        receiving.valid_tokens = min(receiving.valid_tokens, event.valid_tokens)
         if not receiving.pending:
             self._received(receiving)
 
@@ -702,11 +770,34 @@ class _Worker:
         order = receiving.order
         if not order.awaiting:
             return
+        if not receiving.failed and self._repacks:
+            receiving.failed = not self._repack(receiving)
         self._done_recving.add(order.request_id)
         if receiving.failed:
             self._failed_recving.add(order.request_id)
         else:
             self.load_errors |= receiving.errors
+
+    def _repack(self, receiving: _Receiving) -> bool:
+        """Lay out again the pages this request received as sub-pages (vllm_reblock), before
+        vLLM hears it received; False (vLLM recomputes the request) where that failed."""
+        order, started = receiving.order, time.perf_counter()
+        num_tokens = int(order.params["num_tokens"])
+        count = 0
+        try:
+            for gid, group in self._repacks.items():
+                blocks, moved = received_blocks(
+                    group, order.block_ids[gid], self._owner._reblock, num_tokens,
+                    order.computed_tokens, receiving.valid_tokens,
+                )  # fmt: skip
+                repack(group, blocks, moved)
+                count += len(blocks)
+        except (KvxferError, RuntimeError, ValueError, IndexError) as exc:
+            log.error("kvxfer: laying out %s's pages again failed: %s", order.request_id, exc)
+            return False
+        self._record(request_id=order.request_id, repacked_blocks=count,
+                     repack_s=time.perf_counter() - started)  # fmt: skip
+        return True
 
     def close(self) -> None:
         self._closing.set()

@@ -9,7 +9,9 @@ and the amx kernel orders the same values differently again. Two things follow.
   (`EngineLayout.head_major`): that holds only if the kernel puts every byte of head h
   inside `page[block, h]`. `heads_stay_apart` checks it; a page it cannot check is not
   head-major. A token range of a head is no byte range kvxfer can name, so vLLM pages
-  are never cut by tokens (different block sizes are refused).
+  are never cut by tokens: a decode with larger blocks reads whole prefill pages and
+  lays them out again (`vllm_reblock`), from where `kernel_positions` says the
+  prefill's kernel put each key and value.
 - Two engines whose kernels order a page differently cannot share pages at all, whatever
   their TP sizes: a prefill on an AMX host and a decode on an AVX-512 one would move
   bytes the decode misreads. `page_order` writes one block of distinct values through
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kvxfer._exceptions import LayoutError
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +104,18 @@ class KernelFacts:
         return None if self.isa is None else f"{self.isa}:{self.order}"
 
 
-def cpu_kernel_isa(spec: Any, dtype: torch.dtype, kv_cache_dtype: str) -> str | None:
-    """The ISA vLLM-CPU's backend picks for pages of `spec` (None: not vLLM-CPU)."""
+def cpu_kernel_isa(
+    spec: Any, dtype: torch.dtype, kv_cache_dtype: str, block_size: int | None = None
+) -> str | None:
+    """The ISA vLLM-CPU's backend picks for pages of `spec`, or of its pages at another
+    `block_size` (None: not vLLM-CPU)."""
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: PLC0415
     except ImportError as exc:  # not vLLM-CPU, or a vLLM that moved it
         log.info("cannot ask vLLM which attention kernel it uses: %s", exc)
         return None
-    return str(_get_attn_isa(dtype, int(spec.block_size), int(spec.head_size), kv_cache_dtype))
+    block = int(spec.block_size if block_size is None else block_size)
+    return str(_get_attn_isa(dtype, block, int(spec.head_size), kv_cache_dtype))
 
 
 def cpu_kernel_write(isa: str) -> KernelWrite | None:
@@ -133,16 +141,20 @@ def cpu_kernel_write(isa: str) -> KernelWrite | None:
     return write
 
 
-def kernel_facts(spec: Any, tensor: torch.Tensor, kv_cache_dtype: str) -> KernelFacts:
+def kernel_facts(
+    spec: Any, tensor: torch.Tensor, kv_cache_dtype: str, block_size: int | None = None
+) -> KernelFacts:
     """Ask the kernel vLLM-CPU uses for one attention group's pages (`spec`, a layer's
-    `tensor`). Anything that fails makes the pages not head-major and names no order:
-    never an exception out of registration."""
+    `tensor`), or for its pages at another `block_size` (a decode reading a prefill's
+    smaller pages, `vllm_reblock`). Anything that fails makes the pages not head-major and
+    names no order: never an exception out of registration."""
     try:
-        isa = cpu_kernel_isa(spec, tensor.dtype, kv_cache_dtype)
+        block = int(spec.block_size if block_size is None else block_size)
+        isa = cpu_kernel_isa(spec, tensor.dtype, kv_cache_dtype, block)
         write = None if isa is None else cpu_kernel_write(isa)
         if write is None:
             return KernelFacts(None, False, None)
-        size, block = int(spec.head_size), int(spec.block_size)
+        size = int(spec.head_size)
         apart = heads_stay_apart(
             write, heads=int(spec.num_kv_heads), block_size=block, head_size=size,
             dtype=tensor.dtype,
@@ -154,3 +166,57 @@ def kernel_facts(spec: Any, tensor: torch.Tensor, kv_cache_dtype: str) -> Kernel
     log.info("kvxfer: vLLM attention kernel %s, page order %s, heads apart: %s", isa, order,
              apart)  # fmt: skip
     return KernelFacts(isa, apart, order)
+
+
+# Digits of a canonical index written per pass: 1..DIGIT are exact in every float dtype
+# vLLM-CPU pages hold (bf16 has 8 significant bits; fp8 has not, and is refused).
+_DIGIT = 200
+
+
+def kernel_positions(
+    write: KernelWrite, *, heads: int, block_size: int, head_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Where `write` puts every key and value of a block, learnt from the kernel itself:
+    `positions[c]` is the element, inside one head's `[block_size][2 * head_size]` slice
+    of the page, that holds canonical element c, where c = t * head_size + d is the key of
+    token t, dimension d, and n + t * head_size + d its value (n = block_size * head_size).
+
+    The block is written once per base-200 digit of c (keys +digit, values -digit), so
+    every value is a small integer; the digits read back must give every canonical
+    element exactly once in every head's slice, the same in each head, and nothing
+    outside the block: anything else (a kernel that quantizes, drops or mixes heads) is
+    refused, never guessed at."""
+    codes = torch.arange(-_DIGIT, _DIGIT + 1, dtype=torch.float32)
+    if not torch.equal(codes.to(dtype).to(torch.float32), codes):
+        raise LayoutError("kernel", f"a {dtype} page cannot hold the probe's values exactly")
+    n = block_size * head_size
+    canonical = torch.arange(n, dtype=torch.int64).view(block_size, 1, head_size)
+    found = torch.zeros(heads, 2 * n, dtype=torch.int64)
+    negative: torch.Tensor | None = None
+    scale = 1
+    while scale == 1 or scale < n:
+        digit = ((canonical // scale) % _DIGIT + 1).expand(block_size, heads, head_size)
+        key = digit.to(torch.float32).to(dtype).contiguous()
+        page = _write_block(write, key, (-digit).to(torch.float32).to(dtype).contiguous())
+        if page[0].any() or page[2].any():
+            raise LayoutError("kernel", "the attention kernel wrote outside the block")
+        got = page[1].reshape(heads, 2 * n).to(torch.float32)
+        if not bool((got.abs() >= 1).all() and (got.abs() <= _DIGIT).all()) or not bool(
+            (got == got.round()).all()
+        ):
+            raise LayoutError("kernel", f"the {dtype} page does not hold its values exactly")
+        sign = got < 0
+        if negative is not None and not torch.equal(sign, negative):
+            raise LayoutError("kernel", "keys and values moved between writes of one block")
+        negative = sign
+        found += (got.abs().to(torch.int64) - 1) * scale
+        scale *= _DIGIT
+    assert negative is not None
+    order = found + negative.to(torch.int64) * n
+    if not bool((order == order[0]).all()):
+        raise LayoutError("kernel", "the heads of a block are not laid out alike")
+    if not torch.equal(order[0].sort().values, torch.arange(2 * n)):
+        raise LayoutError("kernel", "the page does not hold every key and value once")
+    positions = torch.empty(2 * n, dtype=torch.int64)
+    positions[order[0]] = torch.arange(2 * n)
+    return positions

