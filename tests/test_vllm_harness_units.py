@@ -19,6 +19,7 @@ from kvxfer.integrations.tiny_models import (
     TinyModelSpec,
     config_kwargs,
 )
+from kvxfer.integrations.vllm_demo import DemoOptions
 
 CLI = Path(sys.prefix) / "bin" / "kvxfer-cli"
 
@@ -167,3 +168,16 @@ def test_stream_finds_nixl_transfer_durations_in_connector_stats() -> None:
     assert vllm_stream._transfer_durations(single) == [0.001, 0.002]
     assert vllm_stream._transfer_durations(multi) == [0.001, 0.002]
     assert vllm_stream._transfer_durations(None) == []
+
+
+def test_demo_block_sizes_default_to_the_family_and_must_be_multiples() -> None:
+    assert DemoOptions("gemma3").block_sizes == (32, 32)
+    assert DemoOptions("llama").block_sizes == (None, None)  # vLLM's default
+    options = DemoOptions("gemma3", decode_block_size=128)
+    assert options.block_sizes == (32, 128) and options.dtype == "float32"
+    assert DemoOptions("gemma3", decode_block_size=32).dtype == "bfloat16"
+    with pytest.raises(InvalidInputError, match="not a multiple") as caught:
+        DemoOptions("gemma3", prefill_block_size=64, decode_block_size=96)
+    assert caught.value.field == "--decode-block-size"
+    with pytest.raises(InvalidInputError, match="give --prefill-block-size"):
+        DemoOptions("llama", decode_block_size=64)

@@ -5,7 +5,9 @@ weight models written by `kvxfer-cli tiny-model`, engines under .venv-vllm)
 and checks its report: every request decodes the reference's tokens, a
 negative control (a prompt decoded from another request's KV) diverges, and
 the bytes moved equal the token-level oracle's minimum for what each pull
-carried. Gemma3 runs with B=32 and a window of 80 (not block-aligned);
+carried. Gemma3 runs with a window of 80 (not block-aligned), its prefill at B=32 and its
+decode at B=64 (each decode page is read as two whole prefill pages and laid out again
+by vLLM's own kernel, vllm_reblock);
 GPT-OSS with half its chunks failing (vLLM recomputes, the output must not
 change); Qwen3-Next against vLLM's own NixlConnector P/D (bf16 drift between
 its chunked and recurrent kernels makes one engine a false reference).
@@ -38,7 +40,7 @@ DEMOS = {
     "qwen3-next": ("--model", "qwen3-next"),
     "gpt-oss": ("--model", "gpt-oss", "--fail-rate", "0.5", "--seed", "3"),
     "llama": ("--model", "llama"),
-    "gemma3": ("--model", "gemma3"),
+    "gemma3": ("--model", "gemma3", "--prefill-block-size", "32", "--decode-block-size", "64"),
 }
 
 
@@ -99,6 +101,13 @@ def test_decode_is_token_identical_and_moves_the_oracle_minimum(
     assert report["layout"]["head_major"] is True
     if family == "gemma3":  # a sliding window: less than full attention would move
         assert report["bytes_exact_minimum"] < report["bytes_full_attention"]
+        # B=32 pages into B=64 ones: the decode registered two sub-pages per page, and
+        # laid every received page out again before vLLM used it.
+        assert report["block_sizes"] == {"prefill": 32, "decode": 64}
+        assert report["layout"]["sub_pages"] == 2 and report["layout"]["block_size"] == 32
+        assert all(row["repack_ms"] >= 0 for row in report["per_request"]), report
+    else:
+        assert report["layout"]["sub_pages"] == 1
 
 
 def test_failed_chunks_are_recomputed_and_the_output_does_not_change(

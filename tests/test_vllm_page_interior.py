@@ -7,11 +7,12 @@
 - Kernels order a page differently (amx against vec, in bf16): `page_order` names the
   order, and the fingerprint carries it, so engines on different kernels do not pair.
 - No kernel keeps a token's K as a row of the head's K half (the vec kernels store K
-  transposed): the reason different block sizes are refused for vLLM pages. Should a
-  vLLM release change that, this test fails and the refusal is worth revisiting.
+  transposed): the reason vLLM pages are never cut by tokens (a decode with larger
+  blocks reads whole prefill pages and lays them out again, vllm_reblock). Should a
+  vLLM release change that, this test fails and token ranges are worth revisiting.
 
-The kernels with AMX cannot run here (no AMX on this CPU): "amx" is asked for too, and
-whatever vLLM runs for it must pass the same checks."""
+"amx" is asked for too: on a CPU with AMX it runs, and on one without whatever vLLM
+runs for it must pass the same checks."""
 
 from __future__ import annotations
 
@@ -39,6 +40,6 @@ def test_every_kernel_keeps_heads_apart_and_none_keeps_tokens_in_rows() -> None:
     for case in ("vec/float32", "vec16/float32"):
         assert found[case]["token_linear"] is False, (
             f"{case}: vLLM's kernel now keeps tokens as rows; token ranges of its pages "
-            "may be byte ranges after all (kvxfer refuses different block sizes for them)"
+            "may be byte ranges after all (kvxfer moves them whole and lays them out again)"
         )
         assert found[case]["k_row_stride"] == 64, case  # K transposed: dims block_size apart

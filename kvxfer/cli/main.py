@@ -421,13 +421,15 @@ def _add_demo(commands: Any) -> None:
     demo.add_argument(
         "--prefill-block-size",
         type=positive_int,
-        help="sim: the prefill engine's tokens per block (default --block-size)",
+        help="the prefill engine's tokens per block (sim: default --block-size; vllm: the "
+        "model's default, a multiple of 32)",
     )
     demo.add_argument(
         "--decode-block-size",
         type=positive_int,
-        help="sim: the decode engine's tokens per block (default --block-size); "
-        "different sizes move token ranges",
+        help="the decode engine's tokens per block (default as --prefill-block-size); "
+        "different sizes move token ranges (sim) or whole prefill pages (vllm: a multiple "
+        "of the prefill's)",
     )
     demo.add_argument(
         "--prefill-tp", type=positive_int, default=1, help="prefill TP size (ranks or vLLM workers)"

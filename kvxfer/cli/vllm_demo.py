@@ -28,6 +28,8 @@ def run_vllm(args: argparse.Namespace) -> int:
         seed=args.seed,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        prefill_block_size=args.prefill_block_size,
+        decode_block_size=args.decode_block_size,
     )
     with sigint_raises(), local_fleet("kvxfer-demo-vllm-", "kvxfer-cli demo") as fleet:
         # Synchronous: Ctrl-C raises KeyboardInterrupt here, and the vLLM workers (in
@@ -62,5 +64,6 @@ def summary(report: dict[str, Any]) -> str:
             f"  {row['prompt_tokens']:4d} tokens: {'match' if row['match'] else 'DIVERGED'}"
             f", {row['bytes_moved']} B, {row['failed_blocks']} failed blocks,"
             f" {row['transfer_ms']} ms"
+            + (f", laid out again in {row['repack_ms']} ms" if "repack_ms" in row else "")
         )
     return "\n".join(lines)

@@ -45,15 +45,27 @@ class DemoOptions:
     seed: int = 0
     prefill_tp: int = 1
     decode_tp: int = 1
+    prefill_block_size: int | None = None  # None: the family's default (BLOCK_SIZE)
+    decode_block_size: int | None = None  # None: as the prefill's
+
+    @property
+    def block_sizes(self) -> tuple[int | None, int | None]:
+        """The prefill's and the decode's block size (None: vLLM's default)."""
+        prefill = self.prefill_block_size or BLOCK_SIZE.get(self.model)
+        return prefill, self.decode_block_size or prefill
 
     @property
     def dtype(self) -> str:
-        """float32 across different TP sizes: TP changes the order of the sums (each rank
-        reduces its own heads), and in bfloat16 that alone flips near-tied tokens of a
-        random-weight model, KV moved byte-exact or not; in float32 it does not. State
-        models stay bfloat16 (vLLM-CPU's Gated DeltaNet kernels take nothing else): their
-        reference is NixlConnector P/D at the same TP sizes, whose decode sums alike."""
-        if self.model in STATE_FAMILIES or self.prefill_tp == self.decode_tp:
+        """float32 across different TP or block sizes: either changes the order of the
+        sums (each rank reduces its own heads; the kernel walks the cache a block at a
+        time), and in bfloat16 that alone flips near-tied tokens of a random-weight
+        model, KV moved byte-exact or not; in float32 it does not. State models stay
+        bfloat16 (vLLM-CPU's Gated DeltaNet kernels take nothing else): their reference
+        is NixlConnector P/D at the same TP sizes, whose decode sums alike."""
+        prefill, decode = self.block_sizes
+        if self.model in STATE_FAMILIES or (
+            self.prefill_tp == self.decode_tp and prefill == decode
+        ):
             return "bfloat16"
         return "float32"
 
@@ -71,6 +83,13 @@ class DemoOptions:
             raise InvalidInputError("--fail-rate", f"must be in [0, 1), got {self.fail_rate}")
         if self.requests < 2:
             raise InvalidInputError("--requests", f"needs 2 or more, got {self.requests}")
+        prefill, decode = self.block_sizes
+        if decode != prefill and (prefill is None or decode is None or decode % prefill):
+            raise InvalidInputError(
+                "--decode-block-size",
+                f"{decode} is not a multiple of the prefill's block size {prefill}: a decode "
+                "reads the prefill's vLLM pages whole (give --prefill-block-size too)",
+            )
 
 
 def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[str, Any]:
@@ -82,7 +101,9 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
     prompts = [[rng.randrange(1, VOCAB_SIZE) for _ in range(rng.randint(low, high))]
                for _ in range(options.requests)]  # fmt: skip
     control = [rng.randrange(1, VOCAB_SIZE) for _ in range(len(prompts[1]))]
-    block = BLOCK_SIZE.get(family or "")
+    p_block, block = options.block_sizes
+    # A decode with larger blocks reads the prefill's pages whole (vllm_reblock).
+    reblock = {"prefill_block_size": p_block} if p_block != block else {}
     stats = workdir / "decode-stats.jsonl"
     prefill_stats = workdir / "prefill-stats.jsonl"
     p = sidecars.sidecar("prefill")
@@ -95,11 +116,12 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
             "kv_producer", p.ready["engine_address"], stats_path=str(prefill_stats)
         ),
         vllm_fleet.kvxfer_connector_config(
-            "kv_consumer", d.ready["engine_address"], stats_path=str(stats)
+            "kv_consumer", d.ready["engine_address"], stats_path=str(stats), **reblock
         ),
         max_model_len=1024,
         block_size=block,
     )
+    prefill = replace(prefill, block_size=p_block)
     # Prefix caching off on both: the control must not hit a cache on decode, and both
     # sides must size their groups alike (with Mamba layers vLLM sizes them differently
     # when caching is on; the sidecars refuse such a pair, naming the fields).
@@ -134,12 +156,14 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
             "num_tokens": pull["num_tokens"], "computed_tokens": pull["computed_tokens"],
             "bytes_moved": pull["bytes_moved"], "failed_blocks": pull["failed"],
             "valid_tokens": pull["valid_tokens"], "transfer_ms": pull["transfer_ms"],
+            **({"repack_ms": pull["repack_ms"]} if "repack_ms" in pull else {}),
         })  # fmt: skip
     return {
         "engine": "vllm",
         "model": options.model,
         "prefill_tp": options.prefill_tp,
         "decode_tp": options.decode_tp,
+        "block_sizes": {"prefill": p_block, "decode": block},
         "requests": len(prompts),
         "matched": sum(r["match"] for r in per_request),
         "reference": reference_kind,
@@ -217,6 +241,8 @@ def read_pulls(stats: Path, skip: int = 0) -> list[dict[str, Any]]:
         key = (fact.get("tp_rank", 0), fact.get("pull_id", fact.get("request_id")))
         if "bytes_planned" in fact:
             planned[key] = fact
+        elif "repack_s" in fact and fact["request_id"] in merged:
+            merged[fact["request_id"]]["repack_ms"] = round(fact["repack_s"] * 1000, 2)
         elif "bytes_moved" in fact:
             plan = planned.get(key, {"bytes_planned": 0, "full_attention_bytes": 0})
             failed = sum(len(b) for b in fact["failed_blocks"].values())
