@@ -25,6 +25,7 @@ from kvxfer.integrations.vllm_layout import layout_from_vllm
 from kvxfer.integrations.vllm_params import load_errors
 from kvxfer.integrations.vllm_reblock import (
     GroupRepack,
+    kernel_rows,
     reblock_ratio,
     received_blocks,
     repack,
@@ -91,9 +92,10 @@ def test_a_kernel_that_loses_values_is_refused() -> None:
 
 
 def _group(kind: GroupKind, caches: list[torch.Tensor], sub: int, window: int | None = None):  # type: ignore[no-untyped-def]
-    at = kernel_positions(transposed, heads=HEADS, block_size=sub, head_size=SIZE,
-                          dtype=caches[0].dtype)  # fmt: skip
-    return GroupRepack(kind, window, None, tuple(caches), at, transposed)
+    ratio = caches[0].shape[2] // sub
+    rows, run = kernel_rows(transposed, transposed, heads=HEADS, sub=sub, ratio=ratio,
+                            size=SIZE, dtype=caches[0].dtype)  # fmt: skip
+    return GroupRepack(kind, window, None, tuple(caches), rows, run)
 
 
 @pytest.mark.parametrize(("ratio", "decode_kernel"), [(2, transposed), (4, transposed), (2, rows)])
@@ -112,9 +114,12 @@ def test_prefill_pages_read_whole_are_laid_out_as_the_decode_writes_them(
     for i, b in enumerate(ids):  # what the sidecar moves: whole pages into sub-pages
         pages = prefill[1 + i * ratio : 1 + (i + 1) * ratio]
         decode[b].view(-1).copy_(pages.reshape(-1))
-    group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, (decode,),
-                        kernel_positions(transposed, heads=HEADS, block_size=sub, head_size=SIZE,
-                                         dtype=torch.bfloat16), decode_kernel)  # fmt: skip
+    rows, run = kernel_rows(transposed, decode_kernel, heads=HEADS, sub=sub, ratio=ratio,
+                            size=SIZE, dtype=torch.bfloat16)  # fmt: skip
+    # K transposed on both sides moves a sub-page's tokens of one dimension at once; into
+    # token rows, every element goes its own way.
+    assert run == (16 if decode_kernel is transposed else 1)
+    group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, (decode,), rows, run)
     blocks, moved = received_blocks(group, ids, ratio, tokens, 0, tokens)
     assert blocks == ids and bool(moved.all())
     repack(group, blocks, moved)

@@ -19,7 +19,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from kvxfer.core.layout import GroupKind
 from kvxfer.integrations.vllm_kernel import kernel_positions
-from kvxfer.integrations.vllm_reblock import GroupRepack, received_blocks, repack
+from kvxfer.integrations.vllm_reblock import GroupRepack, kernel_rows, received_blocks, repack
 
 HEADS = 2
 
@@ -52,7 +52,9 @@ def case(dtype: torch.dtype, size: int, sub: int, ratio: int) -> dict[str, objec
         decode[b].view(-1).copy_(prefill[1 + i * ratio : 1 + (i + 1) * ratio].reshape(-1))
     positions = kernel_positions(kernel(small), heads=HEADS, block_size=sub, head_size=size,
                                  dtype=dtype)  # fmt: skip
-    group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, (decode,), positions, kernel(large))
+    rows, run = kernel_rows(kernel(small), kernel(large), heads=HEADS, sub=sub, ratio=ratio,
+                            size=size, dtype=dtype)  # fmt: skip
+    group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, (decode,), rows, run)
     blocks, moved = received_blocks(group, ids, ratio, tokens, 0, tokens)
     repack(group, blocks, moved)
     want = torch.zeros_like(decode)
@@ -62,6 +64,7 @@ def case(dtype: torch.dtype, size: int, sub: int, ratio: int) -> dict[str, objec
     key_at = positions[: sub * size].view(sub, size)
     return {
         "isas": [small, large],
+        "run": run,
         "equal": all(bool(torch.equal(decode[b], want[b])) for b in ids),
         # Token t's key as row t of the head's K half: never so on vLLM-CPU's kernels.
         "k_rows": bool(torch.equal(key_at, torch.arange(sub * size).view(sub, size))),

@@ -63,7 +63,6 @@ from kvxfer.integrations.vllm_kernel import (
     cpu_kernel_isa,
     cpu_kernel_write,
     kernel_facts,
-    kernel_positions,
 )
 from kvxfer.integrations.vllm_layout import (
     group_kinds,
@@ -91,6 +90,7 @@ from kvxfer.integrations.vllm_reblock import (
 )
 from kvxfer.integrations.vllm_reblock import (
     GroupRepack,
+    kernel_rows,
     reblock_ratio,
     received_blocks,
     repack,
@@ -495,33 +495,35 @@ def group_repacks(
     kv_cache_config: Any, kv_caches: dict[str, torch.Tensor], cache_dtype: str, reblock: int
 ) -> dict[int, GroupRepack]:
     """Per attention group, how its received sub-pages are laid out again (vllm_reblock):
-    the prefill kernel's positions at the sub-page size, learnt from that kernel, and the
-    decode's own write. Raises where vLLM's kernel cannot be asked: such a decode cannot
-    read another block size, and says so when it starts."""
+    how each page is gathered from the prefill pages received into it, learnt from the
+    prefill's kernel at the sub-page size and the decode's at its own. Raises where
+    vLLM's kernel cannot be asked: such a decode cannot read another block size, and
+    says so when it starts."""
     repacks: dict[int, GroupRepack] = {}
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         if is_state_spec(spec):
             continue
         caches = tuple(kv_caches[n] for n in group.layer_names)
+        if not all(c.is_contiguous() for c in caches):
+            raise KvxferError(f"{REBLOCK_FIELD}: the pages of group {gid} are not dense")
         block, dtype = int(spec.block_size), caches[0].dtype
-        own, theirs = (
-            cpu_kernel_isa(spec, dtype, cache_dtype, b) for b in (block, block // reblock)
-        )
-        write_own = None if own is None else cpu_kernel_write(own)
-        write_theirs = None if theirs is None else cpu_kernel_write(theirs)
-        if write_own is None or write_theirs is None:
+        sub, heads, size = block // reblock, int(spec.num_kv_heads), int(spec.head_size)
+        writes = [cpu_kernel_isa(spec, dtype, cache_dtype, b) for b in (sub, block)]
+        kernels = [None if isa is None else cpu_kernel_write(isa) for isa in writes]
+        if None in kernels:
             raise KvxferError(
                 f"{REBLOCK_FIELD}: vLLM's attention kernel cannot be asked here, so pages "
                 "of another block size cannot be laid out again"
             )
-        positions = kernel_positions(
-            write_theirs, heads=int(spec.num_kv_heads), block_size=block // reblock,
-            head_size=int(spec.head_size), dtype=dtype,
-        )  # fmt: skip
+        theirs, own = kernels
+        assert theirs is not None and own is not None
+        rows, run = kernel_rows(theirs, own, heads=heads, sub=sub, ratio=reblock, size=size,
+                                dtype=dtype)  # fmt: skip
         shape = group_shape(spec, f"kv_cache_groups[{gid}].kv_cache_spec")
-        repacks[gid] = GroupRepack(shape.kind, shape.window, shape.chunk, caches, positions,
-                                   write_own)  # fmt: skip
+        repacks[gid] = GroupRepack(shape.kind, shape.window, shape.chunk, caches, rows, run)
+        log.info("kvxfer: group %d reads %d-token prefill pages, laid out again in runs of %d",
+                 gid, sub, run)  # fmt: skip
     return repacks
 
 

@@ -8,11 +8,12 @@ exactly as many bytes as r prefill pages of block size Bp. So the decode worker
 registers its attention pages with the sidecar *as* r sub-pages of Bp tokens each (the
 layout a Bp engine would register, `layout_from_vllm(reblock=r)`), the sidecar moves
 whole prefill pages into them (any TP pairing, the exact planner unchanged), and once
-every pull of a request ended the worker lays each received page out again with vLLM's
-own kernel (`repack`): the prefill kernel's order at Bp, learnt from that kernel
-(`vllm_kernel.kernel_positions`), gives every token's key and value back, and the
-decode's kernel at Bd writes them where it reads them. Sub-pages the planner did not
-move (before a sliding window) are written as zeros, never as stale bytes.
+every pull of a request ended the worker lays each received page out again (`repack`):
+the prefill kernel's order at Bp says where every token's key and value arrived, the
+decode kernel's order at Bd where that kernel reads them, both learnt from vLLM's own
+kernels (`vllm_kernel.kernel_positions`) when the decode starts, and composed into one
+gather of runs (`page_rows`). Sub-pages the planner did not move (before a sliding
+window) become zeros, never stale bytes.
 
 The prefill's kernel at Bp and the decode's own probe of it must be the same kernel:
 the sub-pages' order goes into the layout's fingerprint (`vllm_kernel.page_order` at
@@ -34,7 +35,7 @@ import torch
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.core.layout import BlockId, BlockSpan, GroupKind
 from kvxfer.core.planner import needed_blocks
-from kvxfer.integrations.vllm_kernel import KernelWrite
+from kvxfer.integrations.vllm_kernel import KernelWrite, kernel_positions
 from kvxfer.integrations.vllm_layout import NULL_BLOCK, group_shape
 
 FIELD = "kv_connector_extra_config.prefill_block_size"
@@ -91,17 +92,78 @@ def sub_spans(
     return tuple(out)
 
 
+def page_rows(
+    theirs: torch.Tensor, own: torch.Tensor, *, heads: int, sub: int, ratio: int, size: int
+) -> tuple[torch.Tensor, int]:
+    """How a decode page is gathered from the `ratio` prefill pages received into it, in
+    runs: `(rows, run)` such that, viewing both pages as rows of `run` elements, row j of
+    the laid-out page is row `rows[j]` of the received one. `theirs` and `own` are
+    `vllm_kernel.kernel_positions` of the prefill's kernel at `sub` tokens and of the
+    decode's at `sub * ratio`; `run` is the longest power of two in which both kernels
+    keep elements together (32 on the vec kernels: K transposed moves a prefill block's
+    tokens of one dimension at once), so the re-layout is one row gather, not one per
+    element."""
+    block = sub * ratio
+    n_sub, n_own = sub * size, block * size
+    if theirs.numel() != 2 * n_sub or own.numel() != 2 * n_own:
+        raise InvalidInputError("kernel", "kernel positions of another block or head size")
+    # Canonical (K or V, token, dim) at the decode's size, and where it sits in each page.
+    half = torch.arange(2).view(2, 1, 1)
+    token = torch.arange(block).view(1, block, 1)
+    dim = torch.arange(size).view(1, 1, size)
+    canonical_own = (half * n_own + token * size + dim).reshape(-1)
+    canonical_sub = (half * n_sub + (token % sub) * size + dim).reshape(-1)
+    page = (token // sub).expand(2, block, size).reshape(-1)  # which received page
+    slice_sub, slice_own = 2 * n_sub, 2 * n_own  # one head's elements in each page
+    head = torch.arange(heads).view(heads, 1)
+    source = torch.empty(heads * slice_own, dtype=torch.int64)
+    target = head * slice_own + own[canonical_own].view(1, -1)
+    source[target.reshape(-1)] = (
+        page.view(1, -1) * heads * slice_sub + head * slice_sub + theirs[canonical_sub].view(1, -1)
+    ).reshape(-1)
+    run = 1 << 12
+    while run > 1:
+        if (heads * slice_sub) % run == 0:  # a run never spans two received pages
+            runs = source.view(-1, run)
+            starts = runs[:, 0]
+            if bool((starts % run == 0).all()) and torch.equal(
+                runs - starts.view(-1, 1), torch.arange(run).expand_as(runs)
+            ):
+                break
+        run //= 2
+    return source.view(-1, run)[:, 0] // run, run
+
+
+def kernel_rows(
+    theirs: KernelWrite,
+    own: KernelWrite,
+    *,
+    heads: int,
+    sub: int,
+    ratio: int,
+    size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, int]:
+    """`page_rows` from the kernels themselves: the prefill's write at `sub` tokens and the
+    decode's at `sub * ratio` (each probed by `vllm_kernel.kernel_positions`)."""
+    at = [
+        kernel_positions(write, heads=heads, block_size=block, head_size=size, dtype=dtype)
+        for write, block in ((theirs, sub), (own, sub * ratio))
+    ]
+    return page_rows(at[0], at[1], heads=heads, sub=sub, ratio=ratio, size=size)
+
+
 @dataclass(frozen=True)
 class GroupRepack:
-    """One attention group's re-layout: its layers' page tensors, where the prefill's
-    kernel puts each key and value at the sub-page size, and the decode's own write."""
+    """One attention group's re-layout: its layers' page tensors and how each decode page
+    is gathered from the prefill pages received into it (`page_rows`)."""
 
     kind: GroupKind
     window: int | None
     chunk: int | None
-    caches: tuple[torch.Tensor, ...]  # [num_blocks, heads, Bd, 2 * head_size] each
-    positions: torch.Tensor  # vllm_kernel.kernel_positions of the prefill's kernel at Bp
-    write: KernelWrite  # the decode's kernel at Bd
+    caches: tuple[torch.Tensor, ...]  # [num_blocks, heads, Bd, 2 * head_size] each, dense
+    rows: torch.Tensor
+    run: int
 
 
 def received_blocks(
@@ -135,23 +197,19 @@ def received_blocks(
 
 def repack(group: GroupRepack, blocks: Sequence[int], moved: torch.Tensor) -> None:
     """Lay out again, in every layer of `group`, decode pages `blocks` that hold `ratio`
-    prefill pages each (`moved[i, k]`: sub-page k of block i was received; the others
-    become zeros): every key and value read back through the prefill kernel's
-    positions, then written through the decode's kernel at its own block size."""
+    prefill pages each (`moved[i, k]`: sub-page k of block i was received; rows gathered
+    from the others become zeros): one row gather per layer, as `page_rows` says, and
+    the pages written back in place."""
     if not blocks:
         return
-    ratio = moved.shape[1]
+    count, ratio = len(blocks), moved.shape[1]
     ids = torch.tensor(list(blocks), dtype=torch.long)
-    keep = moved.view(len(blocks), ratio, 1, 1, 1, 1)
+    per_page = group.rows.numel()
+    index = (ids.view(-1, 1) * per_page + group.rows.view(1, -1)).reshape(-1)
+    # A row comes from sub-page rows // (per_page / ratio) of its block.
+    lost = ~moved.gather(1, (group.rows // (per_page // ratio)).expand(count, -1))
     for cache in group.caches:
-        num_blocks, heads, block, fused = cache.shape
-        size, sub = fused // 2, block // ratio
-        raw = cache.index_select(0, ids).reshape(len(blocks), ratio, heads, 2 * sub * size)
-        canon = raw.index_select(3, group.positions).view(len(blocks), ratio, heads, 2, sub, size)
-        canon = canon.masked_fill(~keep, 0)
-        # [blocks, ratio, heads, sub, size] -> tokens in order, [tokens, heads, size]
-        key = canon[:, :, :, 0].permute(0, 1, 3, 2, 4).reshape(-1, heads, size).contiguous()
-        value = canon[:, :, :, 1].permute(0, 1, 3, 2, 4).reshape(-1, heads, size).contiguous()
-        slots = (ids.view(-1, 1) * block + torch.arange(block)).reshape(-1)
-        key_cache, value_cache = cache.view(num_blocks, heads, 2 * block, size).chunk(2, dim=2)
-        group.write(key, value, key_cache, value_cache, slots)
+        pages = cache.view(-1, group.run).index_select(0, index).view(count, per_page, -1)
+        if bool(lost.any()):
+            pages.masked_fill_(lost.unsqueeze(2), 0)
+        cache.index_copy_(0, ids, pages.view(count, *cache.shape[1:]))
