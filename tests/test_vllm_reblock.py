@@ -239,7 +239,7 @@ def test_a_prefill_block_size_that_cannot_work_is_refused_naming_the_field(
     assert caught.value.field == "kv_connector_extra_config.prefill_block_size"
 
 
-def test_the_ratio_and_what_it_does_not_do_yet() -> None:
+def test_the_ratio_and_state_groups() -> None:
     assert reblock_ratio({}, "kv_producer", _plain(128)) == 1
     assert reblock_ratio({"prefill_block_size": 128}, "kv_both", _plain(128)) == 1
     assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", _plain(128)) == 4
@@ -247,5 +247,25 @@ def test_the_ratio_and_what_it_does_not_do_yet() -> None:
     hybrid.kv_cache_groups.append(
         KVCacheGroupSpec(["model.layers.1.linear_attn"], MambaSpec(128, 4096))
     )
-    with pytest.raises(InvalidInputError, match="state"):
-        reblock_ratio({"prefill_block_size": 32}, "kv_consumer", hybrid)
+    # A state page is one request's state whatever the block size: it moves whole.
+    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", hybrid) == 4
+
+
+def test_a_hybrid_decode_splits_its_attention_pages_and_keeps_its_state_pages() -> None:
+    state_page = 3 * 32768
+    layers = ["model.layers.0.linear_attn", "model.layers.1.self_attn.attn"]
+    config = KVCacheConfig(
+        100, [KVCacheTensor(state_page * 100, layers, state_page * 100, state_page)],
+        [KVCacheGroupSpec(layers[1:], FullAttentionSpec(320, state_page)),
+         KVCacheGroupSpec(layers[:1], MambaSpec(1024, state_page, state_bytes=68608))],
+    )  # fmt: skip
+    layout = layout_from_vllm(config, buffer="d", base_offset=0, model="q", reblock=2)
+    attention, state = layout.region_map[layers[1]], layout.region_map[layers[0]]
+    assert (attention.num_blocks, attention.block_bytes) == (200, state_page // 2)
+    assert (state.num_blocks, state.stride_bytes, state.block_bytes) == (100, state_page, 68608)
+    assert [layout.block_size_of(g) for g in layout.groups] == [160, 1024]
+    kinds = [GroupKind.FULL_ATTENTION, GroupKind.MAMBA]
+    spans = sub_spans(
+        (BlockSpan(GroupId(0), 0, (BlockId(7),)), BlockSpan(GroupId(1), 0, (BlockId(9),))), kinds, 2
+    )
+    assert [s.block_ids for s in spans] == [(14, 15), (9,)]

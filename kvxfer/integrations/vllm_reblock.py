@@ -19,9 +19,11 @@ The prefill's kernel at Bp and the decode's own probe of it must be the same ker
 the sub-pages' order goes into the layout's fingerprint (`vllm_kernel.page_order` at
 Bp), so a pair whose kernels differ is refused by negotiation, as for equal sizes.
 
-Only larger decode blocks (a multiple of the prefill's), only on a decode
-(`kv_consumer`: a page re-laid out after arrival is no page to publish), and not yet
-with state (Mamba) groups; each is refused by name when the connector starts.
+State (Mamba) groups are not touched: a state page holds one request's state whatever
+the block size, and moves whole as for equal sizes. Only larger decode blocks (a
+multiple of the prefill's), and only on a decode (`kv_consumer`: a page laid out again
+after arrival is no page to publish); anything else is refused by name when the
+connector starts.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from kvxfer.integrations.vllm_kernel import KernelWrite, kernel_positions
 from kvxfer.integrations.vllm_layout import NULL_BLOCK, group_shape
 
 FIELD = "kv_connector_extra_config.prefill_block_size"
+_BATCH_BYTES = 2 << 20  # pages gathered at once per layer: about what a core's L2 holds
 
 
 def reblock_ratio(extra: Mapping[str, Any], kv_role: str | None, kv_cache_config: Any) -> int:
@@ -70,8 +73,6 @@ def reblock_ratio(extra: Mapping[str, Any], kv_role: str | None, kv_cache_config
             f"{value} does not divide this engine's block size {own}: a prefill page must fit "
             "whole in a decode page (give the decode a multiple of the prefill's block size)",
         )
-    if any(s.kind is GroupKind.MAMBA for s in shapes):
-        raise InvalidInputError(FIELD, "not supported with state (Mamba) groups yet")
     return own // value
 
 
@@ -198,18 +199,22 @@ def received_blocks(
 def repack(group: GroupRepack, blocks: Sequence[int], moved: torch.Tensor) -> None:
     """Lay out again, in every layer of `group`, decode pages `blocks` that hold `ratio`
     prefill pages each (`moved[i, k]`: sub-page k of block i was received; rows gathered
-    from the others become zeros): one row gather per layer, as `page_rows` says, and
-    the pages written back in place."""
+    from the others become zeros): a row gather per layer, as `page_rows` says, and the
+    pages written back in place, a few blocks at a time so that what is gathered stays
+    in the CPU's cache until it is written back."""
     if not blocks:
         return
-    count, ratio = len(blocks), moved.shape[1]
     ids = torch.tensor(list(blocks), dtype=torch.long)
-    per_page = group.rows.numel()
-    index = (ids.view(-1, 1) * per_page + group.rows.view(1, -1)).reshape(-1)
+    per_page, ratio = group.rows.numel(), moved.shape[1]
     # A row comes from sub-page rows // (per_page / ratio) of its block.
-    lost = ~moved.gather(1, (group.rows // (per_page // ratio)).expand(count, -1))
-    for cache in group.caches:
-        pages = cache.view(-1, group.run).index_select(0, index).view(count, per_page, -1)
-        if bool(lost.any()):
-            pages.masked_fill_(lost.unsqueeze(2), 0)
-        cache.index_copy_(0, ids, pages.view(count, *cache.shape[1:]))
+    lost = ~moved.gather(1, (group.rows // (per_page // ratio)).expand(len(blocks), -1))
+    page_bytes = group.caches[0][0].numel() * group.caches[0].element_size() if group.caches else 1
+    step = max(1, _BATCH_BYTES // page_bytes)
+    for first in range(0, len(blocks), step):
+        some, gone = ids[first : first + step], lost[first : first + step]
+        index = (some.view(-1, 1) * per_page + group.rows.view(1, -1)).reshape(-1)
+        for cache in group.caches:
+            pages = cache.view(-1, group.run).index_select(0, index).view(len(some), per_page, -1)
+            if bool(gone.any()):
+                pages.masked_fill_(gone.unsqueeze(2), 0)
+            cache.index_copy_(0, some, pages.view(len(some), *cache.shape[1:]))
