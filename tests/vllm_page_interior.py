@@ -16,6 +16,9 @@ allocates them (`[num_blocks, heads, block_size, 2 * head_size]`), then reports,
   t of the second half, so that a token range of a head would be two byte ranges;
 - `k_row_stride`: the element distance between dims d and d+1 of one token's K (1 when a
   K row is contiguous; `block_size` when the kernel stores K transposed).
+
+With "reblock" cases on stdin it also runs `vllm_reblock_kernels.case` for each (one
+vLLM import for both; see that script).
 """
 
 from __future__ import annotations
@@ -75,8 +78,9 @@ def probe(isa: str, dtype: torch.dtype) -> dict[str, bool | int | str | None]:
 
 
 def main() -> None:
-    cases = json.load(sys.stdin)["isas"]
-    out = {}
+    payload = json.load(sys.stdin)
+    cases = payload["isas"]
+    out: dict[str, object] = {}
     for isa, name in cases:
         dtype = getattr(torch, name)
         found = probe(isa, dtype)
@@ -90,7 +94,14 @@ def main() -> None:
         found["order"] = page_order(write, block_size=BLOCK, head_size=HEAD, dtype=dtype)
         found["order_again"] = page_order(write, block_size=BLOCK, head_size=HEAD, dtype=dtype)
         out[f"{isa}/{name}"] = found
-    json.dump(out, sys.stdout)
+    # Pages of another block size laid out again (vllm_reblock), in the same process.
+    from vllm_reblock_kernels import case  # noqa: PLC0415 (a sibling script of tests/)
+
+    reblock = {
+        f"{name}/{size}/{sub}x{ratio}": case(getattr(torch, name), size, sub, ratio)
+        for name, size, sub, ratio in payload.get("reblock", [])
+    }
+    json.dump({"pages": out, "reblock": reblock}, sys.stdout)
 
 
 if __name__ == "__main__":

