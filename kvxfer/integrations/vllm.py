@@ -38,6 +38,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -146,6 +147,8 @@ class _Lost:
 
 
 SIDECAR_LOST = _Lost()
+
+
 _WATCH_PAUSE_S = 0.2
 
 
@@ -158,6 +161,14 @@ class _Receiving:
     failed: bool = False
     errors: set[int] = field(default_factory=set)
     valid_tokens: int = 1 << 62  # the least any of its pulls reported
+
+
+@dataclass(frozen=True)
+class _Repacked:
+    """The event the re-layout thread queues once a request's pages are laid out again."""
+
+    receiving: _Receiving
+    ok: bool
 
 
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
@@ -537,7 +548,7 @@ class _Worker:
         self._remap: SharedRemap | None = None
         self.layout: EngineLayout | None = None
         self.handshake: KvxferHandshake | None = None
-        self._events: queue.Queue[EngineEvent | _Lost] = queue.Queue()
+        self._events: queue.Queue[EngineEvent | _Lost | _Repacked] = queue.Queue()
         self._closing = threading.Event()
         self._pulls: dict[str, _Receiving] = {}  # prefill request (publication) id -> pulls
         self._releases = Releases(0)  # when a published request's blocks are free
@@ -547,6 +558,8 @@ class _Worker:
         self.load_errors: set[int] = set()
         self._handshake_file: str | None = None
         self._repacks: dict[int, GroupRepack] = {}  # gid -> re-layout (vllm_reblock)
+        # Re-layouts run here, off vLLM's step: a long request's takes a while.
+        self._repacker: ThreadPoolExecutor | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         storages = {t.untyped_storage().data_ptr() for t in kv_caches.values()}
@@ -564,6 +577,7 @@ class _Worker:
         kernels = group_kernels(kv_config, kv_caches, cache_dtype, reblock)
         if reblock > 1:
             self._repacks = group_repacks(kv_config, kv_caches, cache_dtype, reblock)
+            self._repacker = ThreadPoolExecutor(1, thread_name_prefix="kvxfer-repack")
         apart = {
             id(group.kv_cache_spec): facts.heads_apart
             for group, facts in zip(kv_config.kv_cache_groups, kernels, strict=True)
@@ -710,9 +724,13 @@ class _Worker:
         self._done_recving, self._failed_recving = set(), set()
         return KVConnectorTransferResults(sending, recving, failed)
 
-    def _on_event(self, event: EngineEvent | _Lost) -> None:
+    def _on_event(self, event: EngineEvent | _Lost | _Repacked) -> None:
         if isinstance(event, _Lost):
             self._sidecar_lost()
+            return
+        if isinstance(event, _Repacked):
+            event.receiving.failed = not event.ok
+            self._finish(event.receiving)
             return
         if isinstance(event, Released | LeaseExpired):
             self._releases.released(event.request_id, time.monotonic())
@@ -768,12 +786,25 @@ class _Worker:
         self._releases.release_all()
 
     def _received(self, receiving: _Receiving) -> None:
-        """Every pull of a request ended: vLLM hears it received (or what to recompute)."""
-        order = receiving.order
-        if not order.awaiting:
+        """Every pull of a request ended: vLLM hears it received (or what to recompute),
+        after its pages were laid out again where they arrived as sub-pages. No byte can
+        land in them any more (PullDone comes once every read the sidecar posted ended),
+        and vLLM does not touch them before it hears the request was received."""
+        if not receiving.order.awaiting:
             return
-        if not receiving.failed and self._repacks:
-            receiving.failed = not self._repack(receiving)
+        if not receiving.failed and self._repacker is not None:
+            future = self._repacker.submit(self._repack, receiving)
+            future.add_done_callback(
+                lambda done: self._events.put(
+                    _Repacked(receiving, not done.cancelled() and done.exception() is None
+                              and bool(done.result()))
+                )
+            )  # fmt: skip
+            return
+        self._finish(receiving)
+
+    def _finish(self, receiving: _Receiving) -> None:
+        order = receiving.order
         self._done_recving.add(order.request_id)
         if receiving.failed:
             self._failed_recving.add(order.request_id)
@@ -794,8 +825,8 @@ class _Worker:
                 )  # fmt: skip
                 repack(group, blocks, moved)
                 count += len(blocks)
-        except (KvxferError, RuntimeError, ValueError, IndexError) as exc:
-            log.error("kvxfer: laying out %s's pages again failed: %s", order.request_id, exc)
+        except Exception as exc:  # a thread's end: whatever failed, vLLM must recompute
+            log.error("kvxfer: laying out %s's pages again failed: %r", order.request_id, exc)
             return False
         self._record(request_id=order.request_id, repacked_blocks=count,
                      repack_s=time.perf_counter() - started)  # fmt: skip
@@ -803,6 +834,8 @@ class _Worker:
 
     def close(self) -> None:
         self._closing.set()
+        if self._repacker is not None:  # its pages are unmapped below
+            self._repacker.shutdown(wait=True, cancel_futures=True)
         if self._handshake_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._handshake_file)
