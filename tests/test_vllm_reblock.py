@@ -17,14 +17,16 @@ from test_vllm_layout import (
     gemma3_config,
 )
 
-from kvxfer._exceptions import InvalidInputError, LayoutError
+from kvxfer._exceptions import InvalidInputError, LayoutError, NegotiationError
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId, GroupKind
+from kvxfer.core.negotiation import negotiate
 from kvxfer.core.requests import PullDone, PullStatus
 from kvxfer.integrations.vllm_kernel import KernelWrite, kernel_positions
 from kvxfer.integrations.vllm_layout import layout_from_vllm
 from kvxfer.integrations.vllm_params import load_errors
 from kvxfer.integrations.vllm_reblock import (
     GroupRepack,
+    block_size_hint,
     kernel_rows,
     reblock_ratio,
     received_blocks,
@@ -269,3 +271,16 @@ def test_a_hybrid_decode_splits_its_attention_pages_and_keeps_its_state_pages() 
         (BlockSpan(GroupId(0), 0, (BlockId(7),)), BlockSpan(GroupId(1), 0, (BlockId(9),))), kinds, 2
     )
     assert [s.block_ids for s in spans] == [(14, 15), (9,)]
+
+
+def test_a_decode_without_the_setting_is_refused_and_told_what_to_set() -> None:
+    prefill = layout_from_vllm(_plain(32, blocks=256), buffer="p", base_offset=0, model="m")
+    decode = layout_from_vllm(_plain(64, blocks=128), buffer="d", base_offset=0, model="m")
+    with pytest.raises(NegotiationError) as caught:
+        negotiate(decode, prefill)
+    assert "layout.groups[0].block_size" in str(caught.value)
+    assert "prefill_block_size" in block_size_hint(caught.value, 1)
+    assert block_size_hint(caught.value, 2) == ""  # set already: the hint would mislead
+    reblocked = layout_from_vllm(_plain(64, blocks=128), buffer="d", base_offset=0, model="m",
+                                 reblock=2)  # fmt: skip
+    assert negotiate(reblocked, prefill).block_size == 32

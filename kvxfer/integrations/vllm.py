@@ -91,6 +91,7 @@ from kvxfer.integrations.vllm_reblock import (
 )
 from kvxfer.integrations.vllm_reblock import (
     GroupRepack,
+    block_size_hint,
     kernel_rows,
     reblock_ratio,
     received_blocks,
@@ -692,7 +693,8 @@ class _Worker:
             try:
                 accepted = self._client.pull(params, spans, order.computed_tokens)
             except KvxferError as exc:
-                log.error("kvxfer: pull of %s refused: %s", params.request_id, exc)
+                log.error("kvxfer: pull of %s refused: %s%s", params.request_id, exc,
+                          block_size_hint(exc, self._owner._reblock))  # fmt: skip
                 receiving.failed = True
                 continue
             self._pulls[params.request_id] = receiving

@@ -76,6 +76,16 @@ def reblock_ratio(extra: Mapping[str, Any], kv_role: str | None, kv_cache_config
     return own // value
 
 
+def block_size_hint(exc: Exception, ratio: int) -> str:
+    """What to add to a pull refused for block sizes: the setting that reads them."""
+    if ".block_size" not in str(exc) or ratio > 1:
+        return ""
+    return (
+        f" (a decode whose block size is a multiple of the prefill's reads its pages with "
+        f"{FIELD} set to the prefill's block size)"
+    )
+
+
 def sub_spans(
     spans: Sequence[BlockSpan], kinds: Sequence[GroupKind], ratio: int
 ) -> tuple[BlockSpan, ...]:
