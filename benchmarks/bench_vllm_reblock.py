@@ -61,7 +61,9 @@ def case(model: str, tokens: int, sub: int, ratio: int, dtype: torch.dtype, repe
     own = kernel(_get_attn_isa(dtype, block, size))
     theirs = kernel(_get_attn_isa(dtype, sub, size))
     caches = tuple(torch.randn(blocks + 1, heads, block, 2 * size).to(dtype) for _ in range(layers))
-    rows, run = kernel_rows(theirs, own, heads=heads, sub=sub, ratio=ratio, size=size, dtype=dtype)
+    rows, run = kernel_rows(
+        theirs, own, heads=heads, source_block=sub, target_block=block, size=size, dtype=dtype
+    )
     group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, caches, rows, run)
     ids = list(range(1, blocks + 1))
     chosen, moved = received_blocks(group, ids, ratio, tokens, 0, tokens)

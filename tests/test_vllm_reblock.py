@@ -21,6 +21,7 @@ from kvxfer._exceptions import InvalidInputError, LayoutError, NegotiationError
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId, GroupKind
 from kvxfer.core.negotiation import negotiate
 from kvxfer.core.requests import PullDone, PullStatus
+from kvxfer.integrations import vllm_reblock
 from kvxfer.integrations.vllm_kernel import KernelWrite, kernel_positions
 from kvxfer.integrations.vllm_layout import layout_from_vllm
 from kvxfer.integrations.vllm_params import load_errors
@@ -31,6 +32,7 @@ from kvxfer.integrations.vllm_reblock import (
     reblock_ratio,
     received_blocks,
     repack,
+    resumable,
     sub_spans,
 )
 
@@ -84,7 +86,14 @@ def test_positions_are_learnt_from_the_kernel(dtype: torch.dtype) -> None:
         assert torch.equal(plain, torch.arange(2 * n))
 
 
-def test_a_kernel_that_loses_values_is_refused() -> None:
+def swapped(key, value, key_cache, value_cache, slots) -> None:  # type: ignore[no-untyped-def]
+    """A broken kernel: writes head h's keys and values into head h+1's slice."""
+    rows(key.roll(1, dims=1), value.roll(1, dims=1), key_cache, value_cache, slots)
+
+
+def test_a_kernel_that_loses_values_or_mixes_heads_is_refused() -> None:
+    with pytest.raises(LayoutError, match="mixes the heads"):
+        kernel_positions(swapped, heads=HEADS, block_size=16, head_size=SIZE, dtype=torch.float32)
     with pytest.raises(LayoutError, match="exactly"):
         kernel_positions(halves, heads=HEADS, block_size=16, head_size=SIZE, dtype=torch.float32)
     with pytest.raises(LayoutError, match="exactly"):  # fp8 cannot hold the digits
@@ -95,17 +104,21 @@ def test_a_kernel_that_loses_values_is_refused() -> None:
 
 def _group(kind: GroupKind, caches: list[torch.Tensor], sub: int, window: int | None = None):  # type: ignore[no-untyped-def]
     ratio = caches[0].shape[2] // sub
-    rows, run = kernel_rows(transposed, transposed, heads=HEADS, sub=sub, ratio=ratio,
-                            size=SIZE, dtype=caches[0].dtype)  # fmt: skip
+    rows, run = kernel_rows(transposed, transposed, heads=HEADS, source_block=sub,
+                            target_block=sub * ratio, size=SIZE, dtype=caches[0].dtype)  # fmt: skip
     return GroupRepack(kind, window, None, tuple(caches), rows, run)
 
 
-@pytest.mark.parametrize(("ratio", "decode_kernel"), [(2, transposed), (4, transposed), (2, rows)])
+@pytest.mark.parametrize(
+    ("ratio", "decode_kernel", "batch"),
+    [(2, transposed, 2 << 20), (4, transposed, 2 << 20), (2, rows, 2 << 20), (4, transposed, 1)],
+)
 def test_prefill_pages_read_whole_are_laid_out_as_the_decode_writes_them(
-    ratio: int, decode_kernel: KernelWrite
+    ratio: int, decode_kernel: KernelWrite, batch: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefill pages (B=16, K transposed) copied byte for byte into decode pages of 16 *
     ratio tokens, then repacked, equal the decode kernel writing the same KV itself."""
+    monkeypatch.setattr(vllm_reblock, "_BATCH_BYTES", batch)  # 1: one block per step
     sub, tokens = 16, 16 * ratio * 3 - 5  # three decode blocks, the last not full
     gen = torch.Generator().manual_seed(ratio)
     kv = torch.randn(tokens, 2, HEADS, SIZE, generator=gen).to(torch.bfloat16)
@@ -116,8 +129,8 @@ def test_prefill_pages_read_whole_are_laid_out_as_the_decode_writes_them(
     for i, b in enumerate(ids):  # what the sidecar moves: whole pages into sub-pages
         pages = prefill[1 + i * ratio : 1 + (i + 1) * ratio]
         decode[b].view(-1).copy_(pages.reshape(-1))
-    rows, run = kernel_rows(transposed, decode_kernel, heads=HEADS, sub=sub, ratio=ratio,
-                            size=SIZE, dtype=torch.bfloat16)  # fmt: skip
+    rows, run = kernel_rows(transposed, decode_kernel, heads=HEADS, source_block=sub,
+                            target_block=sub * ratio, size=SIZE, dtype=torch.bfloat16)  # fmt: skip
     # K transposed on both sides moves a sub-page's tokens of one dimension at once; into
     # token rows, every element goes its own way.
     assert run == (16 if decode_kernel is transposed else 1)
@@ -237,20 +250,38 @@ def test_a_prefill_block_size_that_cannot_work_is_refused_naming_the_field(
     value: object, role: str, match: str
 ) -> None:
     with pytest.raises(InvalidInputError, match=match) as caught:
-        reblock_ratio({"prefill_block_size": value}, role, _plain(128))
+        reblock_ratio({"prefill_block_size": value}, role, _plain(128), True)
     assert caught.value.field == "kv_connector_extra_config.prefill_block_size"
 
 
 def test_the_ratio_and_state_groups() -> None:
-    assert reblock_ratio({}, "kv_producer", _plain(128)) == 1
-    assert reblock_ratio({"prefill_block_size": 128}, "kv_both", _plain(128)) == 1
-    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", _plain(128)) == 4
+    assert reblock_ratio({}, "kv_producer", _plain(128), True) == 1
+    assert reblock_ratio({"prefill_block_size": 128}, "kv_both", _plain(128), True) == 1
+    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", _plain(128), True) == 4
     hybrid = _plain(128)
     hybrid.kv_cache_groups.append(
         KVCacheGroupSpec(["model.layers.1.linear_attn"], MambaSpec(128, 4096))
     )
     # A state page is one request's state whatever the block size: it moves whole.
-    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", hybrid) == 4
+    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", hybrid, True) == 4
+
+
+def test_a_window_with_prefix_caching_is_refused_and_recomputes_whole() -> None:
+    """The decode page where a window starts arrives in part (zeros before what moved):
+    vLLM's prefix cache would hand it to a later request as whole, and a resume at its
+    start would read them."""
+    window = _plain(128, window=48)
+    with pytest.raises(InvalidInputError, match="prefix caching") as caught:
+        reblock_ratio({"prefill_block_size": 32}, "kv_consumer", window, True)
+    assert caught.value.field == "kv_connector_extra_config.prefill_block_size"
+    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", window, False) == 4
+    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", gemma3_config(), False) == 4
+    with pytest.raises(InvalidInputError, match="sliding_window"):
+        reblock_ratio({"prefill_block_size": 32}, "kv_consumer", gemma3_config(), True)
+    full, sliding = [GroupKind.FULL_ATTENTION], [GroupKind.SLIDING_WINDOW]
+    assert resumable(full, 4) and resumable(sliding, 1)
+    assert not resumable(sliding, 4)  # vLLM would resume where its window did not move
+    assert not resumable([GroupKind.SLIDING_WINDOW, GroupKind.FULL_ATTENTION], 1)
 
 
 def test_a_hybrid_decode_splits_its_attention_pages_and_keeps_its_state_pages() -> None:

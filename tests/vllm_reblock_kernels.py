@@ -53,8 +53,8 @@ def case(dtype: torch.dtype, size: int, sub: int, ratio: int) -> dict[str, objec
         decode[b].view(-1).copy_(prefill[1 + i * ratio : 1 + (i + 1) * ratio].reshape(-1))
     positions = kernel_positions(kernel(small), heads=HEADS, block_size=sub, head_size=size,
                                  dtype=dtype)  # fmt: skip
-    rows, run = kernel_rows(kernel(small), kernel(large), heads=HEADS, sub=sub, ratio=ratio,
-                            size=size, dtype=dtype)  # fmt: skip
+    rows, run = kernel_rows(kernel(small), kernel(large), heads=HEADS, source_block=sub,
+                            target_block=block, size=size, dtype=dtype)  # fmt: skip
     group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, (decode,), rows, run)
     blocks, moved = received_blocks(group, ids, ratio, tokens, 0, tokens)
     repack(group, blocks, moved)

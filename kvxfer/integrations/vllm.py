@@ -31,6 +31,7 @@ at N cannot be recomputed from a state already at N).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -38,7 +39,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +96,8 @@ from kvxfer.integrations.vllm_reblock import (
     kernel_rows,
     reblock_ratio,
     received_blocks,
-    repack,
+    repack_steps,
+    resumable,
     sub_spans,
 )
 from kvxfer.integrations.vllm_release import Releases
@@ -151,6 +153,8 @@ SIDECAR_LOST = _Lost()
 
 
 _WATCH_PAUSE_S = 0.2
+# Bytes of pages laid out again per engine step (vllm_reblock): ~10 ms on one core here.
+_LAY_OUT_BUDGET = 32 << 20
 
 
 @dataclass
@@ -162,14 +166,6 @@ class _Receiving:
     failed: bool = False
     errors: set[int] = field(default_factory=set)
     valid_tokens: int = 1 << 62  # the least any of its pulls reported
-
-
-@dataclass(frozen=True)
-class _Repacked:
-    """The event the re-layout thread queues once a request's pages are laid out again."""
-
-    receiving: _Receiving
-    ok: bool
 
 
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
@@ -188,7 +184,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._state_cuts = state_cuts(self._states)
         self._loop_choice = connector_event_loop(extra)
         # A decode with larger blocks than its prefill's reads them as sub-pages (vllm_reblock).
-        self._reblock = reblock_ratio(extra, self._kv_transfer_config.kv_role, kv_cache_config)
+        self._reblock = reblock_ratio(
+            extra,
+            self._kv_transfer_config.kv_role,
+            kv_cache_config,
+            bool(vllm_config.cache_config.enable_prefix_caching),
+        )
         self._scheduler = _Scheduler(self, sidecar) if role is KVConnectorRole.SCHEDULER else None
         stats = extra.get("stats_path")
         worker = role is KVConnectorRole.WORKER
@@ -255,6 +256,14 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             )
             return False, None
         if not params.get("do_remote_decode"):
+            return False, None
+        if self._reblock > 1:  # its pages are registered as sub-pages, in its own order
+            log.error(
+                "kvxfer: %s not published: this decode reads another block size (%s), so "
+                "its pages are no pages a reader could take",
+                request.request_id,
+                REBLOCK_FIELD,
+            )
             return False, None
         return self._scheduler.publish(request, block_ids)
 
@@ -521,6 +530,12 @@ def group_repacks(
             raise KvxferError(f"{REBLOCK_FIELD}: the pages of group {gid} are not dense")
         block, dtype = int(spec.block_size), caches[0].dtype
         sub, heads, size = block // reblock, int(spec.num_kv_heads), int(spec.head_size)
+        expected = (int(kv_cache_config.num_blocks), heads, block, 2 * size)
+        if any(tuple(c.shape) != expected for c in caches):
+            raise KvxferError(
+                f"{REBLOCK_FIELD}: group {gid}'s pages are not {list(expected)} "
+                "(num_blocks, heads, block_size, 2 * head_size)"
+            )
         writes = [cpu_kernel_isa(spec, dtype, cache_dtype, b) for b in (sub, block)]
         kernels = [None if isa is None else cpu_kernel_write(isa) for isa in writes]
         if None in kernels:
@@ -530,8 +545,9 @@ def group_repacks(
             )
         theirs, own = kernels
         assert theirs is not None and own is not None
-        rows, run = kernel_rows(theirs, own, heads=heads, sub=sub, ratio=reblock, size=size,
-                                dtype=dtype)  # fmt: skip
+        rows, run = kernel_rows(
+            theirs, own, heads=heads, source_block=sub, target_block=block, size=size, dtype=dtype
+        )
         shape = group_shape(spec, f"kv_cache_groups[{gid}].kv_cache_spec")
         repacks[gid] = GroupRepack(shape.kind, shape.window, shape.chunk, caches, rows, run)
         log.info("kvxfer: group %d reads %d-token prefill pages, laid out again in runs of %d",
@@ -549,7 +565,7 @@ class _Worker:
         self._remap: SharedRemap | None = None
         self.layout: EngineLayout | None = None
         self.handshake: KvxferHandshake | None = None
-        self._events: queue.Queue[EngineEvent | _Lost | _Repacked] = queue.Queue()
+        self._events: queue.Queue[EngineEvent | _Lost] = queue.Queue()
         self._closing = threading.Event()
         self._pulls: dict[str, _Receiving] = {}  # prefill request (publication) id -> pulls
         self._releases = Releases(0)  # when a published request's blocks are free
@@ -559,8 +575,8 @@ class _Worker:
         self.load_errors: set[int] = set()
         self._handshake_file: str | None = None
         self._repacks: dict[int, GroupRepack] = {}  # gid -> re-layout (vllm_reblock)
-        # Re-layouts run here, off vLLM's step: a long request's takes a while.
-        self._repacker: ThreadPoolExecutor | None = None
+        # Requests whose pages are being laid out again, a budget of bytes per engine step.
+        self._laying: collections.deque[tuple[_Receiving, Iterator[int]]] = collections.deque()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         storages = {t.untyped_storage().data_ptr() for t in kv_caches.values()}
@@ -578,7 +594,6 @@ class _Worker:
         kernels = group_kernels(kv_config, kv_caches, cache_dtype, reblock)
         if reblock > 1:
             self._repacks = group_repacks(kv_config, kv_caches, cache_dtype, reblock)
-            self._repacker = ThreadPoolExecutor(1, thread_name_prefix="kvxfer-repack")
         apart = {
             id(group.kv_cache_spec): facts.heads_apart
             for group, facts in zip(kv_config.kv_cache_groups, kernels, strict=True)
@@ -719,6 +734,7 @@ class _Worker:
             except queue.Empty:
                 break
             self._on_event(event)
+        self._lay_out(_LAY_OUT_BUDGET)
         sending = self._releases.sending_done(finished_req_ids, time.monotonic())
         if sending:
             self._record(finished_sending=sorted(sending))
@@ -726,13 +742,9 @@ class _Worker:
         self._done_recving, self._failed_recving = set(), set()
         return KVConnectorTransferResults(sending, recving, failed)
 
-    def _on_event(self, event: EngineEvent | _Lost | _Repacked) -> None:
+    def _on_event(self, event: EngineEvent | _Lost) -> None:
         if isinstance(event, _Lost):
             self._sidecar_lost()
-            return
-        if isinstance(event, _Repacked):
-            event.receiving.failed = not event.ok
-            self._finish(event.receiving)
             return
         if isinstance(event, Released | LeaseExpired):
             self._releases.released(event.request_id, time.monotonic())
@@ -768,12 +780,15 @@ class _Worker:
                 dict(event.failed_blocks),
                 event.valid_tokens,
             )
-            if len(order.block_ids) == 1 and self.layout is not None:
-                receiving.errors |= load_errors(
-                    event, order.block_ids, self.layout.block_size, self._owner._reblock
-                )
-            else:
+            errors = (
+                load_errors(event, order.block_ids, self.layout.block_size, self._owner._reblock)
+                if self.layout is not None and resumable(self._owner._kinds, self._owner._reblock)
+                else None
+            )
+            if errors is None:
                 receiving.failed = True
+            else:
+                receiving.errors |= errors
         receiving.valid_tokens = min(receiving.valid_tokens, event.valid_tokens)
         if not receiving.pending:
             self._received(receiving)
@@ -789,21 +804,33 @@ class _Worker:
 
     def _received(self, receiving: _Receiving) -> None:
         """Every pull of a request ended: vLLM hears it received (or what to recompute),
-        after its pages were laid out again where they arrived as sub-pages. No byte can
-        land in them any more (PullDone comes once every read the sidecar posted ended),
-        and vLLM does not touch them before it hears the request was received."""
+        after its pages were laid out again where they arrived as sub-pages (`_lay_out`).
+        No byte can land in them any more (PullDone comes once every read the sidecar
+        posted ended), and vLLM does not touch them before it hears the request received."""
         if not receiving.order.awaiting:
             return
-        if not receiving.failed and self._repacker is not None:
-            future = self._repacker.submit(self._repack, receiving)
-            future.add_done_callback(
-                lambda done: self._events.put(
-                    _Repacked(receiving, not done.cancelled() and done.exception() is None
-                              and bool(done.result()))
-                )
-            )  # fmt: skip
+        if not receiving.failed and self._repacks:
+            self._laying.append((receiving, self._repack(receiving)))
             return
         self._finish(receiving)
+
+    def _lay_out(self, budget: int) -> None:
+        """Lay out pages of the requests waiting for it, up to about `budget` bytes: this
+        runs on vLLM's step (its own threads, no second OpenMP team beside them), so a
+        long request's pages take several steps rather than stalling one."""
+        while self._laying and budget > 0:
+            receiving, steps = self._laying[0]
+            try:
+                budget -= next(steps)
+                continue
+            except StopIteration:
+                pass
+            except Exception as exc:  # whatever failed, vLLM must recompute
+                log.error("kvxfer: laying out %s's pages again failed: %r",
+                          receiving.order.request_id, exc)  # fmt: skip
+                receiving.failed = True
+            self._laying.popleft()
+            self._finish(receiving)
 
     def _finish(self, receiving: _Receiving) -> None:
         order = receiving.order
@@ -813,31 +840,26 @@ class _Worker:
         else:
             self.load_errors |= receiving.errors
 
-    def _repack(self, receiving: _Receiving) -> bool:
-        """Lay out again the pages this request received as sub-pages (vllm_reblock), before
-        vLLM hears it received; False (vLLM recomputes the request) where that failed."""
-        order, started = receiving.order, time.perf_counter()
+    def _repack(self, receiving: _Receiving) -> Iterator[int]:
+        """The steps laying out again the pages this request received as sub-pages
+        (vllm_reblock), with what they took recorded at the end."""
+        order, spent, count = receiving.order, 0.0, 0
         num_tokens = int(order.params["num_tokens"])
-        count = 0
-        try:
-            for gid, group in self._repacks.items():
-                blocks, moved = received_blocks(
-                    group, order.block_ids[gid], self._owner._reblock, num_tokens,
-                    order.computed_tokens, receiving.valid_tokens,
-                )  # fmt: skip
-                repack(group, blocks, moved)
-                count += len(blocks)
-        except Exception as exc:  # a thread's end: whatever failed, vLLM must recompute
-            log.error("kvxfer: laying out %s's pages again failed: %r", order.request_id, exc)
-            return False
-        self._record(request_id=order.request_id, repacked_blocks=count,
-                     repack_s=time.perf_counter() - started)  # fmt: skip
-        return True
+        for gid, group in self._repacks.items():
+            blocks, moved = received_blocks(
+                group, order.block_ids[gid], self._owner._reblock, num_tokens,
+                order.computed_tokens, receiving.valid_tokens,
+            )  # fmt: skip
+            count += len(blocks)
+            started = time.perf_counter()
+            for done in repack_steps(group, blocks, moved):
+                spent += time.perf_counter() - started
+                yield done
+                started = time.perf_counter()
+        self._record(request_id=order.request_id, repacked_blocks=count, repack_s=spent)
 
     def close(self) -> None:
         self._closing.set()
-        if self._repacker is not None:  # its pages are unmapped below
-            self._repacker.shutdown(wait=True, cancel_futures=True)
         if self._handshake_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._handshake_file)

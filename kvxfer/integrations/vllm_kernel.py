@@ -184,8 +184,9 @@ def kernel_positions(
     The block is written once per base-200 digit of c (keys +digit, values -digit), so
     every value is a small integer; the digits read back must give every canonical
     element exactly once in every head's slice, the same in each head, and nothing
-    outside the block: anything else (a kernel that quantizes, drops or mixes heads) is
-    refused, never guessed at."""
+    outside the block, and a write coded by head must keep each head in its own slice
+    (`heads_stay_apart`): anything else (a kernel that quantizes, drops or mixes heads)
+    is refused, never guessed at."""
     codes = torch.arange(-_DIGIT, _DIGIT + 1, dtype=torch.float32)
     if not torch.equal(codes.to(dtype).to(torch.float32), codes):
         raise LayoutError("kernel", f"a {dtype} page cannot hold the probe's values exactly")
@@ -217,6 +218,12 @@ def kernel_positions(
         raise LayoutError("kernel", "the heads of a block are not laid out alike")
     if not torch.equal(order[0].sort().values, torch.arange(2 * n)):
         raise LayoutError("kernel", "the page does not hold every key and value once")
+    # The digits are alike in every head: that each head's stay in its own slice is the
+    # head-coded write's to say.
+    if not heads_stay_apart(
+        write, heads=heads, block_size=block_size, head_size=head_size, dtype=dtype
+    ):
+        raise LayoutError("kernel", "the attention kernel mixes the heads of a block")
     positions = torch.empty(2 * n, dtype=torch.int64)
     positions[order[0]] = torch.arange(2 * n)
     return positions

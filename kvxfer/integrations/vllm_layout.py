@@ -52,9 +52,9 @@ from kvxfer.core.layout import (
     StateShard,
     TensorSpec,
 )
+from kvxfer.integrations.vllm_params import NULL_BLOCK
 from kvxfer.integrations.vllm_state import StateTensor, layer_index
 
-NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null block
 _REFUSED = ("MLAAttentionSpec", "CrossAttentionSpec")
 
 

@@ -23,6 +23,8 @@ from kvxfer.core.layout import BlockId, BlockSpan, GroupId, StateShard
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
 from kvxfer.core.tp_map import head_sources, state_pieces
 
+NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null block
+
 KEY = "kvxfer"
 # The prefill request's kv_transfer_params field naming the decode engine's TP size
 # (default: the prefill's own): a prefill rank publishes once per decode rank it serves.
@@ -261,17 +263,24 @@ def rank_params(
 
 def load_errors(
     done: PullDone, local_block_ids: Sequence[Sequence[int]], block_size: int, sub_pages: int = 1
-) -> set[int]:
+) -> set[int] | None:
     """Local block ids to report from `get_block_ids_with_load_errors` for a one-group
     cache: vLLM resumes at the first reported block, so the block holding token
     `valid_tokens` goes first; every failed block follows (all must be recomputed).
     `block_size` is the registered one; with `sub_pages` > 1 the engine registered each
-    block as that many (vllm_reblock), and a failed sub-page fails its block."""
+    block as that many (vllm_reblock), and a failed sub-page fails its block.
+
+    vLLM's null block (where a window dropped blocks) is never reported: vLLM would take
+    every request holding it as failed. None where the resume point falls in one: the
+    request is then recomputed whole."""
     if done.status is PullStatus.OK or len(local_block_ids) != 1:
         return set()
-    ids = local_block_ids[0]
-    logical = {done.valid_tokens // block_size, *done.failed_blocks.get(0, ())}
-    return {int(ids[b // sub_pages]) for b in logical if b // sub_pages < len(ids)}
+    ids = [int(b) for b in local_block_ids[0]]
+    resume = done.valid_tokens // block_size // sub_pages
+    if resume < len(ids) and ids[resume] == NULL_BLOCK:
+        return None
+    logical = {resume, *(b // sub_pages for b in done.failed_blocks.get(0, ()))}
+    return {ids[b] for b in logical if b < len(ids) and ids[b] != NULL_BLOCK}
 
 
 # ---- the worker's registration, for a scheduler the handshake channel did not reach ----

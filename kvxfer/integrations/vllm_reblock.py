@@ -12,7 +12,7 @@ every pull of a request ended the worker lays each received page out again (`rep
 the prefill kernel's order at Bp says where every token's key and value arrived, the
 decode kernel's order at Bd where that kernel reads them, both learnt from vLLM's own
 kernels (`vllm_kernel.kernel_positions`) when the decode starts, and composed into one
-gather of runs (`page_rows`). Sub-pages the planner did not move (before a sliding
+gather of runs (`unit_rows`). Sub-pages the planner did not move (before a sliding
 window) become zeros, never stale bytes.
 
 The prefill's kernel at Bp and the decode's own probe of it must be the same kernel:
@@ -28,7 +28,7 @@ connector starts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,16 +38,24 @@ from kvxfer._exceptions import InvalidInputError
 from kvxfer.core.layout import BlockId, BlockSpan, GroupKind
 from kvxfer.core.planner import needed_blocks
 from kvxfer.integrations.vllm_kernel import KernelWrite, kernel_positions
-from kvxfer.integrations.vllm_layout import NULL_BLOCK, group_shape
+from kvxfer.integrations.vllm_layout import group_shape
+from kvxfer.integrations.vllm_params import NULL_BLOCK
 
 FIELD = "kv_connector_extra_config.prefill_block_size"
+_WINDOWED = (GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL)
 _BATCH_BYTES = 2 << 20  # pages gathered at once per layer: about what a core's L2 holds
 
 
-def reblock_ratio(extra: Mapping[str, Any], kv_role: str | None, kv_cache_config: Any) -> int:
+def reblock_ratio(
+    extra: Mapping[str, Any], kv_role: str | None, kv_cache_config: Any, prefix_caching: bool
+) -> int:
     """How many prefill pages one decode page holds (1: the same block size), from
     `prefill_block_size` in the connector's extra config; refused, naming the field,
-    where a prefill page cannot be read whole into a decode page."""
+    where a prefill page cannot be read whole into a decode page, and where vLLM's
+    prefix cache would keep a page that is not whole: with a sliding window (or chunked
+    local attention), the decode page where the window starts holds only the sub-pages
+    the prefill still had, zeros before them, and the prefix cache would hand it to a
+    later request as a full block."""
     value = extra.get("prefill_block_size")
     if value is None:
         return 1
@@ -73,7 +81,24 @@ def reblock_ratio(extra: Mapping[str, Any], kv_role: str | None, kv_cache_config
             f"{value} does not divide this engine's block size {own}: a prefill page must fit "
             "whole in a decode page (give the decode a multiple of the prefill's block size)",
         )
+    windowed = {s.kind.value for s in shapes if s.kind in _WINDOWED}
+    if windowed and prefix_caching:
+        raise InvalidInputError(
+            FIELD,
+            f"with {', '.join(sorted(windowed))} layers, the decode page where a window "
+            "starts arrives in part, and vLLM's prefix cache would keep it as whole: turn "
+            "prefix caching off on this decode (--no-enable-prefix-caching) or run the "
+            "prefill's block size",
+        )
     return own // value
+
+
+def resumable(kinds: Sequence[GroupKind], ratio: int) -> bool:
+    """Whether vLLM can resume a partly failed pull where its valid tokens end: one group
+    (vLLM 0.32 takes block failures for one group only), and not a window read as
+    sub-pages (vLLM resumes at a decode block's start, whose window reaches further back
+    than what moved); otherwise the request is recomputed whole."""
+    return len(kinds) == 1 and (ratio == 1 or kinds[0] is GroupKind.FULL_ATTENTION)
 
 
 def block_size_hint(exc: Exception, ratio: int) -> str:
@@ -103,38 +128,47 @@ def sub_spans(
     return tuple(out)
 
 
-def page_rows(
-    theirs: torch.Tensor, own: torch.Tensor, *, heads: int, sub: int, ratio: int, size: int
+def unit_rows(
+    theirs: torch.Tensor,
+    own: torch.Tensor,
+    *,
+    heads: int,
+    source_block: int,
+    target_block: int,
+    size: int,
 ) -> tuple[torch.Tensor, int]:
-    """How a decode page is gathered from the `ratio` prefill pages received into it, in
-    runs: `(rows, run)` such that, viewing both pages as rows of `run` elements, row j of
-    the laid-out page is row `rows[j]` of the received one. `theirs` and `own` are
-    `vllm_kernel.kernel_positions` of the prefill's kernel at `sub` tokens and of the
-    decode's at `sub * ratio`; `run` is the longest power of two in which both kernels
-    keep elements together (32 on the vec kernels: K transposed moves a prefill block's
-    tokens of one dimension at once), so the re-layout is one row gather, not one per
-    element."""
-    block = sub * ratio
-    n_sub, n_own = sub * size, block * size
-    if theirs.numel() != 2 * n_sub or own.numel() != 2 * n_own:
+    """How pages written at `target_block` tokens are gathered from pages written at
+    `source_block` (one divides the other), a unit of max(source_block, target_block)
+    tokens at a time: the unit's source pages side by side (as received) and its target
+    pages side by side. Returns `(rows, run)` such that, seeing both as rows of `run`
+    elements, target row j is source row `rows[j]`. `theirs` and `own` are
+    `vllm_kernel.kernel_positions` of the kernels writing each; `run` is the longest power
+    of two both keep together (32 elements on the vec kernels, 512 on amx), so a
+    re-layout is one row gather, not one per element."""
+    unit = max(source_block, target_block)
+    if unit % source_block or unit % target_block:
+        raise InvalidInputError("block_size", f"{source_block} and {target_block} do not nest")
+    n_source, n_target = source_block * size, target_block * size
+    if theirs.numel() != 2 * n_source or own.numel() != 2 * n_target:
         raise InvalidInputError("kernel", "kernel positions of another block or head size")
-    # Canonical (K or V, token, dim) at the decode's size, and where it sits in each page.
     half = torch.arange(2).view(2, 1, 1)
-    token = torch.arange(block).view(1, block, 1)
+    token = torch.arange(unit).view(1, unit, 1)
     dim = torch.arange(size).view(1, 1, size)
-    canonical_own = (half * n_own + token * size + dim).reshape(-1)
-    canonical_sub = (half * n_sub + (token % sub) * size + dim).reshape(-1)
-    page = (token // sub).expand(2, block, size).reshape(-1)  # which received page
-    slice_sub, slice_own = 2 * n_sub, 2 * n_own  # one head's elements in each page
-    head = torch.arange(heads).view(heads, 1)
-    source = torch.empty(heads * slice_own, dtype=torch.int64)
-    target = head * slice_own + own[canonical_own].view(1, -1)
-    source[target.reshape(-1)] = (
-        page.view(1, -1) * heads * slice_sub + head * slice_sub + theirs[canonical_sub].view(1, -1)
-    ).reshape(-1)
+
+    def place(positions: torch.Tensor, block: int) -> torch.Tensor:
+        """Each (K/V, token, dim) of the unit's element in its side's pages, per head."""
+        slice_ = 2 * block * size  # one head's elements in a page
+        at = positions[(half * block * size + (token % block) * size + dim).reshape(-1)]
+        page = (token // block).expand(2, unit, size).reshape(-1)
+        head = torch.arange(heads).view(heads, 1)
+        return (page.view(1, -1) * heads * slice_ + head * slice_ + at.view(1, -1)).reshape(-1)
+
+    source = torch.empty(heads * 2 * unit * size, dtype=torch.int64)
+    source[place(own, target_block)] = place(theirs, source_block)
+    page_elements = heads * 2 * min(source_block, target_block) * size
     run = 1 << 12
     while run > 1:
-        if (heads * slice_sub) % run == 0:  # a run never spans two received pages
+        if page_elements % run == 0:  # a run never spans two pages of either side
             runs = source.view(-1, run)
             starts = runs[:, 0]
             if bool((starts % run == 0).all()) and torch.equal(
@@ -150,24 +184,26 @@ def kernel_rows(
     own: KernelWrite,
     *,
     heads: int,
-    sub: int,
-    ratio: int,
+    source_block: int,
+    target_block: int,
     size: int,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, int]:
-    """`page_rows` from the kernels themselves: the prefill's write at `sub` tokens and the
-    decode's at `sub * ratio` (each probed by `vllm_kernel.kernel_positions`)."""
+    """`unit_rows` from the kernels themselves: the prefill's write at `source_block`
+    tokens and the decode's at `target_block` (each probed by
+    `vllm_kernel.kernel_positions`)."""
     at = [
         kernel_positions(write, heads=heads, block_size=block, head_size=size, dtype=dtype)
-        for write, block in ((theirs, sub), (own, sub * ratio))
+        for write, block in ((theirs, source_block), (own, target_block))
     ]
-    return page_rows(at[0], at[1], heads=heads, sub=sub, ratio=ratio, size=size)
+    return unit_rows(at[0], at[1], heads=heads, source_block=source_block,
+                     target_block=target_block, size=size)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class GroupRepack:
     """One attention group's re-layout: its layers' page tensors and how each decode page
-    is gathered from the prefill pages received into it (`page_rows`)."""
+    is gathered from the prefill pages received into it (`unit_rows`)."""
 
     kind: GroupKind
     window: int | None
@@ -206,12 +242,13 @@ def received_blocks(
     return blocks, torch.tensor(masks, dtype=torch.bool).view(len(blocks), ratio)
 
 
-def repack(group: GroupRepack, blocks: Sequence[int], moved: torch.Tensor) -> None:
+def repack_steps(group: GroupRepack, blocks: Sequence[int], moved: torch.Tensor) -> Iterator[int]:
     """Lay out again, in every layer of `group`, decode pages `blocks` that hold `ratio`
     prefill pages each (`moved[i, k]`: sub-page k of block i was received; rows gathered
-    from the others become zeros): a row gather per layer, as `page_rows` says, and the
+    from the others become zeros): a row gather per layer, as `unit_rows` says, and the
     pages written back in place, a few blocks at a time so that what is gathered stays
-    in the CPU's cache until it is written back."""
+    in the CPU's cache until it is written back. Yields the bytes of each such step, so
+    that a caller can spread the work over several engine steps."""
     if not blocks:
         return
     ids = torch.tensor(list(blocks), dtype=torch.long)
@@ -228,3 +265,10 @@ def repack(group: GroupRepack, blocks: Sequence[int], moved: torch.Tensor) -> No
             if bool(gone.any()):
                 pages.masked_fill_(gone.unsqueeze(2), 0)
             cache.index_copy_(0, some, pages.view(len(some), *cache.shape[1:]))
+            yield len(some) * page_bytes
+
+
+def repack(group: GroupRepack, blocks: Sequence[int], moved: torch.Tensor) -> None:
+    """`repack_steps`, all at once."""
+    for _ in repack_steps(group, blocks, moved):
+        pass
