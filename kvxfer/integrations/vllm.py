@@ -43,6 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -57,6 +58,7 @@ from vllm.v1.request import RequestStatus
 from kvxfer._exceptions import KvxferError, NotFoundError, PeerUnavailableError
 from kvxfer.client.engine import SyncEngineClient
 from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind, StateShard
+from kvxfer.core.planner import needed_blocks
 from kvxfer.core.requests import EngineEvent, LeaseExpired, PullDone, PullStatus, Released
 from kvxfer.integrations.cpu_amx import allow_amx
 from kvxfer.integrations.shm_remap import SharedRemap
@@ -67,6 +69,8 @@ from kvxfer.integrations.vllm_kernel import (
     kernel_facts,
 )
 from kvxfer.integrations.vllm_layout import (
+    Staging,
+    attention_layers,
     group_kinds,
     group_shape,
     is_state_spec,
@@ -91,20 +95,25 @@ from kvxfer.integrations.vllm_reblock import (
     FIELD as REBLOCK_FIELD,
 )
 from kvxfer.integrations.vllm_reblock import (
+    STAGING_FIELD,
     GroupRepack,
+    StagingPool,
     block_size_hint,
     kernel_rows,
     reblock_ratio,
     received_blocks,
     repack_steps,
     resumable,
+    staged_blocks,
+    staged_spans,
+    staging_pages,
     sub_spans,
+    unstage_steps,
 )
 from kvxfer.integrations.vllm_release import Releases
 from kvxfer.integrations.vllm_state import StateTensor, cuts_from_config, state_groups
 
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -166,6 +175,8 @@ class _Receiving:
     failed: bool = False
     errors: set[int] = field(default_factory=set)
     valid_tokens: int = 1 << 62  # the least any of its pulls reported
+    # Staging pages it holds (vllm_reblock): group id -> (first prefill block, page ids).
+    staged: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
 
 
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
@@ -183,12 +194,25 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._states = state_tensors(vllm_config, kv_cache_config, self._tp_size)
         self._state_cuts = state_cuts(self._states)
         self._loop_choice = connector_event_loop(extra)
-        # A decode with larger blocks than its prefill's reads them as sub-pages (vllm_reblock).
-        self._reblock = reblock_ratio(
+        # A decode with another block size than its prefill's (vllm_reblock): larger blocks
+        # are read as sub-pages, smaller ones through staging pages of the prefill's size.
+        self._ratio = reblock_ratio(
             extra,
             self._kv_transfer_config.kv_role,
             kv_cache_config,
             bool(vllm_config.cache_config.enable_prefix_caching),
+        )
+        self._reblock, self._stage = self._ratio.grow, self._ratio.stage
+        attention_groups = sum(kind is not GroupKind.MAMBA for kind in self._kinds)
+        self._staging_pages = (
+            staging_pages(
+                extra,
+                vllm_config.model_config.max_model_len,
+                self._ratio.source,
+                attention_groups,
+            )
+            if self._stage > 1
+            else 0
         )
         self._scheduler = _Scheduler(self, sidecar) if role is KVConnectorRole.SCHEDULER else None
         stats = extra.get("stats_path")
@@ -257,7 +281,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        if self._reblock > 1:  # its pages are registered as sub-pages, in its own order
+        if self._reblock > 1 or self._stage > 1:  # its pages are no pages a reader could take
             log.error(
                 "kvxfer: %s not published: this decode reads another block size (%s), so "
                 "its pages are no pages a reader could take",
@@ -496,10 +520,14 @@ class _Scheduler:
 
 
 def group_kernels(
-    kv_cache_config: Any, kv_caches: dict[str, torch.Tensor], cache_dtype: str, reblock: int = 1
+    kv_cache_config: Any,
+    kv_caches: dict[str, torch.Tensor],
+    cache_dtype: str,
+    source_block: int | None = None,
 ) -> list[KernelFacts | None]:
     """Each group's attention kernel, asked once per group (None: a state group, or one
-    without a tensor here); with `reblock`, the kernel of its sub-pages (vllm_reblock)."""
+    without a tensor here); with `source_block`, the kernel of pages of that block size
+    (a decode registering pages of its prefill's size, vllm_reblock)."""
     out: list[KernelFacts | None] = []
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -507,13 +535,16 @@ def group_kernels(
         if is_state_spec(spec) or not layers:
             out.append(None)
         else:
-            block = int(spec.block_size) // reblock
-            out.append(kernel_facts(spec, layers[0], cache_dtype, block))
+            out.append(kernel_facts(spec, layers[0], cache_dtype, source_block))
     return out
 
 
 def group_repacks(
-    kv_cache_config: Any, kv_caches: dict[str, torch.Tensor], cache_dtype: str, reblock: int
+    kv_cache_config: Any,
+    kv_caches: dict[str, torch.Tensor],
+    cache_dtype: str,
+    source_block: int,
+    stages: dict[str, torch.Tensor] | None = None,
 ) -> dict[int, GroupRepack]:
     """Per attention group, how its received sub-pages are laid out again (vllm_reblock):
     how each page is gathered from the prefill pages received into it, learnt from the
@@ -529,7 +560,7 @@ def group_repacks(
         if not all(c.is_contiguous() for c in caches):
             raise KvxferError(f"{REBLOCK_FIELD}: the pages of group {gid} are not dense")
         block, dtype = int(spec.block_size), caches[0].dtype
-        sub, heads, size = block // reblock, int(spec.num_kv_heads), int(spec.head_size)
+        sub, heads, size = source_block, int(spec.num_kv_heads), int(spec.head_size)
         expected = (int(kv_cache_config.num_blocks), heads, block, 2 * size)
         if any(tuple(c.shape) != expected for c in caches):
             raise KvxferError(
@@ -549,7 +580,8 @@ def group_repacks(
             theirs, own, heads=heads, source_block=sub, target_block=block, size=size, dtype=dtype
         )
         shape = group_shape(spec, f"kv_cache_groups[{gid}].kv_cache_spec")
-        repacks[gid] = GroupRepack(shape.kind, shape.window, shape.chunk, caches, rows, run)
+        staged = tuple((stages or {})[n] for n in group.layer_names) if stages else ()
+        repacks[gid] = GroupRepack(shape.kind, shape.window, shape.chunk, caches, rows, run, staged)
         log.info("kvxfer: group %d reads %d-token prefill pages, laid out again in runs of %d",
                  gid, sub, run)  # fmt: skip
     return repacks
@@ -575,6 +607,13 @@ class _Worker:
         self.load_errors: set[int] = set()
         self._handshake_file: str | None = None
         self._repacks: dict[int, GroupRepack] = {}  # gid -> re-layout (vllm_reblock)
+        # With smaller blocks than the prefill's: staging pages, and pulls waiting for them.
+        self._staging_store: torch.Tensor | None = None
+        self._staging_remap: SharedRemap | None = None
+        self._pool = StagingPool(0)
+        self._waiting: collections.deque[PullOrder] = collections.deque()
+        self._staged: dict[str, dict[int, tuple[int, list[int]]]] = {}
+        self._local_block = 0
         # Requests whose pages are being laid out again, a budget of bytes per engine step.
         self._laying: collections.deque[tuple[_Receiving, Iterator[int]]] = collections.deque()
 
@@ -591,14 +630,23 @@ class _Worker:
         kv_config = self._owner._kv_cache_config
         states = {} if isinstance(self._owner._states, str) else self._owner._states
         cache_dtype, reblock = str(config.cache_config.cache_dtype), self._owner._reblock
-        kernels = group_kernels(kv_config, kv_caches, cache_dtype, reblock)
-        if reblock > 1:
-            self._repacks = group_repacks(kv_config, kv_caches, cache_dtype, reblock)
+        ratio = self._owner._ratio
+        source = ratio.source if ratio.source != ratio.own else None
+        kernels = group_kernels(kv_config, kv_caches, cache_dtype, source)
+        buffers = [remapped.handle()]
+        staging, stages = self._staging(kv_config, kv_caches)
+        if staging is not None:
+            assert self._staging_remap is not None
+            buffers.append(self._staging_remap.range.handle())
+        if source is not None:
+            self._repacks = group_repacks(kv_config, kv_caches, cache_dtype, source, stages)
         apart = {
             id(group.kv_cache_spec): facts.heads_apart
             for group, facts in zip(kv_config.kv_cache_groups, kernels, strict=True)
             if facts is not None
         }
+        # The engine's own attention block size, which the registered one may not be.
+        self._local_block = ratio.own if source is not None else 0
         self.layout = layout_from_vllm(
             kv_config,
             buffer=remapped.name,
@@ -613,9 +661,11 @@ class _Worker:
             kernels=[k.name if k else None for k in kernels],
             states=states or None,
             reblock=reblock,
+            staging=staging,
         )
+        self._local_block = self._local_block or self.layout.block_size
         role = self._owner._kv_transfer_config.kv_role
-        registration = self._client.register(self.layout, [remapped.handle()], name=f"vllm-{role}")
+        registration = self._client.register(self.layout, buffers, name=f"vllm-{role}")
         self.handshake = KvxferHandshake(
             registration.engine_id, registration.epoch, registration.peer_address
         )
@@ -656,6 +706,35 @@ class _Worker:
         )
         threading.Thread(target=self._watch, name="kvxfer-events", daemon=True).start()
 
+    def _staging(
+        self, kv_config: Any, kv_caches: dict[str, torch.Tensor]
+    ) -> tuple[Staging | None, dict[str, torch.Tensor]]:
+        """A decode with smaller blocks than its prefill's: staging pages of the prefill's
+        size for every attention layer, in shared memory the sidecar can write
+        (vllm_reblock); their registration and each layer's view of them."""
+        pages, ratio = self._owner._staging_pages, self._owner._stage
+        if not pages:
+            return None, {}
+        layers = attention_layers(kv_config)
+        first = kv_caches[layers[0]]
+        page_shape = (first.shape[1], first.shape[2] * ratio, first.shape[3])
+        page_bytes = first[0].numel() * first.element_size() * ratio
+        if any(tuple(kv_caches[n].shape[1:]) != tuple(first.shape[1:]) for n in layers):
+            raise KvxferError(f"{REBLOCK_FIELD}: staging needs one page shape in every layer")
+        store = torch.zeros(len(layers) * pages * page_bytes // first.element_size(),
+                            dtype=first.dtype)  # fmt: skip
+        self._staging_store = store
+        self._staging_remap = SharedRemap(store.data_ptr(), store.numel() * store.element_size())
+        remapped = self._staging_remap.range
+        views = store.view(len(layers), pages, *page_shape)
+        self._pool = StagingPool(pages)
+        staging = Staging(
+            remapped.name, remapped.offset_of(store.data_ptr()), pages, ratio, page_bytes, layers
+        )
+        log.info("kvxfer: %d staging pages of %d bytes per layer (%s)", pages, page_bytes,
+                 STAGING_FIELD)  # fmt: skip
+        return staging, {layer: views[k] for k, layer in enumerate(layers)}
+
     def _record(self, **fields: object) -> None:
         """One JSON line of facts for benchmarks and the demo (extra config stats_path)."""
         if self._stats_path:
@@ -687,8 +766,41 @@ class _Worker:
 
     def pull(self, order: PullOrder) -> None:
         """Pull one request: with different TP sizes, one pull per prefill rank this rank
-        reads heads from; the request is received once all of them ended."""
-        receiving = _Receiving(order)
+        reads heads from; the request is received once all of them ended. With staging
+        pages (vllm_reblock) it waits, in order, until enough are free."""
+        if self._waiting or not self._stage_into(order):
+            self._waiting.append(order)
+            return
+        self._pull(order)
+
+    def _stage_into(self, order: PullOrder) -> bool:
+        """Take the staging pages `order` needs, if any and if free."""
+        ratio = self._owner._ratio
+        if ratio.stage == 1 or not order.awaiting:
+            return True
+        num_tokens = int(order.params["num_tokens"])
+        computed = order.computed_tokens // ratio.source * ratio.source
+        needed = {
+            gid: needed_blocks(
+                g.kind, g.window, num_tokens, computed, ratio.source, chunk_size=g.chunk
+            )
+            for gid, g in self._repacks.items()
+        }
+        pages = self._pool.take(sum(len(r) for r in needed.values()))
+        if pages is None:
+            return False
+        staged: dict[int, tuple[int, list[int]]] = {}
+        for gid, blocks in needed.items():
+            staged[gid] = (blocks.start if blocks else 0, pages[: len(blocks)])
+            pages = pages[len(blocks) :]
+        self._staged[order.request_id] = staged
+        return True
+
+    def _pull(self, order: PullOrder) -> None:
+        receiving = _Receiving(order, staged=self._staged.pop(order.request_id, {}))
+        computed = order.computed_tokens
+        if receiving.staged:  # staging pages hold whole prefill blocks
+            computed = computed // self._owner._ratio.source * self._owner._ratio.source
         try:
             layout = self.layout
             if layout is None:
@@ -701,12 +813,13 @@ class _Worker:
             spans = sub_spans(
                 spans_from_block_ids(kinds, order.block_ids), kinds, self._owner._reblock
             )
+            spans = staged_spans(spans, receiving.staged)
         except KvxferError as exc:
             log.error("kvxfer: pull of %s refused: %s", order.request_id, exc)
             every, receiving.failed = [], True
         for params in every:
             try:
-                accepted = self._client.pull(params, spans, order.computed_tokens)
+                accepted = self._client.pull(params, spans, computed)
             except KvxferError as exc:
                 log.error("kvxfer: pull of %s refused: %s%s", params.request_id, exc,
                           block_size_hint(exc, self._owner._reblock))  # fmt: skip
@@ -735,6 +848,8 @@ class _Worker:
                 break
             self._on_event(event)
         self._lay_out(_LAY_OUT_BUDGET)
+        while self._waiting and self._stage_into(self._waiting[0]):
+            self._pull(self._waiting.popleft())
         sending = self._releases.sending_done(finished_req_ids, time.monotonic())
         if sending:
             self._record(finished_sending=sorted(sending))
@@ -781,7 +896,7 @@ class _Worker:
                 event.valid_tokens,
             )
             errors = (
-                load_errors(event, order.block_ids, self.layout.block_size, self._owner._reblock)
+                load_errors(event, order.block_ids, self.layout.block_size, self._local_block)
                 if self.layout is not None and resumable(self._owner._kinds, self._owner._reblock)
                 else None
             )
@@ -834,6 +949,10 @@ class _Worker:
 
     def _finish(self, receiving: _Receiving) -> None:
         order = receiving.order
+        # Every read into them ended (PullDone, or the sidecar is gone with its agents).
+        for _, pages in receiving.staged.values():
+            self._pool.give(pages)
+        receiving.staged = {}
         self._done_recving.add(order.request_id)
         if receiving.failed:
             self._failed_recving.add(order.request_id)
@@ -841,18 +960,30 @@ class _Worker:
             self.load_errors |= receiving.errors
 
     def _repack(self, receiving: _Receiving) -> Iterator[int]:
-        """The steps laying out again the pages this request received as sub-pages
-        (vllm_reblock), with what they took recorded at the end."""
+        """The steps laying out again the pages this request received as sub-pages or into
+        staging pages (vllm_reblock), with what they took recorded at the end."""
         order, spent, count = receiving.order, 0.0, 0
+        ratio = self._owner._ratio
         num_tokens = int(order.params["num_tokens"])
         for gid, group in self._repacks.items():
-            blocks, moved = received_blocks(
-                group, order.block_ids[gid], self._owner._reblock, num_tokens,
-                order.computed_tokens, receiving.valid_tokens,
-            )  # fmt: skip
-            count += len(blocks)
+            ids = order.block_ids[gid]
+            if gid in receiving.staged:
+                first, staged = receiving.staged[gid]
+                pages, targets = staged_blocks(
+                    ids, staged, first, ratio.stage, ratio.own, num_tokens,
+                    order.computed_tokens, receiving.valid_tokens,
+                )  # fmt: skip
+                steps = unstage_steps(group, pages, targets)
+                count += int((targets >= 0).sum())
+            else:
+                blocks, moved = received_blocks(
+                    group, ids, ratio.grow, num_tokens, order.computed_tokens,
+                    receiving.valid_tokens,
+                )  # fmt: skip
+                steps = repack_steps(group, blocks, moved)
+                count += len(blocks)
             started = time.perf_counter()
-            for done in repack_steps(group, blocks, moved):
+            for done in steps:
                 spent += time.perf_counter() - started
                 yield done
                 started = time.perf_counter()
@@ -870,3 +1001,5 @@ class _Worker:
         self._client.close()
         if self._remap is not None:
             self._remap.close()
+        if self._staging_remap is not None:
+            self._staging_remap.close()

@@ -84,11 +84,13 @@ class DemoOptions:
         if self.requests < 2:
             raise InvalidInputError("--requests", f"needs 2 or more, got {self.requests}")
         prefill, decode = self.block_sizes
-        if decode != prefill and (prefill is None or decode is None or decode % prefill):
+        if decode != prefill and (
+            prefill is None or decode is None or (decode % prefill and prefill % decode)
+        ):
             raise InvalidInputError(
                 "--decode-block-size",
-                f"{decode} is not a multiple of the prefill's block size {prefill}: a decode "
-                "reads the prefill's vLLM pages whole (give --prefill-block-size too)",
+                f"{decode} and the prefill's block size {prefill} do not divide one another: "
+                "vLLM pages move whole (give --prefill-block-size too)",
             )
 
 
@@ -102,7 +104,7 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
                for _ in range(options.requests)]  # fmt: skip
     control = [rng.randrange(1, VOCAB_SIZE) for _ in range(len(prompts[1]))]
     p_block, block = options.block_sizes
-    # A decode with larger blocks reads the prefill's pages whole (vllm_reblock).
+    # A decode of another block size reads the prefill's pages whole (vllm_reblock).
     reblock = {"prefill_block_size": p_block} if p_block != block else {}
     stats = workdir / "decode-stats.jsonl"
     prefill_stats = workdir / "prefill-stats.jsonl"

@@ -132,6 +132,7 @@ def layout_from_vllm(
     kernels: Sequence[str | None] | None = None,
     states: Mapping[int, Sequence[StateTensor]] | None = None,
     reblock: int = 1,
+    staging: Staging | None = None,
 ) -> EngineLayout:
     """The layout of one vLLM worker whose backing allocation starts at
     `base_offset` inside the registered buffer `buffer`.
@@ -147,7 +148,10 @@ def layout_from_vllm(
     sizes reads in byte ranges (without it a state page is one opaque region).
     `reblock` > 1 registers every attention page as that many whole sub-pages of
     block_size / reblock tokens, the pages of the prefill this decode reads
-    (`vllm_reblock`); `kernels` then name the kernel at that sub-page size."""
+    (`vllm_reblock`); `kernels` then name the kernel at that sub-page size. `staging`
+    (a decode with smaller blocks than its prefill's) registers every attention layer's
+    staging pages, of the prefill's size, in place of its own pages; `kernels` then name
+    the kernel at the prefill's size."""
     groups: list[KVGroup] = []
     regions: list[Region] = []
     shapes: list[GroupShape] = []
@@ -158,6 +162,14 @@ def layout_from_vllm(
         shape = _sub_pages(
             group_shape(group.kv_cache_spec, f"{where}.kv_cache_spec"), reblock, where
         )
+        staged = staging is not None and shape.kind is not GroupKind.MAMBA
+        if staged:
+            assert staging is not None
+            shape = replace(
+                shape,
+                block_size=shape.block_size * staging.ratio,
+                page_bytes=shape.page_bytes * staging.ratio,
+            )
         shapes.append(shape)
         blocks = num_blocks if shape.kind is GroupKind.MAMBA else num_blocks * reblock
         packed = _packed(shape, (states or {}).get(gid), where)
@@ -177,6 +189,10 @@ def layout_from_vllm(
             index = layer_index(layer, position)
             for name, at, nbytes, shard in _pieces(layer, shape, packed):
                 tensors.append(TensorSpec(name, index, nbytes, shard))
+                if staged:
+                    assert staging is not None
+                    regions.append(staging.region(name, nbytes))
+                    continue
                 regions.append(
                     Region(name, buffer, base_offset + offset + at, blocks, stride, nbytes)
                 )
@@ -217,6 +233,38 @@ def layout_from_vllm(
         regions=tuple(regions),
         token_major=False,  # each head's K and V in the kernel's order: no token ranges
         head_major=head_major,
+    )
+
+
+@dataclass(frozen=True)
+class Staging:
+    """Where a decode with smaller blocks than its prefill's keeps its staging pages
+    (`vllm_reblock`): layer `layers[k]`'s `pages` pages of `page_bytes` each, one after
+    another from `base_offset + k * pages * page_bytes` in the registered buffer
+    `buffer`; each holds `ratio` of the decode's pages."""
+
+    buffer: str
+    base_offset: int
+    pages: int
+    ratio: int
+    page_bytes: int
+    layers: tuple[str, ...]
+
+    def region(self, layer: str, page_bytes: int) -> Region:
+        if layer not in self.layers or page_bytes != self.page_bytes:
+            raise LayoutError("staging", f"{layer}: no staging pages of {page_bytes} bytes")
+        start = self.base_offset + self.layers.index(layer) * self.pages * self.page_bytes
+        return Region(layer, self.buffer, start, self.pages, page_bytes, page_bytes)
+
+
+def attention_layers(kv_cache_config: Any) -> tuple[str, ...]:
+    """Every attention layer, group by group (the order staging pages are kept in)."""
+    return tuple(
+        layer
+        for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        if group_shape(g.kv_cache_spec, f"kv_cache_groups[{i}].kv_cache_spec").kind
+        is not GroupKind.MAMBA
+        for layer in g.layer_names
     )
 
 

@@ -262,13 +262,14 @@ def rank_params(
 
 
 def load_errors(
-    done: PullDone, local_block_ids: Sequence[Sequence[int]], block_size: int, sub_pages: int = 1
+    done: PullDone, local_block_ids: Sequence[Sequence[int]], block_size: int, local_block: int
 ) -> set[int] | None:
     """Local block ids to report from `get_block_ids_with_load_errors` for a one-group
     cache: vLLM resumes at the first reported block, so the block holding token
     `valid_tokens` goes first; every failed block follows (all must be recomputed).
-    `block_size` is the registered one; with `sub_pages` > 1 the engine registered each
-    block as that many (vllm_reblock), and a failed sub-page fails its block.
+    `block_size` is the registered one, in which the sidecar counts failed blocks, and
+    `local_block` the engine's own (they differ where it reads another block size,
+    vllm_reblock): a failed block fails every local block holding any of its tokens.
 
     vLLM's null block (where a window dropped blocks) is never reported: vLLM would take
     every request holding it as failed. None where the resume point falls in one: the
@@ -276,10 +277,14 @@ def load_errors(
     if done.status is PullStatus.OK or len(local_block_ids) != 1:
         return set()
     ids = [int(b) for b in local_block_ids[0]]
-    resume = done.valid_tokens // block_size // sub_pages
+    resume = done.valid_tokens // local_block
     if resume < len(ids) and ids[resume] == NULL_BLOCK:
         return None
-    logical = {resume, *(b // sub_pages for b in done.failed_blocks.get(0, ()))}
+    logical = {resume}
+    for b in done.failed_blocks.get(0, ()):
+        logical.update(
+            range(b * block_size // local_block, -(-(b + 1) * block_size // local_block))
+        )
     return {ids[b] for b in logical if b < len(ids) and ids[b] != NULL_BLOCK}
 
 

@@ -46,19 +46,37 @@ _WINDOWED = (GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL)
 _BATCH_BYTES = 2 << 20  # pages gathered at once per layer: about what a core's L2 holds
 
 
+@dataclass(frozen=True)
+class BlockRatio:
+    """A decode's attention block size against its prefill's (`reblock_ratio`)."""
+
+    own: int  # this engine's attention block size (0: it has no attention group)
+    source: int  # the prefill's
+
+    @property
+    def grow(self) -> int:
+        """Prefill pages per decode page (read as sub-pages, then laid out again)."""
+        return self.own // self.source if self.own > self.source else 1
+
+    @property
+    def stage(self) -> int:
+        """Decode pages per prefill page (read into staging pages, then laid out)."""
+        return self.source // self.own if self.source > self.own else 1
+
+
 def reblock_ratio(
     extra: Mapping[str, Any], kv_role: str | None, kv_cache_config: Any, prefix_caching: bool
-) -> int:
-    """How many prefill pages one decode page holds (1: the same block size), from
-    `prefill_block_size` in the connector's extra config; refused, naming the field,
-    where a prefill page cannot be read whole into a decode page, and where vLLM's
-    prefix cache would keep a page that is not whole: with a sliding window (or chunked
-    local attention), the decode page where the window starts holds only the sub-pages
-    the prefill still had, zeros before them, and the prefix cache would hand it to a
-    later request as a full block."""
+) -> BlockRatio:
+    """The decode's block size against the prefill's, from `prefill_block_size` in the
+    connector's extra config (absent: the same); refused, naming the field, where one
+    does not divide the other, and where vLLM's prefix cache would keep a page that is
+    not whole: with a sliding window (or chunked local attention) and larger decode
+    blocks, the decode page where the window starts holds only the sub-pages the
+    prefill still had, zeros before them, and the prefix cache would hand it to a later
+    request as a full block."""
     value = extra.get("prefill_block_size")
     if value is None:
-        return 1
+        return BlockRatio(1, 1)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidInputError(FIELD, f"must be a positive integer, got {value!r}")
     shapes = [
@@ -70,19 +88,19 @@ def reblock_ratio(
         raise InvalidInputError(FIELD, f"needs one attention block size, the engine has {sizes}")
     own = sizes.pop()
     if value == own:
-        return 1
+        return BlockRatio(own, own)
     if kv_role != "kv_consumer":
         raise InvalidInputError(
             FIELD, f"only a decode (kv_consumer) reads another block size, not {kv_role}"
         )
-    if own % value:
+    if own % value and value % own:
         raise InvalidInputError(
             FIELD,
-            f"{value} does not divide this engine's block size {own}: a prefill page must fit "
-            "whole in a decode page (give the decode a multiple of the prefill's block size)",
+            f"{value} and this engine's block size {own} do not divide one another: a "
+            "prefill page must hold whole decode pages or fit whole in one",
         )
     windowed = {s.kind.value for s in shapes if s.kind in _WINDOWED}
-    if windowed and prefix_caching:
+    if windowed and prefix_caching and own > value:
         raise InvalidInputError(
             FIELD,
             f"with {', '.join(sorted(windowed))} layers, the decode page where a window "
@@ -90,7 +108,7 @@ def reblock_ratio(
             "prefix caching off on this decode (--no-enable-prefix-caching) or run the "
             "prefill's block size",
         )
-    return own // value
+    return BlockRatio(own, value)
 
 
 def resumable(kinds: Sequence[GroupKind], ratio: int) -> bool:
@@ -211,6 +229,8 @@ class GroupRepack:
     caches: tuple[torch.Tensor, ...]  # [num_blocks, heads, Bd, 2 * head_size] each, dense
     rows: torch.Tensor
     run: int
+    # With smaller decode blocks: each layer's staging pages, [pages, heads, Bp, 2 * size].
+    stages: tuple[torch.Tensor, ...] = ()
 
 
 def received_blocks(
@@ -272,3 +292,120 @@ def repack(group: GroupRepack, blocks: Sequence[int], moved: torch.Tensor) -> No
     """`repack_steps`, all at once."""
     for _ in repack_steps(group, blocks, moved):
         pass
+
+
+# ---- smaller decode blocks: whole prefill pages into staging pages, then laid out ----
+#
+# A prefill page of Bp = r * Bd tokens holds r decode pages' tokens, but the decode's r
+# blocks are wherever vLLM put them. So a decode with smaller blocks registers, for its
+# attention layers, staging pages of the prefill's size (`layout_from_vllm(staging=)`),
+# pulls whole prefill pages into some it takes from a pool, and lays each out into its
+# r blocks (`unstage_steps`) before vLLM hears the request was received.
+
+STAGING_FIELD = "kv_connector_extra_config.staging_tokens"
+
+
+def staging_pages(
+    extra: Mapping[str, Any], max_model_len: int, source_block: int, attention_groups: int
+) -> int:
+    """How many staging pages the decode keeps (each held in every attention layer): the
+    `staging_tokens` of the extra config (default `max_model_len`: one longest request
+    at a time) in pages of the prefill's size, per attention group; refused, naming the
+    field, where not even the longest request would fit (it would wait for ever)."""
+    value = extra.get("staging_tokens", max_model_len)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidInputError(STAGING_FIELD, f"must be a positive integer, got {value!r}")
+    if value < max_model_len:
+        raise InvalidInputError(
+            STAGING_FIELD,
+            f"{value} tokens cannot stage one request of max_model_len {max_model_len}",
+        )
+    return (-(-value // source_block) + 1) * attention_groups
+
+
+class StagingPool:
+    """Staging page ids free for pulls; a pull takes all it needs or none."""
+
+    def __init__(self, pages: int) -> None:
+        self.pages = pages
+        self._free = list(range(pages - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self, count: int) -> list[int] | None:
+        if count > len(self._free):
+            return None
+        taken = [self._free.pop() for _ in range(count)]
+        return taken
+
+    def give(self, ids: Sequence[int]) -> None:
+        self._free.extend(reversed(ids))
+
+
+def staged_blocks(
+    block_ids: Sequence[int],
+    staged: Sequence[int],
+    first: int,
+    ratio: int,
+    block: int,
+    num_tokens: int,
+    computed_tokens: int,
+    valid_tokens: int,
+) -> tuple[list[int], torch.Tensor]:
+    """The staging pages of one group to lay out, and for each the decode blocks its
+    `ratio` parts go to (a long [pages, ratio], -1 where none): `staged[k]` holds the
+    prefill's logical block `first + k`, whose part q is the decode's logical block
+    (first + k) * ratio + q. Blocks computed here, null blocks, blocks past the prompt
+    and blocks at or after `valid_tokens` (recomputed by vLLM) get nothing."""
+    end = -(-num_tokens // block) if valid_tokens >= num_tokens else valid_tokens // block
+    low = -(-computed_tokens // block)
+    pages: list[int] = []
+    targets: list[list[int]] = []
+    for k, page in enumerate(staged):
+        row = []
+        for q in range(ratio):
+            i = (first + k) * ratio + q
+            keep = low <= i < min(end, len(block_ids)) and block_ids[i] != NULL_BLOCK
+            row.append(int(block_ids[i]) if keep else -1)
+        if any(t >= 0 for t in row):
+            pages.append(page)
+            targets.append(row)
+    return pages, torch.tensor(targets, dtype=torch.long).view(len(pages), ratio)
+
+
+def unstage_steps(group: GroupRepack, pages: Sequence[int], targets: torch.Tensor) -> Iterator[int]:
+    """Lay out staging pages `pages` of every layer of `group` into the decode blocks
+    `targets` names (`staged_blocks`), as `unit_rows` says, a few pages at a time;
+    yields the bytes of each step (see `repack_steps`)."""
+    if not pages:
+        return
+    ids = torch.tensor(list(pages), dtype=torch.long)
+    per_page, ratio = group.rows.numel(), targets.shape[1]
+    page_bytes = group.stages[0][0].numel() * group.stages[0].element_size()
+    step = max(1, _BATCH_BYTES // page_bytes)
+    for first in range(0, len(pages), step):
+        some, into = ids[first : first + step], targets[first : first + step]
+        keep = into >= 0
+        index = (some.view(-1, 1) * per_page + group.rows.view(1, -1)).reshape(-1)
+        for stage, cache in zip(group.stages, group.caches, strict=True):
+            out = stage.view(-1, group.run).index_select(0, index)
+            out = out.view(len(some), ratio, *cache.shape[1:])
+            cache.index_copy_(0, into[keep], out[keep])
+            yield len(some) * page_bytes
+
+
+def staged_spans(
+    spans: Sequence[BlockSpan], staged: Mapping[int, tuple[int, Sequence[int]]]
+) -> tuple[BlockSpan, ...]:
+    """The engine's spans with each attention group's replaced by its staging pages
+    (`staged`: group id -> (first logical prefill block, page ids))."""
+    out = []
+    for span in spans:
+        if span.group_id not in staged:
+            out.append(span)
+            continue
+        first, ids = staged[span.group_id]
+        out.append(BlockSpan(span.group_id, first, tuple(BlockId(b) for b in ids)))
+    return tuple(out)
