@@ -11,6 +11,7 @@ median of `--repeat` runs of each, GB/s of page bytes, and the ratios side by si
 
     make vllm-venv install
     .venv-vllm/bin/python benchmarks/bench_vllm_reblock.py --tokens 1024 4096
+    .venv-vllm/bin/python benchmarks/bench_vllm_reblock.py --staged --prefill-block 128
 
 Prints one JSON object per case.
 """
@@ -28,7 +29,14 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from kvxfer.core.layout import GroupKind
-from kvxfer.integrations.vllm_reblock import GroupRepack, kernel_rows, received_blocks, repack
+from kvxfer.integrations.vllm_reblock import (
+    GroupRepack,
+    kernel_rows,
+    received_blocks,
+    repack,
+    staged_blocks,
+    unstage_steps,
+)
 
 # (layers, KV heads, head size) from shared/models' public configs.
 SHAPES = {
@@ -54,25 +62,47 @@ def median_s(run: Callable[[], None], repeat: int) -> float:
     return statistics.median(times)
 
 
-def case(model: str, tokens: int, sub: int, ratio: int, dtype: torch.dtype, repeat: int) -> dict:
+def case(
+    model: str, tokens: int, sub: int, ratio: int, dtype: torch.dtype, repeat: int, staged: bool
+) -> dict:
+    """`sub` is the prefill's block size; the decode's is `sub * ratio`, or with `staged`
+    `sub // ratio` (whole prefill pages staged, then laid out into decode blocks)."""
     layers, heads, size = SHAPES[model]
-    block = sub * ratio
-    blocks = -(-tokens // block)
+    block = sub // ratio if staged else sub * ratio
+    source = sub
+    pages = -(-tokens // source)
+    blocks = pages * source // block  # the request's decode blocks, whole
     own = kernel(_get_attn_isa(dtype, block, size))
-    theirs = kernel(_get_attn_isa(dtype, sub, size))
+    theirs = kernel(_get_attn_isa(dtype, source, size))
     caches = tuple(torch.randn(blocks + 1, heads, block, 2 * size).to(dtype) for _ in range(layers))
     rows, run = kernel_rows(
-        theirs, own, heads=heads, source_block=sub, target_block=block, size=size, dtype=dtype
+        theirs, own, heads=heads, source_block=source, target_block=block, size=size, dtype=dtype
     )
-    group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, caches, rows, run)
     ids = list(range(1, blocks + 1))
-    chosen, moved = received_blocks(group, ids, ratio, tokens, 0, tokens)
-    spare = [torch.empty_like(c) for c in caches]
+    if staged:
+        stages = tuple(torch.randn(pages, heads, source, 2 * size).to(dtype) for _ in range(layers))
+        group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, caches, rows, run, stages)
+        order, into = staged_blocks(ids, list(range(pages)), 0, ratio, block, tokens, 0, tokens)
+
+        def work() -> None:
+            for _ in unstage_steps(group, order, into):
+                pass
+
+        copied = stages
+    else:
+        group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, caches, rows, run)
+        chosen, moved = received_blocks(group, ids, ratio, tokens, 0, tokens)
+
+        def work() -> None:
+            repack(group, chosen, moved)
+
+        copied = caches
+    spare = [torch.empty_like(c) for c in copied]
     key = torch.randn(blocks * block, heads, size).to(dtype)
     slots = torch.arange(block, (blocks + 1) * block)
 
     def copy() -> None:
-        for c, s in zip(caches, spare, strict=True):
+        for c, s in zip(copied, spare, strict=True):
             s.copy_(c)
 
     def direct() -> None:
@@ -82,13 +112,12 @@ def case(model: str, tokens: int, sub: int, ratio: int, dtype: torch.dtype, repe
 
     nbytes = sum(c[1:].numel() * c.element_size() for c in caches)
     out = {
-        "model": model, "tokens": tokens, "prefill_block": sub, "decode_block": block,
-        "dtype": str(dtype).removeprefix("torch."),
-        "isas": [_get_attn_isa(dtype, sub, size), _get_attn_isa(dtype, block, size)],
+        "model": model, "tokens": tokens, "prefill_block": source, "decode_block": block,
+        "staged": staged, "dtype": str(dtype).removeprefix("torch."),
+        "isas": [_get_attn_isa(dtype, source, size), _get_attn_isa(dtype, block, size)],
         "page_bytes": nbytes, "run": run,
     }  # fmt: skip
-    for name, run in (("repack", lambda: repack(group, chosen, moved)), ("copy", copy),
-                      ("kernel_write", direct)):  # fmt: skip
+    for name, run in (("repack", work), ("copy", copy), ("kernel_write", direct)):
         run()  # warm
         seconds = median_s(run, repeat)
         out[f"{name}_ms"] = round(seconds * 1000, 3)
@@ -104,6 +133,11 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096])
     parser.add_argument("--prefill-block", type=int, default=32)
     parser.add_argument("--ratio", type=int, default=4, help="decode block / prefill block")
+    parser.add_argument(
+        "--staged",
+        action="store_true",
+        help="the decode's blocks are --ratio times smaller: prefill pages staged whole",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
@@ -111,7 +145,7 @@ def main() -> None:
     for model in args.models:
         for tokens in args.tokens:
             row = case(model, tokens, args.prefill_block, args.ratio, getattr(torch, args.dtype),
-                       args.repeat)  # fmt: skip
+                       args.repeat, args.staged)  # fmt: skip
             print(json.dumps(row), flush=True)
 
 

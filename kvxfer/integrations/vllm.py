@@ -682,7 +682,8 @@ class _Worker:
         self._record(
             layout={
                 "block_size": self.layout.block_size,
-                "sub_pages": reblock,
+                "sub_pages": reblock,  # prefill pages per page (vllm_reblock)
+                "staged": self._owner._stage,  # pages per staged prefill page
                 "tp_size": self.layout.tp_size,
                 "head_major": self.layout.head_major,
                 # Each state group's tensors when cut over TP ranks (vllm_state), else [].

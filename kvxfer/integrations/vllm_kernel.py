@@ -9,7 +9,7 @@ and the amx kernel orders the same values differently again. Two things follow.
   (`EngineLayout.head_major`): that holds only if the kernel puts every byte of head h
   inside `page[block, h]`. `heads_stay_apart` checks it; a page it cannot check is not
   head-major. A token range of a head is no byte range kvxfer can name, so vLLM pages
-  are never cut by tokens: a decode with larger blocks reads whole prefill pages and
+  are never cut by tokens: a decode of another block size reads whole prefill pages and
   lays them out again (`vllm_reblock`), from where `kernel_positions` says the
   prefill's kernel put each key and value.
 - Two engines whose kernels order a page differently cannot share pages at all, whatever

@@ -1,5 +1,5 @@
-"""A decode vLLM whose blocks are larger than its prefill's (docs/vllm.md, "Different
-block sizes").
+"""A decode vLLM whose block size is not its prefill's (docs/vllm.md, "Different block
+sizes").
 
 A vLLM-CPU page cannot be cut by tokens: the attention kernel orders each head's keys
 and values its own way (the vec kernels store K transposed), so a token range of a
@@ -8,7 +8,8 @@ exactly as many bytes as r prefill pages of block size Bp. So the decode worker
 registers its attention pages with the sidecar *as* r sub-pages of Bp tokens each (the
 layout a Bp engine would register, `layout_from_vllm(reblock=r)`), the sidecar moves
 whole prefill pages into them (any TP pairing, the exact planner unchanged), and once
-every pull of a request ended the worker lays each received page out again (`repack`):
+every pull of a request ended the worker lays each received page out again
+(`repack_steps`):
 the prefill kernel's order at Bp says where every token's key and value arrived, the
 decode kernel's order at Bd where that kernel reads them, both learnt from vLLM's own
 kernels (`vllm_kernel.kernel_positions`) when the decode starts, and composed into one
@@ -19,11 +20,12 @@ The prefill's kernel at Bp and the decode's own probe of it must be the same ker
 the sub-pages' order goes into the layout's fingerprint (`vllm_kernel.page_order` at
 Bp), so a pair whose kernels differ is refused by negotiation, as for equal sizes.
 
-State (Mamba) groups are not touched: a state page holds one request's state whatever
-the block size, and moves whole as for equal sizes. Only larger decode blocks (a
-multiple of the prefill's), and only on a decode (`kv_consumer`: a page laid out again
-after arrival is no page to publish); anything else is refused by name when the
-connector starts.
+A decode with smaller blocks (Bp = r * Bd) cannot take a prefill page into one of its
+own; it stages it (see "smaller decode blocks" below). State (Mamba) groups are not
+touched either way: a state page holds one request's state whatever the block size,
+and moves whole as for equal sizes. Only block sizes one of which divides the other,
+and only on a decode (`kv_consumer`: a page laid out again after arrival is no page
+to publish); anything else is refused by name when the connector starts.
 """
 
 from __future__ import annotations
@@ -386,13 +388,17 @@ def unstage_steps(group: GroupRepack, pages: Sequence[int], targets: torch.Tenso
     page_bytes = group.stages[0][0].numel() * group.stages[0].element_size()
     step = max(1, _BATCH_BYTES // page_bytes)
     for first in range(0, len(pages), step):
-        some, into = ids[first : first + step], targets[first : first + step]
+        some, into = ids[first : first + step], targets[first : first + step].reshape(-1)
         keep = into >= 0
+        whole = bool(keep.all())  # the usual case: no boolean gather of what was gathered
         index = (some.view(-1, 1) * per_page + group.rows.view(1, -1)).reshape(-1)
         for stage, cache in zip(group.stages, group.caches, strict=True):
             out = stage.view(-1, group.run).index_select(0, index)
-            out = out.view(len(some), ratio, *cache.shape[1:])
-            cache.index_copy_(0, into[keep], out[keep])
+            out = out.view(len(some) * ratio, *cache.shape[1:])
+            if whole:
+                cache.index_copy_(0, into, out)
+            else:
+                cache.index_copy_(0, into[keep], out[keep])
             yield len(some) * page_bytes
 
 
