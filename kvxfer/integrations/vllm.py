@@ -164,6 +164,9 @@ SIDECAR_LOST = _Lost()
 _WATCH_PAUSE_S = 0.2
 # Bytes of pages laid out again per engine step (vllm_reblock): ~10 ms on one core here.
 _LAY_OUT_BUDGET = 32 << 20
+# Staging pages of a pull whose Pull call failed come back after this long: past any
+# stall deadline and lease a sidecar takes (its reads would have ended by then).
+_QUARANTINE_S = 120.0
 
 
 @dataclass
@@ -177,6 +180,7 @@ class _Receiving:
     valid_tokens: int = 1 << 62  # the least any of its pulls reported
     # Staging pages it holds (vllm_reblock): group id -> (first prefill block, page ids).
     staged: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    quarantine: bool = False  # a Pull call failed: its pages may still be written
 
 
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
@@ -613,6 +617,7 @@ class _Worker:
         self._pool = StagingPool(0)
         self._waiting: collections.deque[PullOrder] = collections.deque()
         self._staged: dict[str, dict[int, tuple[int, list[int]]]] = {}
+        self._quarantine: collections.deque[tuple[float, list[int]]] = collections.deque()
         self._local_block = 0
         # Requests whose pages are being laid out again, a budget of bytes per engine step.
         self._laying: collections.deque[tuple[_Receiving, Iterator[int]]] = collections.deque()
@@ -769,25 +774,40 @@ class _Worker:
         """Pull one request: with different TP sizes, one pull per prefill rank this rank
         reads heads from; the request is received once all of them ended. With staging
         pages (vllm_reblock) it waits, in order, until enough are free."""
-        if self._waiting or not self._stage_into(order):
-            self._waiting.append(order)
-            return
+        if order.awaiting:  # a pull with nothing to load never waits
+            staged = False if self._waiting else self._stage_into(order)
+            if staged is False:
+                self._waiting.append(order)
+            if not staged:
+                return
         self._pull(order)
 
-    def _stage_into(self, order: PullOrder) -> bool:
-        """Take the staging pages `order` needs, if any and if free."""
+    def _stage_into(self, order: PullOrder) -> bool | None:
+        """Take the staging pages `order` needs, if any: True when it can be pulled, False
+        while too few are free. None: an order that could never have them (or whose params
+        are bad), failed at once (vLLM recomputes), never left waiting."""
         ratio = self._owner._ratio
         if ratio.stage == 1 or not order.awaiting:
             return True
-        num_tokens = int(order.params["num_tokens"])
-        computed = order.computed_tokens // ratio.source * ratio.source
-        needed = {
-            gid: needed_blocks(
-                g.kind, g.window, num_tokens, computed, ratio.source, chunk_size=g.chunk
-            )
-            for gid, g in self._repacks.items()
-        }
-        pages = self._pool.take(sum(len(r) for r in needed.values()))
+        try:
+            num_tokens = int(order.params["num_tokens"])
+            computed = order.computed_tokens // ratio.source * ratio.source
+            needed = {
+                gid: needed_blocks(
+                    g.kind, g.window, num_tokens, computed, ratio.source, chunk_size=g.chunk
+                )
+                for gid, g in self._repacks.items()
+            }
+            count = sum(len(r) for r in needed.values())
+            if count > self._pool.pages:
+                raise KvxferError(
+                    f"needs {count} staging pages, {STAGING_FIELD} gives {self._pool.pages}"
+                )
+        except (KvxferError, KeyError, TypeError, ValueError) as exc:
+            log.error("kvxfer: pull of %s refused: %s", order.request_id, exc)
+            self._received(_Receiving(order, failed=True))
+            return None
+        pages = self._pool.take(count)
         if pages is None:
             return False
         staged: dict[int, tuple[int, list[int]]] = {}
@@ -822,9 +842,12 @@ class _Worker:
             try:
                 accepted = self._client.pull(params, spans, computed)
             except KvxferError as exc:
+                ratio = max(self._owner._reblock, self._owner._stage)
                 log.error("kvxfer: pull of %s refused: %s%s", params.request_id, exc,
-                          block_size_hint(exc, self._owner._reblock))  # fmt: skip
-                receiving.failed = True
+                          block_size_hint(exc, ratio))  # fmt: skip
+                # The sidecar may have taken it before the call failed (a deadline): its
+                # reads could still land in the staging pages, which wait a while.
+                receiving.failed = receiving.quarantine = True
                 continue
             self._pulls[params.request_id] = receiving
             receiving.pending += 1
@@ -849,8 +872,16 @@ class _Worker:
                 break
             self._on_event(event)
         self._lay_out(_LAY_OUT_BUDGET)
-        while self._waiting and self._stage_into(self._waiting[0]):
-            self._pull(self._waiting.popleft())
+        now = time.monotonic()
+        while self._quarantine and self._quarantine[0][0] <= now:
+            self._pool.give(self._quarantine.popleft()[1])
+        while self._waiting:
+            staged = self._stage_into(self._waiting[0])
+            if staged is False:
+                break
+            order = self._waiting.popleft()
+            if staged:
+                self._pull(order)
         sending = self._releases.sending_done(finished_req_ids, time.monotonic())
         if sending:
             self._record(finished_sending=sorted(sending))
@@ -897,7 +928,13 @@ class _Worker:
                 event.valid_tokens,
             )
             errors = (
-                load_errors(event, order.block_ids, self.layout.block_size, self._local_block)
+                load_errors(
+                    event,
+                    order.block_ids,
+                    self.layout.block_size,
+                    self._local_block,
+                    order.computed_tokens,
+                )
                 if self.layout is not None and resumable(self._owner._kinds, self._owner._reblock)
                 else None
             )
@@ -950,9 +987,13 @@ class _Worker:
 
     def _finish(self, receiving: _Receiving) -> None:
         order = receiving.order
-        # Every read into them ended (PullDone, or the sidecar is gone with its agents).
+        # Every read into them ended (PullDone, or the sidecar is gone with its agents),
+        # unless a Pull call failed without saying whether the sidecar took it.
         for _, pages in receiving.staged.values():
-            self._pool.give(pages)
+            if receiving.quarantine:
+                self._quarantine.append((time.monotonic() + _QUARANTINE_S, pages))
+            else:
+                self._pool.give(pages)
         receiving.staged = {}
         self._done_recving.add(order.request_id)
         if receiving.failed:

@@ -262,7 +262,11 @@ def rank_params(
 
 
 def load_errors(
-    done: PullDone, local_block_ids: Sequence[Sequence[int]], block_size: int, local_block: int
+    done: PullDone,
+    local_block_ids: Sequence[Sequence[int]],
+    block_size: int,
+    local_block: int,
+    computed_tokens: int = 0,
 ) -> set[int] | None:
     """Local block ids to report from `get_block_ids_with_load_errors` for a one-group
     cache: vLLM resumes at the first reported block, so the block holding token
@@ -271,13 +275,17 @@ def load_errors(
     `local_block` the engine's own (they differ where it reads another block size,
     vllm_reblock): a failed block fails every local block holding any of its tokens.
 
-    vLLM's null block (where a window dropped blocks) is never reported: vLLM would take
-    every request holding it as failed. None where the resume point falls in one: the
-    request is then recomputed whole."""
+    Blocks below `computed_tokens` (the engine's own prefix hit, which a pull of whole
+    prefill blocks may have asked for again, vllm_reblock) are never reported either:
+    other requests share them, and vLLM would roll those back. vLLM's null block (where
+    a window dropped blocks) is never reported: vLLM would take every request holding it
+    as failed. None where the resume point falls in one: the request is then recomputed
+    whole."""
     if done.status is PullStatus.OK or len(local_block_ids) != 1:
         return set()
     ids = [int(b) for b in local_block_ids[0]]
-    resume = done.valid_tokens // local_block
+    own = -(-computed_tokens // local_block)  # blocks held before the pull
+    resume = max(done.valid_tokens // local_block, own)
     if resume < len(ids) and ids[resume] == NULL_BLOCK:
         return None
     logical = {resume}
@@ -285,7 +293,7 @@ def load_errors(
         logical.update(
             range(b * block_size // local_block, -(-(b + 1) * block_size // local_block))
         )
-    return {ids[b] for b in logical if b < len(ids) and ids[b] != NULL_BLOCK}
+    return {ids[b] for b in logical if own <= b < len(ids) and ids[b] != NULL_BLOCK}
 
 
 # ---- the worker's registration, for a scheduler the handshake channel did not reach ----

@@ -30,6 +30,7 @@ to publish); anything else is refused by name when the connector starts.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -326,11 +327,12 @@ def staging_pages(
 
 
 class StagingPool:
-    """Staging page ids free for pulls; a pull takes all it needs or none."""
+    """Staging page ids free for pulls; a pull takes all it needs or none. Pages given
+    back go to the end of the line: the least recently used are taken first."""
 
     def __init__(self, pages: int) -> None:
         self.pages = pages
-        self._free = list(range(pages - 1, -1, -1))
+        self._free = collections.deque(range(pages))
 
     @property
     def free(self) -> int:
@@ -339,11 +341,10 @@ class StagingPool:
     def take(self, count: int) -> list[int] | None:
         if count > len(self._free):
             return None
-        taken = [self._free.pop() for _ in range(count)]
-        return taken
+        return [self._free.popleft() for _ in range(count)]
 
     def give(self, ids: Sequence[int]) -> None:
-        self._free.extend(reversed(ids))
+        self._free.extend(ids)
 
 
 def staged_blocks(
