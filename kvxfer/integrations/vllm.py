@@ -159,8 +159,6 @@ class _Lost:
 
 
 SIDECAR_LOST = _Lost()
-
-
 _WATCH_PAUSE_S = 0.2
 # Bytes of pages laid out again per engine step (vllm_reblock): ~10 ms on one core here.
 _LAY_OUT_BUDGET = 32 << 20
@@ -650,8 +648,6 @@ class _Worker:
             for group, facts in zip(kv_config.kv_cache_groups, kernels, strict=True)
             if facts is not None
         }
-        # The engine's own attention block size, which the registered one may not be.
-        self._local_block = ratio.own if source is not None else 0
         self.layout = layout_from_vllm(
             kv_config,
             buffer=remapped.name,
@@ -668,7 +664,8 @@ class _Worker:
             reblock=reblock,
             staging=staging,
         )
-        self._local_block = self._local_block or self.layout.block_size
+        # The engine's own attention block size, which the registered one may not be.
+        self._local_block = self.layout.block_size * reblock // self._owner._stage
         role = self._owner._kv_transfer_config.kv_role
         registration = self._client.register(self.layout, buffers, name=f"vllm-{role}")
         self.handshake = KvxferHandshake(
