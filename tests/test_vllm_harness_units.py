@@ -170,15 +170,16 @@ def test_stream_finds_nixl_transfer_durations_in_connector_stats() -> None:
     assert vllm_stream._transfer_durations(None) == []
 
 
-def test_demo_block_sizes_default_to_the_family_and_must_be_multiples() -> None:
+def test_demo_block_sizes_default_to_the_family_or_are_both_given() -> None:
     assert DemoOptions("gemma3").block_sizes == (32, 32)
     assert DemoOptions("llama").block_sizes == (None, None)  # vLLM's default
     options = DemoOptions("gemma3", decode_block_size=128)
     assert options.block_sizes == (32, 128) and options.dtype == "float32"
     assert DemoOptions("gemma3", decode_block_size=32).dtype == "bfloat16"
     assert DemoOptions("gemma3", prefill_block_size=64, decode_block_size=32).dtype == "float32"
-    with pytest.raises(InvalidInputError, match="do not divide") as caught:
-        DemoOptions("gemma3", prefill_block_size=64, decode_block_size=96)
-    assert caught.value.field == "--decode-block-size"
-    with pytest.raises(InvalidInputError, match="give --prefill-block-size"):
+    # Sizes that do not nest are staged (vllm_reblock), not refused.
+    assert DemoOptions("gemma3", prefill_block_size=64, decode_block_size=96).block_sizes == (
+        64, 96)  # fmt: skip
+    with pytest.raises(InvalidInputError, match="give --prefill-block-size") as caught:
         DemoOptions("llama", decode_block_size=64)
+    assert caught.value.field == "--decode-block-size"

@@ -7,8 +7,9 @@ negative control (a prompt decoded from another request's KV) diverges, and
 the bytes moved equal the token-level oracle's minimum for what each pull
 carried. Gemma3 runs with a window of 80 (not block-aligned), its prefill at B=32 and its
 decode at B=64 (each decode page is read as two whole prefill pages and laid out again
-as vLLM's kernel would, vllm_reblock); llama the other way, its prefill at B=128 and its
-decode at B=32 (whole prefill pages staged, then laid out into four decode blocks each);
+as vLLM's kernel would, vllm_reblock); llama at sizes that do not nest, its prefill at
+B=96 and its decode at B=64 (whole prefill pages staged, then laid out 192 tokens at a
+time: two prefill pages into three decode blocks);
 GPT-OSS with half its chunks failing (vLLM recomputes, the output must not
 change); Qwen3-Next against vLLM's own NixlConnector P/D (bf16 drift between
 its chunked and recurrent kernels makes one engine a false reference).
@@ -40,7 +41,7 @@ CLI = Path(sys.prefix) / "bin" / "kvxfer-cli"
 DEMOS = {
     "qwen3-next": ("--model", "qwen3-next"),
     "gpt-oss": ("--model", "gpt-oss", "--fail-rate", "0.5", "--seed", "3"),
-    "llama": ("--model", "llama", "--prefill-block-size", "128", "--decode-block-size", "32"),
+    "llama": ("--model", "llama", "--prefill-block-size", "96", "--decode-block-size", "64"),
     "gemma3": ("--model", "gemma3", "--prefill-block-size", "32", "--decode-block-size", "64"),
 }
 
@@ -107,9 +108,9 @@ def test_decode_is_token_identical_and_moves_the_oracle_minimum(
         assert report["block_sizes"] == {"prefill": 32, "decode": 64}
         assert report["layout"]["sub_pages"] == 2 and report["layout"]["block_size"] == 32
         assert all(row["repack_ms"] >= 0 for row in report["per_request"]), report
-    else:  # B=128 pages staged whole, each laid out into four B=32 blocks
-        assert report["block_sizes"] == {"prefill": 128, "decode": 32}
-        assert report["layout"]["staged"] == 4 and report["layout"]["block_size"] == 128
+    else:  # B=96 pages staged whole, two laid out into three B=64 blocks at a time
+        assert report["block_sizes"] == {"prefill": 96, "decode": 64}
+        assert report["layout"]["staged"] == [2, 3] and report["layout"]["block_size"] == 96
         assert all(row["repack_ms"] >= 0 for row in report["per_request"]), report
 
 

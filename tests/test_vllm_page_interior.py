@@ -39,9 +39,16 @@ REBLOCK = [
 ]
 
 
-# The other way, prefill pages r times larger staged and laid out into decode blocks:
-# [dtype, head_size, decode block, ratio].
-STAGE = [["bfloat16", 64, 32, 2], ["float32", 64, 32, 4], ["bfloat16", 80, 32, 2]]
+# Prefill pages staged and laid out into decode blocks, r times smaller or of a size that
+# does not nest: [dtype, head_size, prefill block, decode block].
+STAGE = [
+    ["bfloat16", 64, 64, 32],
+    ["float32", 64, 128, 32],
+    ["bfloat16", 80, 64, 32],
+    ["bfloat16", 64, 64, 96],
+    ["float32", 64, 96, 64],
+    ["bfloat16", 128, 160, 96],
+]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +85,8 @@ def test_pages_read_whole_and_laid_out_again_equal_the_decode_kernels_own(
     """A decode page r times larger than the prefill's, filled with r whole prefill pages
     and laid out again by the connector (vllm_reblock), is byte for byte the page the
     decode's kernel writes itself, and so are decode pages r times smaller laid out from
-    a staged prefill page, for the kernels vLLM picks on this host (vec16 for head
+    staged prefill pages (also where neither block size divides the other, laid out
+    lcm(Bp, Bd) tokens at a time), for the kernels vLLM picks on this host (vec16 for head
     sizes that are not a multiple of 32; vec for blocks of 32 and up; amx for bfloat16
     where the CPU has AMX). No kernel keeps a token's key as a row: why a prefill page
     moves whole and is laid out again, never cut by tokens."""
@@ -87,6 +95,8 @@ def test_pages_read_whole_and_laid_out_again_equal_the_decode_kernels_own(
     for name, facts in found.items():
         assert facts["equal"] is True, (name, facts)
         assert facts.get("k_rows", False) is False, (name, facts)
-    assert found["float32/64/32/4"]["isas"] == ["vec", "vec"]  # staged 128 -> 32
+        assert facts.get("computed_untouched", True) is True, (name, facts)
+    assert found["float32/64/128->32"]["isas"] == ["vec", "vec"]
+    assert found["float32/64/96->64"]["isas"] == ["vec", "vec"]  # 3 pages into 2 blocks
     assert found["bfloat16/80/32x2"]["isas"] == ["vec16", "vec16"]
     assert found["float32/64/32x4"]["isas"] == ["vec", "vec"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from test_vllm_layout import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -34,8 +36,8 @@ from kvxfer.integrations.vllm_reblock import (
     received_blocks,
     repack,
     resumable,
-    staged_blocks,
     staged_spans,
+    staged_units,
     staging_pages,
     sub_spans,
     unstage_steps,
@@ -256,8 +258,6 @@ def test_pages_that_are_not_whole_sub_pages_are_refused() -> None:
         (True, "kv_consumer", "positive integer"),
         (0, "kv_consumer", "positive integer"),
         (32, "kv_producer", "only a decode"),
-        (48, "kv_consumer", "do not divide"),
-        (96, "kv_consumer", "do not divide"),
     ],
 )
 def test_a_prefill_block_size_that_cannot_work_is_refused_naming_the_field(
@@ -273,7 +273,15 @@ def test_the_ratio_and_state_groups() -> None:
     assert reblock_ratio({"prefill_block_size": 128}, "kv_both", _plain(128), True).grow == 1
     assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", _plain(128), True).grow == 4
     smaller = reblock_ratio({"prefill_block_size": 256}, "kv_consumer", _plain(64), True)
-    assert (smaller.grow, smaller.stage) == (1, 4)
+    assert (smaller.grow, smaller.staged, smaller.unit, smaller.aligned) == (1, True, (1, 4), True)
+    # Sizes that do not nest are staged, either way: lcm(96, 64) = 192 tokens, three
+    # prefill pages into two decode blocks, or the reverse.
+    for value, own, unit in ((96, 64, (2, 3)), (64, 96, (3, 2)), (48, 128, (8, 3))):
+        odd = reblock_ratio({"prefill_block_size": value}, "kv_consumer", _plain(own), True)
+        assert (odd.grow, odd.staged, odd.nests, odd.unit) == (1, True, False, unit)
+        assert not odd.aligned  # a prefill block's start is not always a decode block's
+    same = reblock_ratio({}, "kv_consumer", _plain(64), True)
+    assert not same.staged and same.aligned and same.grow == 1
     hybrid = _plain(128)
     hybrid.kv_cache_groups.append(
         KVCacheGroupSpec(["model.layers.1.linear_attn"], MambaSpec(128, 4096))
@@ -296,10 +304,17 @@ def test_a_window_with_prefix_caching_is_refused_and_recomputes_whole() -> None:
     )
     with pytest.raises(InvalidInputError, match="sliding_window"):
         reblock_ratio({"prefill_block_size": 32}, "kv_consumer", gemma3_config(), True)
+    # Sizes that do not nest: a decode block may straddle the window's first prefill block.
+    for value, own in ((96, 64), (64, 96)):
+        with pytest.raises(InvalidInputError, match="prefix caching"):
+            reblock_ratio({"prefill_block_size": value}, "kv_consumer", _plain(own, 48), True)
+        reblock_ratio({"prefill_block_size": value}, "kv_consumer", _plain(own, 48), False)
+    # Smaller decode blocks each lie in one prefill block: whole or not there at all.
+    assert reblock_ratio({"prefill_block_size": 128}, "kv_consumer", _plain(32, 48), True).staged
     full, sliding = [GroupKind.FULL_ATTENTION], [GroupKind.SLIDING_WINDOW]
-    assert resumable(full, 4) and resumable(sliding, 1)
-    assert not resumable(sliding, 4)  # vLLM would resume where its window did not move
-    assert not resumable([GroupKind.SLIDING_WINDOW, GroupKind.FULL_ATTENTION], 1)
+    assert resumable(full, False) and resumable(sliding, True)
+    assert not resumable(sliding, False)  # vLLM would resume where its window did not move
+    assert not resumable([GroupKind.SLIDING_WINDOW, GroupKind.FULL_ATTENTION], True)
 
 
 def test_a_hybrid_decode_splits_its_attention_pages_and_keeps_its_state_pages() -> None:
@@ -328,8 +343,8 @@ def test_a_decode_without_the_setting_is_refused_and_told_what_to_set() -> None:
     with pytest.raises(NegotiationError) as caught:
         negotiate(decode, prefill)
     assert "layout.groups[0].block_size" in str(caught.value)
-    assert "prefill_block_size" in block_size_hint(caught.value, 1)
-    assert block_size_hint(caught.value, 2) == ""  # set already: the hint would mislead
+    assert "prefill_block_size" in block_size_hint(caught.value, False)
+    assert block_size_hint(caught.value, True) == ""  # set already: the hint would mislead
     reblocked = layout_from_vllm(_plain(64, blocks=128), buffer="d", base_offset=0, model="m",
                                  reblock=2)  # fmt: skip
     assert negotiate(reblocked, prefill).block_size == 32
@@ -354,41 +369,132 @@ def test_staging_pages_hold_the_longest_request_or_are_refused() -> None:
     assert pool.take(4) == [3, 0, 1, 2] and pool.free == 0
 
 
-@pytest.mark.parametrize(("ratio", "decode_kernel"), [(2, transposed), (4, rows)])
+@pytest.mark.parametrize(
+    ("source", "block", "decode_kernel"),
+    [(32, 16, transposed), (64, 16, rows), (48, 32, transposed), (32, 48, rows),
+     (80, 48, transposed), (16, 16 * 3, rows)],
+)  # fmt: skip
+@pytest.mark.parametrize("case", ["prefix", "window"])
 def test_staged_prefill_pages_are_laid_out_into_the_decode_blocks(
-    ratio: int, decode_kernel: KernelWrite
+    source: int, block: int, decode_kernel: KernelWrite, case: str
 ) -> None:
-    """Prefill pages of 16 * ratio tokens (K transposed) staged whole, then laid out into
-    the decode's blocks of 16 wherever vLLM put them, equal the decode kernel writing the
-    same KV itself; blocks computed here, and past the prompt, are left alone."""
-    block, source = 16, 16 * ratio
-    tokens, computed = source * 2 - 3, block  # two prefill pages; one block local
-    gen = torch.Generator().manual_seed(ratio)
+    """Prefill pages (K transposed) staged whole, then laid out into the decode's blocks
+    wherever vLLM put them, lcm(source, block) tokens at a time, equal the decode kernel
+    writing the same KV itself: r times smaller blocks, and sizes that do not nest. A
+    decode block computed here, or holding no staged token, is left alone; a decode
+    block's tokens from a prefill block that did not move (before a window) are zeros."""
+    tokens = 3 * source + 5
+    gen = torch.Generator().manual_seed(source * block)
     kv = torch.randn(tokens, 2, HEADS, SIZE, generator=gen).to(torch.bfloat16)
-    prefill = torch.zeros(3, HEADS, source, 2 * SIZE, dtype=torch.bfloat16)
-    write(transposed, prefill, kv, source)  # prefill blocks 1 and 2
-    stage = torch.zeros(5, HEADS, source, 2 * SIZE, dtype=torch.bfloat16)
-    stage[3], stage[0] = prefill[1], prefill[2]  # what the sidecar moves: whole pages
-    count = 2 * ratio
+    count, pulled_end = -(-tokens // block), -(-tokens // source)
+    prefill = torch.zeros(pulled_end, HEADS, source, 2 * SIZE, dtype=torch.bfloat16)
+    write(transposed, prefill, kv, 0)
+    # What moved: from the prefill block holding the first token not computed here (a
+    # prefix of one decode block), or from prefill block 2 on (a window).
+    computed = block if case == "prefix" else 0
+    first = computed // source if case == "prefix" else 2
+    pages = list(range(2 * (pulled_end - first), 0, -2))  # staging pages, in no order
+    # Pages no pull took hold what an earlier one left.
+    stage = torch.full((2 * pulled_end + 1, HEADS, source, 2 * SIZE), 5.0, dtype=torch.bfloat16)
+    for k, page in enumerate(pages):
+        stage[page] = prefill[first + k]
     ids = list(range(count + 20, 20, -1))  # decode blocks, in no order
     decode = torch.full((count + 21, HEADS, block, 2 * SIZE), float("nan"), dtype=torch.bfloat16)
     rows_, run = kernel_rows(transposed, decode_kernel, heads=HEADS, source_block=source,
                              target_block=block, size=SIZE, dtype=torch.bfloat16)  # fmt: skip
     group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, (decode,), rows_, run, (stage,))
-    pages, targets = staged_blocks(ids, [3, 0], 0, ratio, block, tokens, computed, tokens)
-    assert pages == [3, 0] and int(targets[0, 0]) == -1  # block 0 was computed here
-    for _ in unstage_steps(group, pages, targets):
+    sources, targets = staged_units(ids, pages, first, source, block, tokens, computed, tokens)
+    for _ in unstage_steps(group, sources, targets):
         pass
+    # The oracle, token by token: the KV of every token that moved, zeros elsewhere.
+    moved = torch.zeros(count * block, dtype=torch.bool)
+    moved[first * source : tokens] = True
+    padded = torch.zeros(count * block, 2, HEADS, SIZE, dtype=kv.dtype)
+    padded[:tokens] = kv
+    padded[~moved] = 0
     want = torch.zeros_like(decode)
-    padded = torch.cat([kv, torch.zeros(3, 2, HEADS, SIZE, dtype=kv.dtype)])
     for i, b in enumerate(ids):
         write(decode_kernel, want, padded[i * block : (i + 1) * block], b * block)
-    assert decode[ids[0]].isnan().all()  # computed here: untouched
-    for b in ids[1:]:
-        assert torch.equal(decode[b], want[b]), b
+        laid = i >= computed // block and bool(moved[i * block : (i + 1) * block].any())
+        if laid:
+            assert torch.equal(decode[b], want[b]), (i, b)
+        else:
+            assert decode[b].isnan().all(), (i, b)
+    assert sorted(int(t) for t in targets.reshape(-1) if t >= 0) == sorted(
+        b
+        for i, b in enumerate(ids)
+        if i >= computed // block and bool(moved[i * block : (i + 1) * block].any())
+    )
     # A partial pull: vLLM recomputes from the block holding valid token 40 on.
-    pages, targets = staged_blocks(ids, [3, 0], 0, ratio, block, tokens, 0, 40)
-    assert [int(t) for t in targets.reshape(-1) if t >= 0] == ids[: 40 // block]
+    _, targets = staged_units(ids, pages, first, source, block, tokens, computed, 40)
+    assert sorted(int(t) for t in targets.reshape(-1) if t >= 0) == sorted(
+        b
+        for i, b in enumerate(ids[: 40 // block])
+        if i >= computed // block and bool(moved[i * block : (i + 1) * block].any())
+    )
+
+
+_ROWS: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
+
+
+@given(
+    source=st.sampled_from([16, 32, 48, 64, 80, 96]),
+    block=st.sampled_from([16, 32, 48, 64, 96, 128]),
+    data=st.data(),
+)
+def test_staged_units_lay_out_every_moved_token_and_nothing_else(
+    source: int, block: int, data: st.DataObject
+) -> None:
+    """Against a token-by-token oracle, for any pair of sizes, prompt, local prefix, first
+    prefill block moved (a window), valid tokens and null blocks: a decode block is
+    written exactly when it is past the prefix, before the resume point, not null and
+    holds a moved token; every token it holds is then that token's KV, or zeros where
+    its prefill block did not move or it lies past the prompt."""
+    tokens = data.draw(st.integers(1, 5 * max(source, block)), label="tokens")
+    computed = block * data.draw(st.integers(0, (tokens - 1) // block), label="computed blocks")
+    last = -(-tokens // source)
+    first = data.draw(st.integers(computed // source, last - 1), label="first moved")
+    valid = data.draw(st.sampled_from([tokens, data.draw(st.integers(0, tokens))]), label="valid")
+    count = -(-tokens // block)
+    nulls = data.draw(st.integers(0, first * source // block), label="null blocks")
+    ids = [0] * nulls + list(range(2 * count, 2 * count - (count - nulls), -1))
+    pages = data.draw(st.permutations(range(2 * (last - first))), label="pages")[: last - first]
+    # Token t's key and value carry t + 1 in every element (float32 holds them exactly).
+    codes = torch.arange(1, last * source + 1, dtype=torch.float32)
+    codes[tokens:] = 0
+    kv = codes.view(-1, 1, 1, 1).expand(-1, 2, HEADS, SIZE).contiguous()
+    prefill = torch.zeros(last, HEADS, source, 2 * SIZE)
+    write(rows, prefill, kv, 0)
+    stage = torch.full((2 * (last - first), HEADS, source, 2 * SIZE), -5.0)
+    for k, page in enumerate(pages):
+        stage[page] = prefill[first + k]
+    decode = torch.full((2 * count + 1, HEADS, block, 2 * SIZE), -7.0)
+    key = (source, block)
+    if key not in _ROWS:
+        _ROWS[key] = kernel_rows(rows, transposed, heads=HEADS, source_block=source,
+                                 target_block=block, size=SIZE, dtype=torch.float32)  # fmt: skip
+    group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, (decode,), *_ROWS[key], (stage,))
+    sources, targets = staged_units(ids, pages, first, source, block, tokens, computed, valid)
+    for _ in unstage_steps(group, sources, targets):
+        pass
+    end = count if valid >= tokens else valid // block
+    moved = torch.zeros(count * block, dtype=torch.bool)
+    moved[first * source : last * source] = True
+    want = codes.new_zeros(count * block)
+    want[: min(tokens, count * block)] = codes[: min(tokens, count * block)]
+    want[~moved] = 0
+    written = set()
+    for i, b in enumerate(ids):
+        span = slice(i * block, (i + 1) * block)
+        if computed // block <= i < end and b != 0 and bool(moved[span].any()):
+            written.add(b)
+            got = torch.zeros(1, HEADS, block, 2 * SIZE)
+            expected = want[span].view(-1, 1, 1, 1).expand(-1, 2, HEADS, SIZE)
+            write(transposed, got, expected.contiguous(), 0)
+            assert torch.equal(decode[b], got[0]), (i, b)
+    untouched = [b for b in range(len(decode)) if b not in written]
+    assert bool((decode[untouched] == -7.0).all())
+    assert sorted(int(t) for t in targets.reshape(-1) if t >= 0) == sorted(written)
 
 
 def test_the_decode_registers_staging_pages_as_a_prefill_of_the_larger_size_does() -> None:
@@ -396,7 +502,7 @@ def test_the_decode_registers_staging_pages_as_a_prefill_of_the_larger_size_does
                            kernels=["vec:abc"])  # fmt: skip
     config = _plain(32, blocks=256)
     layers = attention_layers(config)
-    staging = Staging("stage", 4096, 10, 4, 8192, layers)
+    staging = Staging("stage", 4096, 10, 128, 8192, layers)
     small = layout_from_vllm(config, buffer="d", base_offset=0, model="m", kernels=["vec:abc"],
                              staging=staging)  # fmt: skip
     assert small.fingerprint == big.fingerprint and small.block_size == 128

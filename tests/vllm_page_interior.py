@@ -17,8 +17,8 @@ allocates them (`[num_blocks, heads, block_size, 2 * head_size]`), then reports,
 - `k_row_stride`: the element distance between dims d and d+1 of one token's K (1 when a
   K row is contiguous; `block_size` when the kernel stores K transposed).
 
-With "reblock" cases on stdin it also runs `vllm_reblock_kernels.case` for each (one
-vLLM import for both; see that script).
+With "reblock" and "stage" cases on stdin it also runs `vllm_reblock_kernels.case` and
+`stage_case` for each (one vLLM import for all; see that script).
 """
 
 from __future__ import annotations
@@ -95,15 +95,18 @@ def main() -> None:
         found["order_again"] = page_order(write, block_size=BLOCK, head_size=HEAD, dtype=dtype)
         out[f"{isa}/{name}"] = found
     # Pages of another block size laid out again (vllm_reblock), in the same process.
-    from vllm_reblock_kernels import case, stage_case  # noqa: PLC0415 (a sibling script)
+    from vllm_reblock_kernels import (  # noqa: PLC0415 (a sibling script)
+        case,
+        stage_case,
+    )
 
     reblock = {
         f"{name}/{size}/{sub}x{ratio}": case(getattr(torch, name), size, sub, ratio)
         for name, size, sub, ratio in payload.get("reblock", [])
     }
     reblock.update(
-        (f"{name}/{size}/{block}/{ratio}", stage_case(getattr(torch, name), size, block, ratio))
-        for name, size, block, ratio in payload.get("stage", [])
+        (f"{name}/{size}/{source}->{block}", stage_case(getattr(torch, name), size, source, block))
+        for name, size, source, block in payload.get("stage", [])
     )
     json.dump({"pages": out, "reblock": reblock}, sys.stdout)
 

@@ -25,7 +25,7 @@ from kvxfer.integrations.vllm_reblock import (
     kernel_rows,
     received_blocks,
     repack,
-    staged_blocks,
+    staged_units,
     unstage_steps,
 )
 
@@ -79,24 +79,30 @@ def case(dtype: torch.dtype, size: int, sub: int, ratio: int) -> dict[str, objec
     }
 
 
-def stage_case(dtype: torch.dtype, size: int, block: int, ratio: int) -> dict[str, object]:
-    """The other way: prefill pages of `block * ratio` tokens staged whole, laid out into
-    decode blocks of `block` (vllm_reblock.unstage_steps)."""
-    source = block * ratio
+def stage_case(dtype: torch.dtype, size: int, source: int, block: int) -> dict[str, object]:
+    """The other way, and sizes that do not nest: prefill pages of `source` tokens staged
+    whole, laid out into decode blocks of `block` (vllm_reblock.unstage_steps), a prefix
+    of one decode block computed here."""
     big, small = _get_attn_isa(dtype, source, size), _get_attn_isa(dtype, block, size)
-    tokens = source + source // 2
+    tokens = 2 * source + source // 2 + 1
     kv = torch.randn(tokens, 2, HEADS, size, generator=torch.Generator().manual_seed(size))
     kv = kv.to(dtype)
-    stage = torch.zeros(3, HEADS, source, 2 * size, dtype=dtype)
-    fill(kernel(big), stage, kv, source)  # staging pages 1 and 2
     count = -(-tokens // block)
-    ids = list(range(2 * ratio, 2 * ratio - count, -1))
-    decode = torch.zeros(2 * ratio + 1, HEADS, block, 2 * size, dtype=dtype)
+    ids = list(range(count + 1, 1, -1))  # in no order
+    first = block // source  # the prefill block holding the first token not computed here
+    pulled = -(-tokens // source) - first
+    stage = torch.zeros(pulled + 2, HEADS, source, 2 * size, dtype=dtype)
+    prefill = torch.zeros(first + pulled, HEADS, source, 2 * size, dtype=dtype)
+    fill(kernel(big), prefill, kv, 0)
+    pages = list(range(pulled + 1, 1, -1))  # staging pages, in no order
+    for k, page in enumerate(pages):
+        stage[page] = prefill[first + k]
+    decode = torch.full((count + 2, HEADS, block, 2 * size), 7.0, dtype=dtype)
     rows, run = kernel_rows(kernel(big), kernel(small), heads=HEADS, source_block=source,
                             target_block=block, size=size, dtype=dtype)  # fmt: skip
     group = GroupRepack(GroupKind.FULL_ATTENTION, None, None, (decode,), rows, run, (stage,))
-    pages, targets = staged_blocks(ids, [1, 2], 0, ratio, block, tokens, 0, tokens)
-    for _ in unstage_steps(group, pages, targets):
+    sources, targets = staged_units(ids, pages, first, source, block, tokens, block, tokens)
+    for _ in unstage_steps(group, sources, targets):
         pass
     want = torch.zeros_like(decode)
     padded = torch.cat([kv, torch.zeros(count * block - tokens, 2, HEADS, size, dtype=dtype)])
@@ -105,7 +111,8 @@ def stage_case(dtype: torch.dtype, size: int, block: int, ratio: int) -> dict[st
     return {
         "isas": [big, small],
         "run": run,
-        "equal": all(bool(torch.equal(decode[b], want[b])) for b in ids),
+        "equal": all(bool(torch.equal(decode[b], want[b])) for b in ids[1:]),
+        "computed_untouched": bool((decode[ids[0]] == 7).all()),
     }
 
 

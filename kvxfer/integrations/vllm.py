@@ -104,8 +104,8 @@ from kvxfer.integrations.vllm_reblock import (
     received_blocks,
     repack_steps,
     resumable,
-    staged_blocks,
     staged_spans,
+    staged_units,
     staging_pages,
     sub_spans,
     unstage_steps,
@@ -204,7 +204,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             kv_cache_config,
             bool(vllm_config.cache_config.enable_prefix_caching),
         )
-        self._reblock, self._stage = self._ratio.grow, self._ratio.stage
+        self._reblock = self._ratio.grow
         attention_groups = sum(kind is not GroupKind.MAMBA for kind in self._kinds)
         self._staging_pages = (
             staging_pages(
@@ -213,7 +213,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                 self._ratio.source,
                 attention_groups,
             )
-            if self._stage > 1
+            if self._ratio.staged
             else 0
         )
         self._scheduler = _Scheduler(self, sidecar) if role is KVConnectorRole.SCHEDULER else None
@@ -283,7 +283,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        if self._reblock > 1 or self._stage > 1:  # its pages are no pages a reader could take
+        if self._ratio.source != self._ratio.own:  # its pages are no pages a reader could take
             log.error(
                 "kvxfer: %s not published: this decode reads another block size (%s), so "
                 "its pages are no pages a reader could take",
@@ -665,7 +665,7 @@ class _Worker:
             staging=staging,
         )
         # The engine's own attention block size, which the registered one may not be.
-        self._local_block = self.layout.block_size * reblock // self._owner._stage
+        self._local_block = ratio.own if ratio.staged else self.layout.block_size * reblock
         role = self._owner._kv_transfer_config.kv_role
         registration = self._client.register(self.layout, buffers, name=f"vllm-{role}")
         self.handshake = KvxferHandshake(
@@ -685,7 +685,8 @@ class _Worker:
             layout={
                 "block_size": self.layout.block_size,
                 "sub_pages": reblock,  # prefill pages per page (vllm_reblock)
-                "staged": self._owner._stage,  # pages per staged prefill page
+                # Prefill pages and decode blocks laid out together from staging pages.
+                "staged": list(ratio.unit) if ratio.staged else None,
                 "tp_size": self.layout.tp_size,
                 "head_major": self.layout.head_major,
                 # Each state group's tensors when cut over TP ranks (vllm_state), else [].
@@ -712,16 +713,17 @@ class _Worker:
     def _staging(
         self, kv_config: Any, kv_caches: dict[str, torch.Tensor]
     ) -> tuple[Staging | None, dict[str, torch.Tensor]]:
-        """A decode with smaller blocks than its prefill's: staging pages of the prefill's
-        size for every attention layer, in shared memory the sidecar can write
-        (vllm_reblock); their registration and each layer's view of them."""
-        pages, ratio = self._owner._staging_pages, self._owner._stage
+        """A decode that stages its prefill's pages (smaller blocks, or sizes that do not
+        nest): staging pages of the prefill's size for every attention layer, in shared
+        memory the sidecar can write (vllm_reblock); their registration and each layer's
+        view of them."""
+        pages, source = self._owner._staging_pages, self._owner._ratio.source
         if not pages:
             return None, {}
         layers = attention_layers(kv_config)
         first = kv_caches[layers[0]]
-        page_shape = (first.shape[1], first.shape[2] * ratio, first.shape[3])
-        page_bytes = first[0].numel() * first.element_size() * ratio
+        page_shape = (first.shape[1], source, first.shape[3])
+        page_bytes = first.shape[1] * source * first.shape[3] * first.element_size()
         if any(tuple(kv_caches[n].shape[1:]) != tuple(first.shape[1:]) for n in layers):
             raise KvxferError(f"{REBLOCK_FIELD}: staging needs one page shape in every layer")
         store = torch.zeros(len(layers) * pages * page_bytes // first.element_size(),
@@ -732,7 +734,7 @@ class _Worker:
         views = store.view(len(layers), pages, *page_shape)
         self._pool = StagingPool(pages)
         staging = Staging(
-            remapped.name, remapped.offset_of(store.data_ptr()), pages, ratio, page_bytes, layers
+            remapped.name, remapped.offset_of(store.data_ptr()), pages, source, page_bytes, layers
         )
         log.info("kvxfer: %d staging pages of %d bytes per layer (%s)", pages, page_bytes,
                  STAGING_FIELD)  # fmt: skip
@@ -784,7 +786,7 @@ class _Worker:
         while too few are free. None: an order that could never have them (or whose params
         are bad), failed at once (vLLM recomputes), never left waiting."""
         ratio = self._owner._ratio
-        if ratio.stage == 1 or not order.awaiting:
+        if not ratio.staged or not order.awaiting:
             return True
         try:
             num_tokens = int(order.params["num_tokens"])
@@ -839,9 +841,9 @@ class _Worker:
             try:
                 accepted = self._client.pull(params, spans, computed)
             except KvxferError as exc:
-                ratio = max(self._owner._reblock, self._owner._stage)
+                configured = self._owner._ratio.source != self._owner._ratio.own
                 log.error("kvxfer: pull of %s refused: %s%s", params.request_id, exc,
-                          block_size_hint(exc, ratio))  # fmt: skip
+                          block_size_hint(exc, configured))  # fmt: skip
                 # The sidecar may have taken it before the call failed (a deadline): its
                 # reads could still land in the staging pages, which wait a while.
                 receiving.failed = receiving.quarantine = True
@@ -932,7 +934,8 @@ class _Worker:
                     self._local_block,
                     order.computed_tokens,
                 )
-                if self.layout is not None and resumable(self._owner._kinds, self._owner._reblock)
+                if self.layout is not None
+                and resumable(self._owner._kinds, self._owner._ratio.aligned)
                 else None
             )
             if errors is None:
@@ -1008,11 +1011,11 @@ class _Worker:
             ids = order.block_ids[gid]
             if gid in receiving.staged:
                 first, staged = receiving.staged[gid]
-                pages, targets = staged_blocks(
-                    ids, staged, first, ratio.stage, ratio.own, num_tokens,
+                sources, targets = staged_units(
+                    ids, staged, first, ratio.source, ratio.own, num_tokens,
                     order.computed_tokens, receiving.valid_tokens,
                 )  # fmt: skip
-                steps = unstage_steps(group, pages, targets)
+                steps = unstage_steps(group, sources, targets)
                 count += int((targets >= 0).sum())
             else:
                 blocks, moved = received_blocks(

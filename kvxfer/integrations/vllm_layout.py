@@ -149,8 +149,8 @@ def layout_from_vllm(
     `reblock` > 1 registers every attention page as that many whole sub-pages of
     block_size / reblock tokens, the pages of the prefill this decode reads
     (`vllm_reblock`); `kernels` then name the kernel at that sub-page size. `staging`
-    (a decode with smaller blocks than its prefill's) registers every attention layer's
-    staging pages, of the prefill's size, in place of its own pages; `kernels` then name
+    (a decode whose blocks do not hold whole prefill pages) registers every attention
+    layer's staging pages, of the prefill's size, in place of its own pages; `kernels` then name
     the kernel at the prefill's size."""
     groups: list[KVGroup] = []
     regions: list[Region] = []
@@ -165,10 +165,11 @@ def layout_from_vllm(
         staged = staging is not None and shape.kind is not GroupKind.MAMBA
         if staged:
             assert staging is not None
+            per_token, rest = divmod(shape.page_bytes, shape.block_size)
+            if rest:
+                raise LayoutError(f"{where}.kv_cache_spec", "a page is no whole bytes per token")
             shape = replace(
-                shape,
-                block_size=shape.block_size * staging.ratio,
-                page_bytes=shape.page_bytes * staging.ratio,
+                shape, block_size=staging.block_size, page_bytes=per_token * staging.block_size
             )
         shapes.append(shape)
         blocks = num_blocks if shape.kind is GroupKind.MAMBA else num_blocks * reblock
@@ -238,15 +239,15 @@ def layout_from_vllm(
 
 @dataclass(frozen=True)
 class Staging:
-    """Where a decode with smaller blocks than its prefill's keeps its staging pages
-    (`vllm_reblock`): layer `layers[k]`'s `pages` pages of `page_bytes` each, one after
-    another from `base_offset + k * pages * page_bytes` in the registered buffer
-    `buffer`; each holds `ratio` of the decode's pages."""
+    """Where a decode that stages its prefill's pages keeps them (`vllm_reblock`): layer
+    `layers[k]`'s `pages` pages of `page_bytes` each, one after another from
+    `base_offset + k * pages * page_bytes` in the registered buffer `buffer`; each holds
+    `block_size` tokens, the prefill's block size."""
 
     buffer: str
     base_offset: int
     pages: int
-    ratio: int
+    block_size: int
     page_bytes: int
     layers: tuple[str, ...]
 

@@ -20,17 +20,19 @@ The prefill's kernel at Bp and the decode's own probe of it must be the same ker
 the sub-pages' order goes into the layout's fingerprint (`vllm_kernel.page_order` at
 Bp), so a pair whose kernels differ is refused by negotiation, as for equal sizes.
 
-A decode with smaller blocks (Bp = r * Bd) cannot take a prefill page into one of its
-own; it stages it (see "smaller decode blocks" below). State (Mamba) groups are not
-touched either way: a state page holds one request's state whatever the block size,
-and moves whole as for equal sizes. Only block sizes one of which divides the other,
-and only on a decode (`kv_consumer`: a page laid out again after arrival is no page
-to publish); anything else is refused by name when the connector starts.
+A decode with smaller blocks (Bp = r * Bd), or with a block size neither dividing nor
+divided by the prefill's (64 and 96), cannot take a prefill page into one of its own; it
+stages it (see "staging pages" below) and lays out lcm(Bp, Bd) tokens at a time. State
+(Mamba) groups are not touched either way: a state page holds one request's state
+whatever the block size, and moves whole as for equal sizes. Only on a decode
+(`kv_consumer`: a page laid out again after arrival is no page to publish); anything
+else is refused by name when the connector starts.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,24 +60,44 @@ class BlockRatio:
 
     @property
     def grow(self) -> int:
-        """Prefill pages per decode page (read as sub-pages, then laid out again)."""
-        return self.own // self.source if self.own > self.source else 1
+        """Prefill pages per decode page where the decode's holds whole prefill pages
+        (read as sub-pages, then laid out again in place); else 1."""
+        return self.own // self.source if self.own > self.source and self.nests else 1
 
     @property
-    def stage(self) -> int:
-        """Decode pages per prefill page (read into staging pages, then laid out)."""
-        return self.source // self.own if self.source > self.own else 1
+    def nests(self) -> bool:
+        """One block size divides the other."""
+        return self.own % self.source == 0 or self.source % self.own == 0
+
+    @property
+    def staged(self) -> bool:
+        """Prefill pages go to staging pages first: smaller decode blocks, or sizes that
+        do not nest."""
+        return self.source != self.own and self.grow == 1
+
+    @property
+    def unit(self) -> tuple[int, int]:
+        """Prefill pages and decode pages that hold the same tokens, lcm(source, own) of
+        them: what a staged lay-out takes at a time."""
+        lcm = math.lcm(self.source, self.own)
+        return lcm // self.source, lcm // self.own
+
+    @property
+    def aligned(self) -> bool:
+        """Every prefill block starts a decode block: where the sidecar says a pull's
+        valid tokens end (a prefill block's start), vLLM resumes exactly there."""
+        return self.source % self.own == 0
 
 
 def reblock_ratio(
     extra: Mapping[str, Any], kv_role: str | None, kv_cache_config: Any, prefix_caching: bool
 ) -> BlockRatio:
     """The decode's block size against the prefill's, from `prefill_block_size` in the
-    connector's extra config (absent: the same); refused, naming the field, where one
-    does not divide the other, and where vLLM's prefix cache would keep a page that is
-    not whole: with a sliding window (or chunked local attention) and larger decode
-    blocks, the decode page where the window starts holds only the sub-pages the
-    prefill still had, zeros before them, and the prefix cache would hand it to a later
+    connector's extra config (absent: the same); refused, naming the field, where vLLM's
+    prefix cache would keep a page that is not whole: with a sliding window (or chunked
+    local attention) and decode blocks that do not each lie in one prefill block, the
+    decode page where the window starts holds only the tokens of the prefill blocks
+    that moved, zeros before them, and the prefix cache would hand it to a later
     request as a full block."""
     value = extra.get("prefill_block_size")
     if value is None:
@@ -96,14 +118,8 @@ def reblock_ratio(
         raise InvalidInputError(
             FIELD, f"only a decode (kv_consumer) reads another block size, not {kv_role}"
         )
-    if own % value and value % own:
-        raise InvalidInputError(
-            FIELD,
-            f"{value} and this engine's block size {own} do not divide one another: a "
-            "prefill page must hold whole decode pages or fit whole in one",
-        )
     windowed = {s.kind.value for s in shapes if s.kind in _WINDOWED}
-    if windowed and prefix_caching and own > value:
+    if windowed and prefix_caching and value % own:
         raise InvalidInputError(
             FIELD,
             f"with {', '.join(sorted(windowed))} layers, the decode page where a window "
@@ -114,20 +130,22 @@ def reblock_ratio(
     return BlockRatio(own, value)
 
 
-def resumable(kinds: Sequence[GroupKind], ratio: int) -> bool:
+def resumable(kinds: Sequence[GroupKind], aligned: bool) -> bool:
     """Whether vLLM can resume a partly failed pull where its valid tokens end: one group
-    (vLLM 0.32 takes block failures for one group only), and not a window read as
-    sub-pages (vLLM resumes at a decode block's start, whose window reaches further back
-    than what moved); otherwise the request is recomputed whole."""
-    return len(kinds) == 1 and (ratio == 1 or kinds[0] is GroupKind.FULL_ATTENTION)
+    (vLLM 0.32 takes block failures for one group only), and no window unless every
+    prefill block starts a decode block (`BlockRatio.aligned`: else vLLM resumes at an
+    earlier decode block's start, whose window reaches further back than what moved);
+    otherwise the request is recomputed whole."""
+    return len(kinds) == 1 and (aligned or kinds[0] is GroupKind.FULL_ATTENTION)
 
 
-def block_size_hint(exc: Exception, ratio: int) -> str:
-    """What to add to a pull refused for block sizes: the setting that reads them."""
-    if ".block_size" not in str(exc) or ratio > 1:
+def block_size_hint(exc: Exception, configured: bool) -> str:
+    """What to add to a pull refused for block sizes: the setting that reads them (unless
+    `configured` already)."""
+    if ".block_size" not in str(exc) or configured:
         return ""
     return (
-        f" (a decode whose block size is a multiple of the prefill's reads its pages with "
+        f" (a decode of another block size than the prefill's reads its pages with "
         f"{FIELD} set to the prefill's block size)"
     )
 
@@ -159,16 +177,14 @@ def unit_rows(
     size: int,
 ) -> tuple[torch.Tensor, int]:
     """How pages written at `target_block` tokens are gathered from pages written at
-    `source_block` (one divides the other), a unit of max(source_block, target_block)
-    tokens at a time: the unit's source pages side by side (as received) and its target
-    pages side by side. Returns `(rows, run)` such that, seeing both as rows of `run`
-    elements, target row j is source row `rows[j]`. `theirs` and `own` are
-    `vllm_kernel.kernel_positions` of the kernels writing each; `run` is the longest power
-    of two both keep together (32 elements on the vec kernels, 512 on amx), so a
-    re-layout is one row gather, not one per element."""
-    unit = max(source_block, target_block)
-    if unit % source_block or unit % target_block:
-        raise InvalidInputError("block_size", f"{source_block} and {target_block} do not nest")
+    `source_block`, a unit of lcm(source_block, target_block) tokens at a time: the
+    unit's source pages side by side (as received) and its target pages side by side.
+    Returns `(rows, run)` such that, seeing both as rows of `run` elements, target row j
+    is source row `rows[j]`. `theirs` and `own` are `vllm_kernel.kernel_positions` of the
+    kernels writing each; `run` is the longest power of two both keep together (32
+    elements on the vec kernels, 512 on amx), so a re-layout is one row gather, not one
+    per element."""
+    unit = math.lcm(source_block, target_block)
     n_source, n_target = source_block * size, target_block * size
     if theirs.numel() != 2 * n_source or own.numel() != 2 * n_target:
         raise InvalidInputError("kernel", "kernel positions of another block or head size")
@@ -186,7 +202,7 @@ def unit_rows(
 
     source = torch.empty(heads * 2 * unit * size, dtype=torch.int64)
     source[place(own, target_block)] = place(theirs, source_block)
-    page_elements = heads * 2 * min(source_block, target_block) * size
+    page_elements = heads * 2 * math.gcd(source_block, target_block) * size
     run = 1 << 12
     while run > 1:
         if page_elements % run == 0:  # a run never spans two pages of either side
@@ -232,7 +248,8 @@ class GroupRepack:
     caches: tuple[torch.Tensor, ...]  # [num_blocks, heads, Bd, 2 * head_size] each, dense
     rows: torch.Tensor
     run: int
-    # With smaller decode blocks: each layer's staging pages, [pages, heads, Bp, 2 * size].
+    # With staging (`BlockRatio.staged`): each layer's staging pages, [pages, heads, Bp,
+    # 2 * size].
     stages: tuple[torch.Tensor, ...] = ()
 
 
@@ -297,13 +314,15 @@ def repack(group: GroupRepack, blocks: Sequence[int], moved: torch.Tensor) -> No
         pass
 
 
-# ---- smaller decode blocks: whole prefill pages into staging pages, then laid out ----
+# ---- staging pages: whole prefill pages, then laid out into the decode's blocks ----
 #
-# A prefill page of Bp = r * Bd tokens holds r decode pages' tokens, but the decode's r
-# blocks are wherever vLLM put them. So a decode with smaller blocks registers, for its
+# Where a decode block does not hold whole prefill pages (smaller decode blocks, Bp = r *
+# Bd, or sizes that do not nest, 64 and 96), a prefill page cannot land in the decode's
+# pages, whose blocks are wherever vLLM put them. So such a decode registers, for its
 # attention layers, staging pages of the prefill's size (`layout_from_vllm(staging=)`),
-# pulls whole prefill pages into some it takes from a pool, and lays each out into its
-# r blocks (`unstage_steps`) before vLLM hears the request was received.
+# pulls whole prefill pages into some it takes from a pool, and lays them out into its
+# blocks (`unstage_steps`) before vLLM hears the request was received: lcm(Bp, Bd) tokens
+# at a time, the a = lcm / Bp prefill pages and b = lcm / Bd decode blocks holding them.
 
 STAGING_FIELD = "kv_connector_extra_config.staging_tokens"
 
@@ -347,60 +366,82 @@ class StagingPool:
         self._free.extend(ids)
 
 
-def staged_blocks(
+def staged_units(
     block_ids: Sequence[int],
     staged: Sequence[int],
     first: int,
-    ratio: int,
-    block: int,
+    source: int,
+    own: int,
     num_tokens: int,
     computed_tokens: int,
     valid_tokens: int,
-) -> tuple[list[int], torch.Tensor]:
-    """The staging pages of one group to lay out, and for each the decode blocks its
-    `ratio` parts go to (a long [pages, ratio], -1 where none): `staged[k]` holds the
-    prefill's logical block `first + k`, whose part q is the decode's logical block
-    (first + k) * ratio + q. Blocks computed here, null blocks, blocks past the prompt
-    and blocks at or after `valid_tokens` (recomputed by vLLM) get nothing."""
-    end = -(-num_tokens // block) if valid_tokens >= num_tokens else valid_tokens // block
-    low = -(-computed_tokens // block)
-    pages: list[int] = []
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lay-out of one group's staging pages, a unit of lcm(source, own) tokens at a
+    time (`BlockRatio.unit`: a prefill pages, b decode blocks): `(sources, targets)`, a
+    long [units, a] of the staging pages holding each unit's prefill blocks and a long
+    [units, b] of the decode blocks each unit's parts go to, -1 where none. `staged[k]`
+    holds the prefill's logical block `first + k`. A decode block gets nothing where it
+    was computed here, is vLLM's null block, lies past the prompt or at or after
+    `valid_tokens` (recomputed by vLLM), or holds no token of a staged page; where it
+    holds tokens of a prefill block that did not move (before a window, past the
+    prompt), those become zeros (`unstage_steps`)."""
+    lcm = math.lcm(source, own)
+    a, b = lcm // source, lcm // own
+    held = {first + k: int(page) for k, page in enumerate(staged)}
+    end = -(-num_tokens // own) if valid_tokens >= num_tokens else valid_tokens // own
+    end, low = min(end, len(block_ids)), -(-computed_tokens // own)
+    sources: list[list[int]] = []
     targets: list[list[int]] = []
-    for k, page in enumerate(staged):
+    units = range(first // a, (first + len(staged) - 1) // a + 1) if staged else range(0)
+    for u in units:
         row = []
-        for q in range(ratio):
-            i = (first + k) * ratio + q
-            keep = low <= i < min(end, len(block_ids)) and block_ids[i] != NULL_BLOCK
+        for i in range(u * b, u * b + b):
+            # Decode block i holds tokens of prefill blocks i * own // source .. last.
+            last = ((i + 1) * own - 1) // source
+            keep = low <= i < end and block_ids[i] != NULL_BLOCK
+            keep = keep and any(p in held for p in range(i * own // source, last + 1))
             row.append(int(block_ids[i]) if keep else -1)
         if any(t >= 0 for t in row):
-            pages.append(page)
+            sources.append([held.get(u * a + p, -1) for p in range(a)])
             targets.append(row)
-    return pages, torch.tensor(targets, dtype=torch.long).view(len(pages), ratio)
+    return (
+        torch.tensor(sources, dtype=torch.long).view(len(sources), a),
+        torch.tensor(targets, dtype=torch.long).view(len(targets), b),
+    )
 
 
-def unstage_steps(group: GroupRepack, pages: Sequence[int], targets: torch.Tensor) -> Iterator[int]:
-    """Lay out staging pages `pages` of every layer of `group` into the decode blocks
-    `targets` names (`staged_blocks`), as `unit_rows` says, a few pages at a time;
-    yields the bytes of each step (see `repack_steps`)."""
-    if not pages:
+def unstage_steps(
+    group: GroupRepack, sources: torch.Tensor, targets: torch.Tensor
+) -> Iterator[int]:
+    """Lay out the staging pages `sources` of every layer of `group` into the decode
+    blocks `targets` (`staged_units`), as `unit_rows` says, a few units at a time (rows
+    from a prefill block that did not move become zeros); yields the bytes of each step
+    (see `repack_steps`)."""
+    if not sources.numel():
         return
-    ids = torch.tensor(list(pages), dtype=torch.long)
-    per_page, ratio = group.rows.numel(), targets.shape[1]
+    a, b = sources.shape[1], targets.shape[1]
+    per_unit = group.rows.numel()
+    per_page = per_unit // a
+    page, within = group.rows // per_page, group.rows % per_page  # each row's source
     page_bytes = group.stages[0][0].numel() * group.stages[0].element_size()
-    step = max(1, _BATCH_BYTES // page_bytes)
-    for first in range(0, len(pages), step):
-        some, into = ids[first : first + step], targets[first : first + step].reshape(-1)
+    step = max(1, _BATCH_BYTES // (a * page_bytes))
+    for first in range(0, len(sources), step):
+        held, into = sources[first : first + step], targets[first : first + step].reshape(-1)
+        from_page = held[:, page]  # [units, rows]: the staging page of every row
+        lost = from_page < 0
+        index = (from_page.clamp(min=0) * per_page + within).reshape(-1)
         keep = into >= 0
         whole = bool(keep.all())  # the usual case: no boolean gather of what was gathered
-        index = (some.view(-1, 1) * per_page + group.rows.view(1, -1)).reshape(-1)
         for stage, cache in zip(group.stages, group.caches, strict=True):
-            out = stage.view(-1, group.run).index_select(0, index)
-            out = out.view(len(some) * ratio, *cache.shape[1:])
+            out = stage.view(-1, group.run).index_select(0, index).view(len(held), per_unit, -1)
+            if bool(lost.any()):
+                out.masked_fill_(lost.unsqueeze(2), 0)
+            out = out.view(len(held) * b, *cache.shape[1:])
             if whole:
                 cache.index_copy_(0, into, out)
             else:
                 cache.index_copy_(0, into[keep], out[keep])
-            yield len(some) * page_bytes
+            yield len(held) * a * page_bytes
 
 
 def staged_spans(
