@@ -100,3 +100,16 @@ def test_pages_read_whole_and_laid_out_again_equal_the_decode_kernels_own(
     assert found["float32/64/96->64"]["isas"] == ["vec", "vec"]  # 3 pages into 2 blocks
     assert found["bfloat16/80/32x2"]["isas"] == ["vec16", "vec16"]
     assert found["float32/64/32x4"]["isas"] == ["vec", "vec"]
+
+
+def test_a_pull_waiting_for_staging_pages_whose_request_was_aborted_is_dropped(
+    probed: dict[str, Any],
+) -> None:
+    """vLLM keeps an aborted request's blocks until the connector says it was received:
+    the decode worker takes the request out of the line of pulls waiting for staging
+    pages, reports it received, and tells the prefill to release with a pull of nothing
+    (empty blocks, nothing awaited); the others keep their order."""
+    found = probed["aborted"]
+    assert found["waiting"] == ["a", "c"]
+    assert found["done"] == ["b"]
+    assert found["pulled"] == [["b", False, [[], []]]]

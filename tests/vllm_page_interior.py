@@ -18,7 +18,7 @@ allocates them (`[num_blocks, heads, block_size, 2 * head_size]`), then reports,
   K row is contiguous; `block_size` when the kernel stores K transposed).
 
 With "reblock" and "stage" cases on stdin it also runs `vllm_reblock_kernels.case` and
-`stage_case` for each (one vLLM import for all; see that script).
+`stage_case` for each, and its `aborted_case` (one vLLM import for all; see that script).
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ def main() -> None:
         out[f"{isa}/{name}"] = found
     # Pages of another block size laid out again (vllm_reblock), in the same process.
     from vllm_reblock_kernels import (  # noqa: PLC0415 (a sibling script)
+        aborted_case,
         case,
         stage_case,
     )
@@ -108,7 +109,7 @@ def main() -> None:
         (f"{name}/{size}/{source}->{block}", stage_case(getattr(torch, name), size, source, block))
         for name, size, source, block in payload.get("stage", [])
     )
-    json.dump({"pages": out, "reblock": reblock}, sys.stdout)
+    json.dump({"pages": out, "reblock": reblock, "aborted": aborted_case()}, sys.stdout)
 
 
 if __name__ == "__main__":

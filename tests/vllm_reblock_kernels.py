@@ -116,6 +116,29 @@ def stage_case(dtype: torch.dtype, size: int, source: int, block: int) -> dict[s
     }
 
 
+def aborted_case() -> dict[str, object]:
+    """The decode worker's line of pulls waiting for staging pages, when vLLM finished
+    (aborted) one of them: `_Worker._drop_finished` with its pull call recorded (the seam:
+    every other attribute is the worker's own)."""
+    from collections import deque  # noqa: PLC0415
+
+    from kvxfer.integrations.vllm import PullOrder, _Worker  # noqa: PLC0415
+
+    worker = _Worker.__new__(_Worker)
+    worker._waiting = deque(
+        PullOrder(rid, {"num_tokens": 300}, ([1, 2, 3], [4]), 0) for rid in ("a", "b", "c")
+    )
+    worker._done_recving = set()
+    pulled: list[PullOrder] = []
+    worker._pull = pulled.append  # type: ignore[method-assign]
+    worker._drop_finished({"b", "gone"})
+    return {
+        "waiting": [o.request_id for o in worker._waiting],
+        "done": sorted(worker._done_recving),
+        "pulled": [[o.request_id, o.awaiting, [list(b) for b in o.block_ids]] for o in pulled],
+    }
+
+
 def main() -> None:
     out = {}
     for name, size, sub, ratio in json.load(sys.stdin)["cases"]:

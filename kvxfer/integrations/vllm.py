@@ -40,7 +40,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -859,6 +859,22 @@ class _Worker:
         if not receiving.pending:
             self._received(receiving)
 
+    def _drop_finished(self, finished_req_ids: set[str]) -> None:
+        """Pulls waiting for staging pages whose request vLLM finished meanwhile (aborted):
+        nothing is to load any more. The prefill is told to release (a pull with nothing
+        to load), and vLLM hears the request received, which frees the blocks it kept
+        for it; the pulls behind it no longer wait for it."""
+        waiting, self._waiting = self._waiting, collections.deque()
+        for order in waiting:
+            if order.request_id not in finished_req_ids:
+                self._waiting.append(order)
+                continue
+            log.info("kvxfer: %s finished while its pull waited for staging pages: not "
+                     "pulled", order.request_id)  # fmt: skip
+            self._done_recving.add(order.request_id)
+            self._pull(replace(order, block_ids=tuple([] for _ in order.block_ids),
+                               awaiting=False))  # fmt: skip
+
     def expect_released(self, published: dict[str, dict[int, list[str]]]) -> None:
         """The publications holding each request's blocks, per rank (vllm_release)."""
         self._releases.announce(published)
@@ -871,6 +887,8 @@ class _Worker:
                 break
             self._on_event(event)
         self._lay_out(_LAY_OUT_BUDGET)
+        if self._waiting and finished_req_ids:
+            self._drop_finished(finished_req_ids)
         now = time.monotonic()
         while self._quarantine and self._quarantine[0][0] <= now:
             self._pool.give(self._quarantine.popleft()[1])
