@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -99,24 +101,40 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return write_models(tmp_path_factory.mktemp("models"), [case[0] for case in CASES])
 
 
-@pytest.mark.vllm
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize(("family", "block_size", "order"), CASES)
-def test_kvxfer_beside_an_offloading_connector_in_a_multiconnector(
-    family: str,
-    block_size: int | None,
-    order: str,
-    models: dict[str, Path],
-    tmp_path: Path,
-) -> None:
-    fleet = Fleet(tmp_path)
+def composed(family: str, block_size: int | None, order: str, model: Path, workdir: Path) -> Any:
+    fleet = Fleet(workdir)
     try:
-        report = vllm_compose.run_composed_pd(
-            models[family], PROMPTS, MAX_TOKENS, fleet, tmp_path / "engines",
+        return vllm_compose.run_composed_pd(
+            model, PROMPTS, MAX_TOKENS, fleet, workdir / "engines",
             block_size=block_size, order=order, python=vllm_python(),
         )  # fmt: skip
     finally:
         fleet.close()
+
+
+@pytest.fixture(scope="module")
+def reports(
+    models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future[Any]]]:
+    """Both cases' reports, run side by side (engines starting leave a core idle); a test
+    waits for its own."""
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="composed")
+    try:
+        yield {
+            case[2]: pool.submit(composed, *case, models[case[0]], tmp_path_factory.mktemp(case[2]))
+            for case in CASES
+        }
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("family", "block_size", "order"), CASES)
+def test_kvxfer_beside_an_offloading_connector_in_a_multiconnector(
+    family: str, block_size: int | None, order: str, reports: dict[str, Future[Any]]
+) -> None:
+    report = reports[order].result()
     routed, again = report["routed"], report["repeat"]
     # 1. P/D through the MultiConnector: the single instance's tokens, exact bytes.
     assert report["matched"] == report["requests"] == len(PROMPTS) + 1, report

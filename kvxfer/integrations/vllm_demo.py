@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvxfer._exceptions import InvalidInputError
+from kvxfer._exceptions import InvalidInputError, KvxferError
 from kvxfer.integrations import vllm_fleet
 from kvxfer.integrations.tiny_models import FAMILIES, VOCAB_SIZE
 from kvxfer.integrations.vllm_params import published_request
@@ -215,7 +215,11 @@ def _reference(
         prefill = replace(prefill, tp_size=options.prefill_tp, nice=options.nice)
         decode = replace(decode, tp_size=options.decode_tp, nice=options.nice)
         with vllm_fleet.PdPair(prefill, decode, python, workdir) as pair:
-            tokens = [pair.route(p, options.max_tokens).token_ids for p in prompts[:-1]]
+            routed = [pair.route(p, options.max_tokens) for p in prompts[:-1]]
+        # A decode that recomputed the prompt would be a reference of another kind.
+        if any(r.bytes_transferred <= 0 for r in routed):
+            raise KvxferError("the reference's NixlConnector moved no KV into its decode")
+        tokens = [r.token_ids for r in routed]
         # The control's own tokens come from one engine: it is compared, never matched.
         alone = vllm_fleet.EngineSpec(
             model, 1024, block, None, enable_prefix_caching=False, dtype=options.dtype
