@@ -3,7 +3,8 @@
 `run_vllm_demo` starts two kvxfer sidecars (kvxfer.cli.fleet) and a prefill
 and a decode vLLM with kvxfer's connector (vllm_fleet.PdPair), routes each
 prompt prefill -> decode as a router does, and compares the decoded tokens
-with a reference: one vLLM engine alone for attention models; for state models
+with a reference: one vLLM engine alone for attention models (the decode engine
+itself, on plain requests before any transfer: one engine start fewer); for state models
 (Qwen3-Next, whose chunked and recurrent kernels drift in bf16) vLLM's own
 NixlConnector P/D on the same prompts. A negative control decodes a prompt
 from another request's KV: it must diverge, or the moved KV was never used.
@@ -132,9 +133,16 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
                       dtype=dtype)  # fmt: skip
     decode = replace(decode, enable_prefix_caching=False, tp_size=options.decode_tp, nice=nice,
                      dtype=dtype)  # fmt: skip
-    reference, reference_kind = _reference(family, model, block, [*prompts, control], options,
-                                           python, workdir)  # fmt: skip
+    state = family in STATE_FAMILIES
+    reference = _nixl_reference(model, block, prompts, options, python, workdir) if state else []
     with vllm_fleet.PdPair(prefill, decode, python, workdir) as pair:
+        # One vLLM alone: the decode engine itself, before any transfer, on plain requests
+        # (its connector acts only on kv_transfer_params), at its own block size, dtype and
+        # TP; prefix caching is off, so nothing of it is reused. The control's tokens come
+        # from it in every case: they are compared, never matched.
+        alone = pair.decode.generate([control] if state else [*prompts, control],
+                                     options.max_tokens)  # fmt: skip
+        reference += [o.token_ids for o in alone.outputs]
         routed = [pair.route(prompt, options.max_tokens) for prompt in prompts]
         donor, _ = pair.prefill_for_decode(prompts[1])
         fake = pair.decode.generate([control], options.max_tokens, [donor])
@@ -166,7 +174,7 @@ def run_vllm_demo(options: DemoOptions, workdir: Path, sidecars: Any) -> dict[st
         "block_sizes": {"prefill": p_block, "decode": block},
         "requests": len(prompts),
         "matched": sum(r["match"] for r in per_request),
-        "reference": reference_kind,
+        "reference": "vllm NixlConnector P/D" if state else "vllm single instance",
         "negative_control_diverged": fake.outputs[0].token_ids != reference[-1],
         # A control whose pull failed was recomputed from its own prompt: it proves nothing.
         "negative_control_applies": control_pull["failed"] == 0,
@@ -199,38 +207,27 @@ def _model(name: str, workdir: Path, python: Path) -> tuple[str | None, Path]:
     return None, path
 
 
-def _reference(
-    family: str | None,
+def _nixl_reference(
     model: Path,
     block: int | None,
     prompts: Sequence[Sequence[int]],
     options: DemoOptions,
     python: Path,
     workdir: Path,
-) -> tuple[list[list[int]], str]:
-    """The tokens each prompt must decode to, and where they come from."""
-    if family in STATE_FAMILIES:
-        nixl = vllm_fleet.nixl_connector_config()
-        prefill, decode = vllm_fleet.pd_specs(model, nixl, nixl, 1024, block)
-        prefill = replace(prefill, tp_size=options.prefill_tp, nice=options.nice)
-        decode = replace(decode, tp_size=options.decode_tp, nice=options.nice)
-        with vllm_fleet.PdPair(prefill, decode, python, workdir) as pair:
-            routed = [pair.route(p, options.max_tokens) for p in prompts[:-1]]
-        # A decode that recomputed the prompt would be a reference of another kind.
-        if any(r.bytes_transferred <= 0 for r in routed):
-            raise KvxferError("the reference's NixlConnector moved no KV into its decode")
-        tokens = [r.token_ids for r in routed]
-        # The control's own tokens come from one engine: it is compared, never matched.
-        alone = vllm_fleet.EngineSpec(
-            model, 1024, block, None, enable_prefix_caching=False, dtype=options.dtype
-        )
-        last = vllm_fleet.reference_run(alone, prompts[-1:], options.max_tokens, python, workdir)
-        return [*tokens, last.outputs[0].token_ids], "vllm NixlConnector P/D"
-    spec = vllm_fleet.EngineSpec(
-        model, 1024, block, None, enable_prefix_caching=False, dtype=options.dtype
-    )
-    reply = vllm_fleet.reference_run(spec, prompts, options.max_tokens, python, workdir)
-    return [g.token_ids for g in reply.outputs], "vllm single instance"
+) -> list[list[int]]:
+    """A state model's reference: the tokens each prompt decodes to through vLLM's own
+    NixlConnector P/D at the same TP sizes (its decode finishes the prompt with the
+    recurrent kernel, where one engine alone runs the chunked one; see the module doc)."""
+    nixl = vllm_fleet.nixl_connector_config()
+    prefill, decode = vllm_fleet.pd_specs(model, nixl, nixl, 1024, block)
+    prefill = replace(prefill, tp_size=options.prefill_tp, nice=options.nice)
+    decode = replace(decode, tp_size=options.decode_tp, nice=options.nice)
+    with vllm_fleet.PdPair(prefill, decode, python, workdir) as pair:
+        routed = [pair.route(p, options.max_tokens) for p in prompts]
+    # A decode that recomputed the prompt would be a reference of another kind.
+    if any(r.bytes_transferred <= 0 for r in routed):
+        raise KvxferError("the reference's NixlConnector moved no KV into its decode")
+    return [r.token_ids for r in routed]
 
 
 def read_pulls(stats: Path, skip: int = 0) -> list[dict[str, Any]]:
