@@ -108,8 +108,10 @@ def test_a_pull_waiting_for_staging_pages_whose_request_was_aborted_is_dropped(
     """vLLM keeps an aborted request's blocks until the connector says it was received:
     the decode worker takes the request out of the line of pulls waiting for staging
     pages, reports it received, and tells the prefill to release with a pull of nothing
-    (empty blocks, nothing awaited); the others keep their order."""
+    (empty blocks, nothing awaited, every token computed: a pull the planner plans
+    nothing for, where fewer would be refused as uncovered); the others keep their
+    order."""
     found = probed["aborted"]
     assert found["waiting"] == ["a", "c"]
     assert found["done"] == ["b"]
-    assert found["pulled"] == [["b", False, [[], []]]]
+    assert found["pulled"] == [["b", False, [[], []], 300]]

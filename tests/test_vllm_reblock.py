@@ -273,15 +273,14 @@ def test_the_ratio_and_state_groups() -> None:
     assert reblock_ratio({"prefill_block_size": 128}, "kv_both", _plain(128), True).grow == 1
     assert reblock_ratio({"prefill_block_size": 32}, "kv_consumer", _plain(128), True).grow == 4
     smaller = reblock_ratio({"prefill_block_size": 256}, "kv_consumer", _plain(64), True)
-    assert (smaller.grow, smaller.staged, smaller.unit, smaller.aligned) == (1, True, (1, 4), True)
+    assert (smaller.grow, smaller.staged, smaller.unit) == (1, True, (1, 4))
     # Sizes that do not nest are staged, either way: lcm(96, 64) = 192 tokens, three
     # prefill pages into two decode blocks, or the reverse.
     for value, own, unit in ((96, 64, (2, 3)), (64, 96, (3, 2)), (48, 128, (8, 3))):
         odd = reblock_ratio({"prefill_block_size": value}, "kv_consumer", _plain(own), True)
         assert (odd.grow, odd.staged, odd.nests, odd.unit) == (1, True, False, unit)
-        assert not odd.aligned  # a prefill block's start is not always a decode block's
     same = reblock_ratio({}, "kv_consumer", _plain(64), True)
-    assert not same.staged and same.aligned and same.grow == 1
+    assert not same.staged and same.grow == 1
     hybrid = _plain(128)
     hybrid.kv_cache_groups.append(
         KVCacheGroupSpec(["model.layers.1.linear_attn"], MambaSpec(128, 4096))
@@ -315,6 +314,13 @@ def test_a_window_with_prefix_caching_is_refused_and_recomputes_whole() -> None:
     assert resumable(full, False) and resumable(sliding, True)
     assert not resumable(sliding, False)  # vLLM would resume where its window did not move
     assert not resumable([GroupKind.SLIDING_WINDOW, GroupKind.FULL_ATTENTION], True)
+    # Staged 64 -> 32, window 301, 400 tokens: vLLM's null blocks end at token 96, the
+    # pull staged prefill block 1 (tokens 64..127) and block 6 failed. The sidecar counts
+    # 384 tokens valid, yet tokens 84..95 of that window had no decode block to land in.
+    done = PullDone("r", PullStatus.PARTIAL, {0: (6,)}, 384, 0, 0.0)
+    ids = [[0, 0, 0, *range(103, 116)]]
+    assert load_errors(done, ids, 64, 32) == {112, 113}  # what it would resume at, so:
+    assert not resumable(sliding, False)  # 64 -> 32 is not one size: recomputed whole
 
 
 def test_a_hybrid_decode_splits_its_attention_pages_and_keeps_its_state_pages() -> None:
@@ -459,10 +465,11 @@ def test_staged_units_lay_out_every_moved_token_and_nothing_else(
     nulls = data.draw(st.integers(0, first * source // block), label="null blocks")
     ids = [0] * nulls + list(range(2 * count, 2 * count - (count - nulls), -1))
     pages = data.draw(st.permutations(range(2 * (last - first))), label="pages")[: last - first]
-    # Token t's key and value carry t + 1 in every element (float32 holds them exactly).
-    codes = torch.arange(1, last * source + 1, dtype=torch.float32)
-    codes[tokens:] = 0
-    kv = codes.view(-1, 1, 1, 1).expand(-1, 2, HEADS, SIZE).contiguous()
+    # Every element of every token's key and value its own number (float32 holds them
+    # exactly): a token, K and V, a head or a dimension out of place shows.
+    kv = torch.arange(1, last * source * 2 * HEADS * SIZE + 1, dtype=torch.float32)
+    kv = kv.view(-1, 2, HEADS, SIZE)
+    kv[tokens:] = 0
     prefill = torch.zeros(last, HEADS, source, 2 * SIZE)
     write(rows, prefill, kv, 0)
     stage = torch.full((2 * (last - first), HEADS, source, 2 * SIZE), -5.0)
@@ -480,8 +487,8 @@ def test_staged_units_lay_out_every_moved_token_and_nothing_else(
     end = count if valid >= tokens else valid // block
     moved = torch.zeros(count * block, dtype=torch.bool)
     moved[first * source : last * source] = True
-    want = codes.new_zeros(count * block)
-    want[: min(tokens, count * block)] = codes[: min(tokens, count * block)]
+    want = kv.new_zeros(count * block, 2, HEADS, SIZE)
+    want[: min(tokens, count * block)] = kv[: min(tokens, count * block)]
     want[~moved] = 0
     written = set()
     for i, b in enumerate(ids):
@@ -489,8 +496,7 @@ def test_staged_units_lay_out_every_moved_token_and_nothing_else(
         if computed // block <= i < end and b != 0 and bool(moved[span].any()):
             written.add(b)
             got = torch.zeros(1, HEADS, block, 2 * SIZE)
-            expected = want[span].view(-1, 1, 1, 1).expand(-1, 2, HEADS, SIZE)
-            write(transposed, got, expected.contiguous(), 0)
+            write(transposed, got, want[span].contiguous(), 0)
             assert torch.equal(decode[b], got[0]), (i, b)
     untouched = [b for b in range(len(decode)) if b not in written]
     assert bool((decode[untouched] == -7.0).all())

@@ -126,7 +126,7 @@ def aborted_case() -> dict[str, object]:
 
     worker = _Worker.__new__(_Worker)
     worker._waiting = deque(
-        PullOrder(rid, {"num_tokens": 300}, ([1, 2, 3], [4]), 0) for rid in ("a", "b", "c")
+        PullOrder(rid, {"num_tokens": 300}, ([1, 2, 3], [4]), 32) for rid in ("a", "b", "c")
     )
     worker._done_recving = set()
     pulled: list[PullOrder] = []
@@ -135,7 +135,10 @@ def aborted_case() -> dict[str, object]:
     return {
         "waiting": [o.request_id for o in worker._waiting],
         "done": sorted(worker._done_recving),
-        "pulled": [[o.request_id, o.awaiting, [list(b) for b in o.block_ids]] for o in pulled],
+        "pulled": [
+            [o.request_id, o.awaiting, [list(b) for b in o.block_ids], o.computed_tokens]
+            for o in pulled
+        ],
     }
 
 

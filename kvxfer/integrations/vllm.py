@@ -872,8 +872,10 @@ class _Worker:
             log.info("kvxfer: %s finished while its pull waited for staging pages: not "
                      "pulled", order.request_id)  # fmt: skip
             self._done_recving.add(order.request_id)
+            # Every token "computed": a pull that plans nothing, as the scheduler's own.
+            remote = int(order.params.get("num_tokens", 0))
             self._pull(replace(order, block_ids=tuple([] for _ in order.block_ids),
-                               awaiting=False))  # fmt: skip
+                               computed_tokens=remote, awaiting=False))  # fmt: skip
 
     def expect_released(self, published: dict[str, dict[int, list[str]]]) -> None:
         """The publications holding each request's blocks, per rank (vllm_release)."""
@@ -953,7 +955,9 @@ class _Worker:
                     order.computed_tokens,
                 )
                 if self.layout is not None
-                and resumable(self._owner._kinds, self._owner._ratio.aligned)
+                and resumable(
+                    self._owner._kinds, self._owner._ratio.source == self._owner._ratio.own
+                )
                 else None
             )
             if errors is None:

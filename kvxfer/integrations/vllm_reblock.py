@@ -82,12 +82,6 @@ class BlockRatio:
         lcm = math.lcm(self.source, self.own)
         return lcm // self.source, lcm // self.own
 
-    @property
-    def aligned(self) -> bool:
-        """Every prefill block starts a decode block: where the sidecar says a pull's
-        valid tokens end (a prefill block's start), vLLM resumes exactly there."""
-        return self.source % self.own == 0
-
 
 def reblock_ratio(
     extra: Mapping[str, Any], kv_role: str | None, kv_cache_config: Any, prefix_caching: bool
@@ -130,13 +124,15 @@ def reblock_ratio(
     return BlockRatio(own, value)
 
 
-def resumable(kinds: Sequence[GroupKind], aligned: bool) -> bool:
+def resumable(kinds: Sequence[GroupKind], same_size: bool) -> bool:
     """Whether vLLM can resume a partly failed pull where its valid tokens end: one group
-    (vLLM 0.32 takes block failures for one group only), and no window unless every
-    prefill block starts a decode block (`BlockRatio.aligned`: else vLLM resumes at an
-    earlier decode block's start, whose window reaches further back than what moved);
-    otherwise the request is recomputed whole."""
-    return len(kinds) == 1 and (aligned or kinds[0] is GroupKind.FULL_ATTENTION)
+    (vLLM 0.32 takes block failures for one group only), and no window unless both
+    engines have one block size. Otherwise the sidecar counts valid tokens in prefill
+    blocks that the decode's blocks do not mirror: a resume may land at an earlier decode
+    block's start, whose window reaches before what moved, or the window may reach
+    tokens that moved into staging but had no decode block to land in (vLLM's null
+    blocks before the window). The request is then recomputed whole."""
+    return len(kinds) == 1 and (same_size or kinds[0] is GroupKind.FULL_ATTENTION)
 
 
 def block_size_hint(exc: Exception, configured: bool) -> str:
@@ -414,34 +410,31 @@ def unstage_steps(
     group: GroupRepack, sources: torch.Tensor, targets: torch.Tensor
 ) -> Iterator[int]:
     """Lay out the staging pages `sources` of every layer of `group` into the decode
-    blocks `targets` (`staged_units`), as `unit_rows` says, a few units at a time (rows
-    from a prefill block that did not move become zeros); yields the bytes of each step
-    (see `repack_steps`)."""
-    if not sources.numel():
+    blocks `targets` (`staged_units`), as `unit_rows` says, a few decode blocks at a time:
+    only the rows of the blocks written are gathered, so a unit of many blocks (a large
+    lcm) costs what its written blocks hold. Rows from a prefill block that did not move
+    become zeros. Yields the bytes of each step (see `repack_steps`)."""
+    units, parts = (targets >= 0).nonzero(as_tuple=True)  # every decode block to write
+    if not len(units):
         return
     a, b = sources.shape[1], targets.shape[1]
-    per_unit = group.rows.numel()
-    per_page = per_unit // a
-    page, within = group.rows // per_page, group.rows % per_page  # each row's source
-    page_bytes = group.stages[0][0].numel() * group.stages[0].element_size()
-    step = max(1, _BATCH_BYTES // (a * page_bytes))
-    for first in range(0, len(sources), step):
-        held, into = sources[first : first + step], targets[first : first + step].reshape(-1)
-        from_page = held[:, page]  # [units, rows]: the staging page of every row
+    per_page = group.rows.numel() // a
+    rows = group.rows.view(b, -1)  # the rows of each decode block of a unit
+    page, within = rows // per_page, rows % per_page  # where each comes from
+    block_bytes = group.caches[0][0].numel() * group.caches[0].element_size()
+    step = max(1, _BATCH_BYTES // block_bytes)
+    for first in range(0, len(units), step):
+        u, q = units[first : first + step], parts[first : first + step]
+        from_page = sources[u.view(-1, 1), page[q]]  # [blocks, rows]: each row's page
         lost = from_page < 0
-        index = (from_page.clamp(min=0) * per_page + within).reshape(-1)
-        keep = into >= 0
-        whole = bool(keep.all())  # the usual case: no boolean gather of what was gathered
+        index = (from_page.clamp(min=0) * per_page + within[q]).reshape(-1)
+        into = targets[u, q]
         for stage, cache in zip(group.stages, group.caches, strict=True):
-            out = stage.view(-1, group.run).index_select(0, index).view(len(held), per_unit, -1)
+            out = stage.view(-1, group.run).index_select(0, index).view(len(u), rows.shape[1], -1)
             if bool(lost.any()):
                 out.masked_fill_(lost.unsqueeze(2), 0)
-            out = out.view(len(held) * b, *cache.shape[1:])
-            if whole:
-                cache.index_copy_(0, into, out)
-            else:
-                cache.index_copy_(0, into[keep], out[keep])
-            yield len(held) * a * page_bytes
+            cache.index_copy_(0, into, out.view(len(u), *cache.shape[1:]))
+            yield len(u) * block_bytes
 
 
 def staged_spans(
