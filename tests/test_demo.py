@@ -256,7 +256,8 @@ def _processes_mentioning(text: str) -> list[str]:
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_ctrl_c_stops_the_vllm_demo_with_one_line(tmp_path: Path) -> None:
-    """The vLLM path: SIGINT to the demo's process group once a vLLM engine is loading.
+    """The vLLM path: SIGINT to the demo's process group once a vLLM engine is loading
+    (the decode's, which computes the reference first).
     Its workers run in sessions of their own (out of the session watch's sight), so
     they are found by the demo directory their command lines name. The demo starts with
     SIGINT ignored, as a non-interactive shell starts a background job: its sidecars
@@ -273,7 +274,7 @@ def test_ctrl_c_stops_the_vllm_demo_with_one_line(tmp_path: Path) -> None:
         while not any(log.stat().st_size for log in logs):  # a vLLM engine is starting
             assert demo.poll() is None, demo.communicate()
             assert time.monotonic() < deadline, "no vLLM engine started within 300 s"
-            logs = list(tmp_path.glob("kvxfer-demo-vllm-*/reference.log"))
+            logs = list(tmp_path.glob("kvxfer-demo-vllm-*/vllm-decode.log"))
             time.sleep(0.5)
         (workdir,) = {log.parent for log in logs}
         assert _processes_mentioning(str(workdir)), "no process runs in the demo's directory"

@@ -254,7 +254,8 @@ class VllmWorker:
 
     def __init__(self, name: str, spec: EngineSpec, python: Path, workdir: Path) -> None:
         self.name = name
-        self.log = workdir / f"{name}.log"
+        # vllm-: a fleet's sidecars of the same name log to <name>.log in the same place.
+        self.log = workdir / f"vllm-{name}.log"
         workdir.mkdir(parents=True, exist_ok=True)
         with self.log.open("w") as err:
             # cwd is the workdir: `python -m` puts cwd on sys.path, and a checkout's
