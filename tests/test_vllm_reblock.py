@@ -281,6 +281,7 @@ def test_the_ratio_and_state_groups() -> None:
         assert (odd.grow, odd.staged, odd.nests, odd.unit) == (1, True, False, unit)
     same = reblock_ratio({}, "kv_consumer", _plain(64), True)
     assert not same.staged and same.grow == 1
+    assert smaller.differs and not same.differs
     hybrid = _plain(128)
     hybrid.kv_cache_groups.append(
         KVCacheGroupSpec(["model.layers.1.linear_attn"], MambaSpec(128, 4096))

@@ -159,6 +159,8 @@ class _Lost:
 
 
 SIDECAR_LOST = _Lost()
+
+
 _WATCH_PAUSE_S = 0.2
 # Bytes of pages laid out again per engine step (vllm_reblock): ~10 ms on one core here.
 _LAY_OUT_BUDGET = 32 << 20
@@ -283,7 +285,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        if self._ratio.source != self._ratio.own:  # its pages are no pages a reader could take
+        if self._ratio.differs:  # its pages are no pages a reader could take
             log.error(
                 "kvxfer: %s not published: this decode reads another block size (%s), so "
                 "its pages are no pages a reader could take",
@@ -841,9 +843,8 @@ class _Worker:
             try:
                 accepted = self._client.pull(params, spans, computed)
             except KvxferError as exc:
-                configured = self._owner._ratio.source != self._owner._ratio.own
                 log.error("kvxfer: pull of %s refused: %s%s", params.request_id, exc,
-                          block_size_hint(exc, configured))  # fmt: skip
+                          block_size_hint(exc, self._owner._ratio.differs))  # fmt: skip
                 # The sidecar may have taken it before the call failed (a deadline): its
                 # reads could still land in the staging pages, which wait a while.
                 receiving.failed = receiving.quarantine = True
@@ -955,9 +956,7 @@ class _Worker:
                     order.computed_tokens,
                 )
                 if self.layout is not None
-                and resumable(
-                    self._owner._kinds, self._owner._ratio.source == self._owner._ratio.own
-                )
+                and resumable(self._owner._kinds, not self._owner._ratio.differs)
                 else None
             )
             if errors is None:

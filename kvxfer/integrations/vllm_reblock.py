@@ -65,6 +65,11 @@ class BlockRatio:
         return self.own // self.source if self.own > self.source and self.nests else 1
 
     @property
+    def differs(self) -> bool:
+        """The two engines' block sizes differ (`prefill_block_size` set to another)."""
+        return self.source != self.own
+
+    @property
     def nests(self) -> bool:
         """One block size divides the other."""
         return self.own % self.source == 0 or self.source % self.own == 0
@@ -73,7 +78,7 @@ class BlockRatio:
     def staged(self) -> bool:
         """Prefill pages go to staging pages first: smaller decode blocks, or sizes that
         do not nest."""
-        return self.source != self.own and self.grow == 1
+        return self.differs and self.grow == 1
 
     @property
     def unit(self) -> tuple[int, int]:
