@@ -112,10 +112,17 @@ def test_different_block_sizes_map_by_tokens_or_are_refused_with_the_reason() ->
     assert {(g.block_mapping, g.local_block_size, g.peer_block_size, g.slice_tokens)
             for g in agreement.groups} == {("tokens", 32, 16, 16)}  # fmt: skip
     fused = dataclasses.replace(small, token_major=False)
-    refused = _fields(large, fused)
+    refused = _fields(dataclasses.replace(large, token_major=False), fused)
     assert set(refused) == {"layout.groups[0].block_size", "layout.groups[1].block_size"}
     assert "not token-major" in refused["layout.groups[0].block_size"].hint  # type: ignore[attr-defined]
     assert negotiate(fused, fused).groups[0].block_mapping == "same"
+    # An engine's own order against token-major blocks: no whole block, of any size, is
+    # the other's bytes, and the engine's blocks cannot be cut into heads.
+    for other in (small, large):
+        refused = _fields(other, fused)
+        assert set(refused) == {"layout.groups[0].tensors", "layout.groups[1].tensors"}
+        hint = refused["layout.groups[0].tensors"].hint  # type: ignore[attr-defined]
+        assert "blocks ordered differently" in hint and "not token-major" in hint
     odd = layout_for_model("gpt-oss-20b", block_size=24)
     assert {g.slice_tokens for g in negotiate(odd, large).groups} == {8}
 

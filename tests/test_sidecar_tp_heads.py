@@ -25,6 +25,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 NUM_TOKENS = 70  # 5 blocks of 16, the last one partly filled
 
 
+def place(engine: EngineSim, held: int, head: int, token: int, local: int) -> int:
+    """Byte of (token, local head) inside one of `engine`'s blocks, from its order's
+    definition: token-major [block][held][head], head-major [held][block][head] (with
+    equal block sizes a head-major block in an engine's own order moves whole heads, so
+    placing its rows as HND does checks the same bytes)."""
+    size, row = engine.layout.block_size, token % engine.layout.block_size
+    if engine.layout.head_major:
+        return (local * size + row) * head
+    return (row * held + local) * head
+
+
 def _assemble(
     image: DecodeImage,
     decode: EngineSim,
@@ -32,36 +43,29 @@ def _assemble(
     src_ids: list[int],
     dst_ids: list[int],
 ) -> int:
-    """Check every moved decode block holds, head by head, the serving prefill rank's
-    bytes of each token; record the blocks for the whole-buffer check. Returns bytes."""
+    """Check every moved decode block holds, head by head and token by token, the
+    serving prefill rank's bytes; record the blocks for the whole-buffer check.
+    Returns bytes."""
     layout = decode.layout
+    src_tp, src_size = prefill[0].layout.tp_size, prefill[0].layout.block_size
+    size = layout.block_size
     checked = 0
     for group in layout.groups:
         heads = group.num_kv_heads
         assert heads is not None
         mine = oracle_rank_heads(heads, layout.tp_size, layout.tp_rank)
-        src_tp = prefill[0].layout.tp_size
-        size = layout.block_size
-        moved = oracle_moved_tokens(group, NUM_TOKENS, 0, size, size)
+        moved = oracle_moved_tokens(group, NUM_TOKENS, 0, src_size, size)
         for tensor in group.tensors:
-            dst_token = tensor.bytes_per_block // size
-            head = dst_token // len(mine)
+            head = tensor.bytes_per_block // size // len(mine)
             for logical in sorted({t // size for t in moved}):
                 want = decode.pattern_block(tensor.name, dst_ids[logical])
                 for h in mine:
                     rank = oracle_head_server(heads, src_tp, h, layout.tp_rank)
                     theirs = oracle_rank_heads(heads, src_tp, rank)
-                    source = prefill[rank].block(tensor.name, src_ids[logical])
-                    if layout.head_major:  # head h: every token of the block, together
-                        whole = head * size
-                        s, d = theirs.index(h) * whole, mine.index(h) * whole
-                        want[d : d + whole] = source[s : s + whole]
-                        checked += whole
-                        continue
-                    src_token = head * len(theirs)
-                    for t in range(logical * size, (logical + 1) * size):
-                        s = t % size * src_token + theirs.index(h) * head
-                        d = t % size * dst_token + mine.index(h) * head
+                    for t in sorted(t for t in moved if t // size == logical):
+                        source = prefill[rank].block(tensor.name, src_ids[t // src_size])
+                        s = place(prefill[rank], len(theirs), head, t, theirs.index(h))
+                        d = place(decode, len(mine), head, t, mine.index(h))
                         want[d : d + head] = source[s : s + head]
                         checked += head
                 got = decode.block(tensor.name, dst_ids[logical])
@@ -70,20 +74,35 @@ def _assemble(
     return checked
 
 
+ORDER_FLAGS = {"token-major": (), "head-major": ("--head-major",), "hnd": ("--hnd",)}
+
+
 @pytest.mark.parametrize(
-    ("model", "order"),
+    ("model", "orders", "sizes", "tps"),
     [
-        ("llama-3.1-8b", "token-major"),
-        ("gpt-oss-20b", "token-major"),
+        ("llama-3.1-8b", ("token-major",) * 2, (16, 16), (1, 2)),
+        ("llama-3.1-8b", ("token-major",) * 2, (16, 16), (2, 1)),
+        ("gpt-oss-20b", ("token-major",) * 2, (16, 16), (1, 2)),
+        ("gpt-oss-20b", ("token-major",) * 2, (16, 16), (2, 1)),
         # vLLM's CPU pages: each head's bytes for every token of the block together.
-        ("gpt-oss-20b", "head-major"),
+        ("gpt-oss-20b", ("head-major",) * 2, (16, 16), (1, 2)),
+        ("gpt-oss-20b", ("head-major",) * 2, (16, 16), (2, 1)),
+        # Blocks ordered differently (token-major against HND), HND of different sizes:
+        # one head at a time, at equal TP sizes too.
+        ("gpt-oss-20b", ("token-major", "hnd"), (16, 16), (1, 1)),
+        ("llama-3.1-8b", ("hnd", "token-major"), (16, 32), (2, 1)),
+        ("gpt-oss-20b", ("hnd", "hnd"), (32, 16), (1, 2)),
+        ("llama-3.1-8b", ("hnd", "hnd"), (16, 48), (1, 1)),
     ],
 )
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
 async def test_decode_ranks_read_their_heads_from_every_prefill_rank(
-    tmp_path: Path, model: str, order: str, prefill_tp: int, decode_tp: int
+    tmp_path: Path,
+    model: str,
+    orders: tuple[str, str],
+    sizes: tuple[int, int],
+    tps: tuple[int, int],
 ) -> None:
-    major = ("--head-major",) if order == "head-major" else ()
+    prefill_tp, decode_tp = tps
     p = start_sidecar(tmp_path, "p")
     d = start_sidecar(tmp_path, "d")
     procs = [p, d]
@@ -91,14 +110,19 @@ async def test_decode_ranks_read_their_heads_from_every_prefill_rank(
         prefill, decode = [], []
         for rank in range(prefill_tp):
             tp = ("--tp-size", str(prefill_tp), "--tp-rank", str(rank), "--seed", str(rank + 1))
-            prefill.append(start_engine(tmp_path, p, model, "prefill", *tp, *major, num_blocks=16))
+            args = (*tp, "--block-size", str(sizes[0]), *ORDER_FLAGS[orders[0]])
+            prefill.append(start_engine(tmp_path, p, model, "prefill", *args, num_blocks=16))
         for rank in range(decode_tp):
             tp = ("--tp-size", str(decode_tp), "--tp-rank", str(rank), "--seed", str(rank + 7))
-            decode.append(start_engine(tmp_path, d, model, "decode", *tp, *major, num_blocks=16))
-        assert all(e.layout.head_major == bool(major) for e in prefill + decode)
+            args = (*tp, "--block-size", str(sizes[1]), *ORDER_FLAGS[orders[1]])
+            decode.append(start_engine(tmp_path, d, model, "decode", *args, num_blocks=16))
+        for side, engines in zip(orders, (prefill, decode), strict=True):
+            layout = engines[0].layout
+            assert (layout.head_major, layout.token_rows) == (side != "token-major", side == "hnd")
         procs += prefill + decode
         groups = range(len(prefill[0].layout.groups))
-        src_ids, dst_ids = [3, 4, 5, 9, 2], [8, 1, 2, 3, 11]
+        src_ids = [3, 4, 5, 9, 2][: -(-NUM_TOKENS // sizes[0])]
+        dst_ids = [8, 1, 2, 3, 11][: -(-NUM_TOKENS // sizes[1])]
         src, dst = spans(dict.fromkeys(groups, src_ids)), spans(dict.fromkeys(groups, dst_ids))
         heads = prefill[0].layout.groups[0].num_kv_heads
         assert heads is not None

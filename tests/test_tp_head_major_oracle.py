@@ -335,7 +335,7 @@ def test_the_refusals_are_about_order_and_size_alone() -> None:
 def test_same_tp_head_major_blocks_of_different_sizes_are_refused() -> None:
     """Between equal TP sizes a head-major block cannot be cut into token ranges."""
     case = HMCase("llama-3.1-8b", 2, 2, 0, 16, 32, 64, 0, 0, ascending=True)
-    with pytest.raises(PlanError, match="not token-major"):
+    with pytest.raises(PlanError, match="head-major blocks of 16 and 32 tokens"):
         case.plan(0, 16)
     assert dataclasses.replace(case, src_size=32).plan(0, 16).nbytes == 64 * 128 * 2 * 4 * 2
 

@@ -26,8 +26,10 @@ from kvxfer.client.shm import ShmKVCache, shm_kv_cache
 
 def run_engine_sim(args: argparse.Namespace) -> int:
     layout = layout_from_args(args, args.model)
-    if args.head_major:
-        layout = dataclasses.replace(layout, token_major=False, head_major=True)
+    if args.head_major or args.hnd:
+        layout = dataclasses.replace(
+            layout, token_major=False, head_major=True, token_rows=args.hnd
+        )
     with shm_kv_cache(
         layout,
         args.num_blocks,
@@ -61,6 +63,7 @@ async def _serve(args: argparse.Namespace, cache: ShmKVCache) -> int:
             "tp_size": args.tp_size,
             "tp_rank": args.tp_rank,
             "head_major": cache.layout.head_major,
+            "token_rows": cache.layout.token_rows,
             "num_blocks": args.num_blocks,
             "state_blocks": args.state_blocks,
             "sliding_blocks": args.sliding_blocks or args.num_blocks,

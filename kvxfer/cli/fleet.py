@@ -142,7 +142,8 @@ class EngineView:
             tp_rank=r.get("tp_rank", 0),
         )
         if r.get("head_major"):
-            base = dataclasses.replace(base, token_major=False, head_major=True)
+            rows = bool(r.get("token_rows"))
+            base = dataclasses.replace(base, token_major=False, head_major=True, token_rows=rows)
         return base.with_regions(Region(**region) for region in r["regions"])
 
     @functools.cached_property

@@ -339,6 +339,12 @@ def _add_engine_sim(commands: Any) -> None:
         help="register attention blocks as head-major (each head's bytes for every token "
         "of the block together, as vLLM's CPU pages), not token-major",
     )
+    sim.add_argument(
+        "--hnd",
+        action="store_true",
+        help="register attention blocks as HND: head-major, each head the block's tokens "
+        "in order ([heads][block_size][head bytes], vLLM's VLLM_KV_CACHE_LAYOUT=HND)",
+    )
     sim.add_argument("--name", default="", help="engine name shown by status")
     sim.set_defaults(run=_lazy("kvxfer.cli.engine_sim", "run_engine_sim"))
 

@@ -322,12 +322,23 @@ class EngineLayout:
     # heads is one byte range of a block: what a pairing of different TP sizes with
     # equal block sizes needs; a token range is not. Never with token_major.
     head_major: bool = False
+    # Head-major blocks whose every head is the block's tokens in order, one row of that
+    # head's bytes each: [heads][block_size][head bytes], the HND layout (vLLM's
+    # VLLM_KV_CACHE_LAYOUT=HND, FlashInfer's). A token range of a head is then one byte
+    # range, so such blocks pair with token-major ones and with other block sizes, a head
+    # at a time. Only with head_major.
+    token_rows: bool = False
 
     def __post_init__(self) -> None:
         dtype_bytes(self.kv_dtype)
         if self.token_major and self.head_major:
             raise LayoutError(
                 "head_major", "a layout's blocks are token-major or head-major, not both"
+            )
+        if self.token_rows and not self.head_major:
+            raise LayoutError(
+                "token_rows",
+                "token rows inside a head (HND) describe head-major blocks; set head_major",
             )
         check_int("block_size", self.block_size, 1, 1 << 20)
         check_int("tp_size", self.tp_size, 1, 1 << 12)
@@ -374,7 +385,11 @@ class EngineLayout:
 
     def head_bytes(self, group: KVGroup, tensor: TensorSpec) -> int | None:
         """Bytes of one head of one token of `tensor`, or None when the layout cannot
-        say (no head count, not token-major, or bytes that do not split)."""
+        say (no head count, neither token-major nor token rows, or bytes that do not
+        split)."""
+        if self.token_rows:  # a row of a head's block
+            block, size = self.head_block_bytes(group, tensor), self.block_size_of(group)
+            return None if block is None or block % size else block // size
         token = self.token_bytes(group, tensor)
         if token is None or group.num_kv_heads is None or token % self.rank_heads(group):
             return None
@@ -444,4 +459,5 @@ class EngineLayout:
             regions=tuple(regions),
             token_major=self.token_major,
             head_major=self.head_major,
+            token_rows=self.token_rows,
         )

@@ -38,7 +38,15 @@ from dataclasses import dataclass
 from kvxfer._exceptions import NegotiationError
 from kvxfer.core.layout import EngineLayout, GroupKind, KVGroup
 from kvxfer.core.reblock import BlockMapping, mapping_of, slice_tokens, slicing_problem
-from kvxfer.core.tp_map import pair_split_problem, pairing_sources, split_problem, state_problem
+from kvxfer.core.tp_map import (
+    HeadCut,
+    head_cut,
+    pair_split_problem,
+    pairing_sources,
+    row_tokens,
+    split_problem,
+    state_problem,
+)
 from kvxfer.core.tp_reads import HeadRead, StateRead, head_reads, state_reads
 
 PROTOCOL_VERSION = 1
@@ -212,8 +220,8 @@ def _top_level(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
             )
         )
     if local.tp_size != peer.tp_size:
-        found += _tp_split(local, peer)
-    elif local.tp_rank != peer.tp_rank:
+        return found + _tp_split(local, peer)
+    if local.tp_rank != peer.tp_rank:
         found.append(
             Mismatch(
                 "layout.tp_rank",
@@ -222,6 +230,9 @@ def _top_level(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
                 "decode rank r pulls from prefill rank r; register every rank on both sides",
             )
         )
+    for a, b in zip(local.groups, peer.groups, strict=False):
+        if a.kind is b.kind and mapping_of(local, a, peer, b) is BlockMapping.HEADS:
+            found += _head_problems(f"layout.groups[{a.group_id}]", local, a, peer, b)
     return found
 
 
@@ -237,18 +248,8 @@ def _tp_split(local: EngineLayout, peer: EngineLayout) -> list[Mismatch]:
             found += _state_problems(where, a, b)
         elif a.kind is GroupKind.MLA:
             continue  # replicated: read whole from one rank (tp_map.mla_server)
-        elif a.num_kv_heads is None or a.num_kv_heads != b.num_kv_heads:
-            found.append(
-                Mismatch(
-                    f"{where}.num_kv_heads",
-                    str(a.num_kv_heads),
-                    str(b.num_kv_heads),
-                    "different TP sizes cut each token into KV heads: both layouts must "
-                    "carry the model's num_kv_heads, the same on both sides",
-                )
-            )
         else:
-            found += _split_problems(where, local, a, peer, b)
+            found += _head_problems(where, local, a, peer, b)
     ranks = _source_ranks(local, peer)
     if not found and peer.tp_rank not in ranks:
         found.append(
@@ -295,9 +296,22 @@ def _state_problems(where: str, a: KVGroup, b: KVGroup) -> list[Mismatch]:
     return []
 
 
-def _split_problems(
+def _head_problems(
     where: str, local: EngineLayout, a: KVGroup, peer: EngineLayout, b: KVGroup
 ) -> list[Mismatch]:
+    """A group mapped by heads (different TP sizes, or blocks ordered differently):
+    both sides carry the same head count and can be cut into heads that meet."""
+    why = _why_heads(local, peer)
+    if a.num_kv_heads is None or a.num_kv_heads != b.num_kv_heads:
+        return [
+            Mismatch(
+                f"{where}.num_kv_heads",
+                str(a.num_kv_heads),
+                str(b.num_kv_heads),
+                f"{why} cut each token into KV heads: both layouts must carry the model's "
+                "num_kv_heads, the same on both sides",
+            )
+        ]
     found: list[Mismatch] = []
     for side, layout, group in (("local", local, a), ("peer", peer, b)):
         problem = split_problem(layout, group)
@@ -305,11 +319,11 @@ def _split_problems(
             found.append(
                 Mismatch(
                     f"{where}.tensors",
-                    f"tp_size {local.tp_size}",
-                    f"tp_size {peer.tp_size}",
-                    f"different TP sizes read heads as byte ranges of each token (of each "
-                    f"block where blocks are head-major), but the {side} side's blocks "
-                    f"cannot be cut into heads: {problem}",
+                    _cut(local, a, peer),
+                    _cut(peer, b, local),
+                    f"{why} read heads as byte ranges of each token (of each block where "
+                    f"blocks are head-major), but the {side} side's blocks cannot be cut "
+                    f"into heads: {problem}",
                 )
             )
     pair = None if found else pair_split_problem(peer, b, local, a)
@@ -319,14 +333,32 @@ def _split_problems(
                 f"{where}.block_size",
                 _order(local, local.block_size_of(a)),
                 _order(peer, peer.block_size_of(b)),
-                f"different TP sizes: {pair}",
+                f"{why}: {pair}",
             )
         )
     return found
 
 
+def _cut(layout: EngineLayout, group: KVGroup, other: EngineLayout) -> str:
+    """What a side's heads are cut by: its TP size, or its blocks' order."""
+    if layout.tp_size != other.tp_size:
+        return f"tp_size {layout.tp_size}"
+    return _order(layout, layout.block_size_of(group))
+
+
+def _why_heads(local: EngineLayout, peer: EngineLayout) -> str:
+    if local.tp_size != peer.tp_size:
+        return "different TP sizes"
+    return "blocks ordered differently on the two sides"
+
+
 def _order(layout: EngineLayout, block_size: int) -> str:
-    major = "head-major" if layout.head_major else "token-major"
+    if layout.token_rows:
+        major = "head-major (HND)"
+    elif layout.head_major:
+        major = "head-major"
+    else:
+        major = "token-major" if layout.token_major else "engine-ordered"
     return f"{major} blocks of {block_size} tokens"
 
 
@@ -556,15 +588,23 @@ def _mapping(
         local_block_size=mine,
         peer_block_size=theirs,
         block_mapping=mapping.value,
-        slice_tokens=_slice_tokens(mapping, mine, theirs, local.head_major),
+        slice_tokens=_slice_tokens(mapping, local, group, peer, other),
         head_reads=head_reads(local, group, peer) if mapping is BlockMapping.HEADS else (),
         state_reads=state_reads(local, group, peer) if group.kind is GroupKind.MAMBA else (),
     )
 
 
-def _slice_tokens(mapping: BlockMapping, mine: int, theirs: int, head_major: bool) -> int:
+def _slice_tokens(
+    mapping: BlockMapping, local: EngineLayout, group: KVGroup, peer: EngineLayout, other: KVGroup
+) -> int:
+    """Tokens each byte range covers: a block's, a slice's of token ranges, and by heads
+    a block's (a run of heads per block), one (per token) or a head's row run."""
+    mine, theirs = local.block_size_of(group), peer.block_size_of(other)
     if mapping is BlockMapping.HEADS:
-        return mine if head_major else 1  # a head run is a byte range of each block/token
+        cut = head_cut(peer, other, local, group)
+        if cut is HeadCut.ROWS:
+            return row_tokens(peer, other, local, group)
+        return mine if cut is HeadCut.BLOCK else 1
     return slice_tokens(mine, theirs) if mapping is BlockMapping.TOKENS else mine
 
 

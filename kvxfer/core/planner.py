@@ -52,17 +52,22 @@ from kvxfer.core.reblock import (
     head_region,
     mapping_of,
     moved_tokens,
+    row_region,
     slice_region,
     slice_span,
     slice_tokens,
 )
 from kvxfer.core.tp_map import (
+    HeadCut,
     StatePiece,
     check_head_split,
     check_serves,
     check_state_split,
+    head_cut,
     head_unit_bytes,
+    holds_rows,
     mla_server,
+    row_tokens,
     served_slices,
     served_state,
 )
@@ -368,8 +373,9 @@ def plan_between(
         if mapping is BlockMapping.HEADS and not served_slices(src, dst, group):
             out.append(GroupPlan(group, range(0)))  # another source rank serves it
             continue
-        if mapping is BlockMapping.HEADS and dst.head_major:  # whole blocks, equal sizes
-            per_block = _served_bytes(src, dst, group)
+        cut = head_cut(src, src_group, dst, group) if mapping is BlockMapping.HEADS else None
+        if cut is HeadCut.BLOCK:  # whole blocks, equal sizes
+            per_block = _served_bytes(src, dst, group, per_block=True)
             out.append(GroupPlan(group, plan.blocks, None, len(plan.blocks) * per_block))
             continue
         if mapping not in (BlockMapping.TOKENS, BlockMapping.HEADS):
@@ -381,7 +387,7 @@ def plan_between(
         )
         per_token = group.bytes_per_block // dst.block_size_of(group)
         if mapping is BlockMapping.HEADS:  # this source's heads of each token
-            per_token = _served_bytes(src, dst, group)
+            per_token = _served_bytes(src, dst, group, per_block=False)
         out.append(GroupPlan(group, plan.blocks, tokens, len(tokens) * per_token))
     return tuple(out)
 
@@ -407,13 +413,22 @@ def _group_chunks(
     _check_ids(dst_span, plan.blocks, [p.dst for p in pairs], "dst_spans")
     chunks = []
     unit = slice_tokens(src_size, dst_size)
+    spacing: tuple[int | None, int | None] = (None, None)  # slice ids per block, each side
     if _state_split(src, dst, plan.group):
         pairs = _state_pairs(pairs, served_state(src, dst, plan.group), plan.group)
     elif mapping_of(dst, plan.group, src, src.group(gid)) is BlockMapping.HEADS:
-        if dst.head_major:  # a run of heads is one byte range of each block
+        cut = head_cut(src, src.group(gid), dst, plan.group)
+        if cut is HeadCut.BLOCK:  # a run of heads is one byte range of each block
             pairs = _head_pairs(src, dst, plan.group)
-        else:  # ... of each token
+        elif cut is HeadCut.TOKEN:  # ... of each token
             unit, pairs = 1, _head_pairs(src, dst, plan.group)
+        else:  # one head at a time, `unit` of its tokens a byte range on both sides
+            unit = row_tokens(src, src.group(gid), dst, plan.group)
+            pairs = _row_pairs(src, dst, plan.group, unit)
+            spacing = (
+                _row_spacing(src, src.group(gid), unit),
+                _row_spacing(dst, plan.group, unit),
+            )
     elif tokens is not None:
         pairs = tuple(
             RegionPair(slice_region(p.src, src_size, unit), slice_region(p.dst, dst_size, unit))
@@ -430,19 +445,20 @@ def _group_chunks(
             )
             slices = range(lo // unit, hi // unit)
             runs = _runs(
-                slice_span(src_span, src_size, unit, slices),
-                slice_span(dst_span, dst_size, unit, slices),
+                slice_span(src_span, src_size, unit, slices, spacing[0]),
+                slice_span(dst_span, dst_size, unit, slices, spacing[1]),
                 slices,
             )
         chunks.append(Chunk(GroupId(gid), blocks, runs, pairs))
     return chunks
 
 
-def _served_bytes(src: EngineLayout, dst: EngineLayout, group: KVGroup) -> int:
-    """Bytes of `group` the source rank serves the destination rank per unit a head run
-    is cut from: a token (token-major), a block (head-major)."""
+def _served_bytes(src: EngineLayout, dst: EngineLayout, group: KVGroup, *, per_block: bool) -> int:
+    """Bytes of `group` the source rank serves the destination rank per block (heads
+    cut from whole head-major blocks) or per token."""
     heads = sum(len(piece.dst_heads) for piece in served_slices(src, dst, group))
-    return sum(heads * (head_unit_bytes(dst, group, t) or 0) for t in group.tensors)
+    unit = dst.head_block_bytes if per_block else dst.head_bytes
+    return sum(heads * (unit(group, t) or 0) for t in group.tensors)
 
 
 def _head_pairs(src: EngineLayout, dst: EngineLayout, group: KVGroup) -> tuple[RegionPair, ...]:
@@ -469,6 +485,46 @@ def _head_pairs(src: EngineLayout, dst: EngineLayout, group: KVGroup) -> tuple[R
                 )
             out.append(narrowed)
     return tuple(out)
+
+
+def _row_pairs(
+    src: EngineLayout, dst: EngineLayout, group: KVGroup, unit: int
+) -> tuple[RegionPair, ...]:
+    """Blocks cut one head at a time (`HeadCut.ROWS`): for every tensor and every head
+    this source serves the destination, each side's region seen as that head's slices
+    of `unit` tokens: the head's rows of HND blocks (`row_region`), or the head's bytes
+    of each token of token-major ones (`head_region`, one token per slice)."""
+    src_group = src.group(group.group_id)
+    out = []
+    for pair, tensor in zip(_region_pairs(src, dst, group), group.tensors, strict=True):
+        head = dst.head_bytes(group, tensor)
+        assert head is not None  # check_head_split said so
+        for piece in served_slices(src, dst, group):
+            for s, d in zip(piece.src_heads, piece.dst_heads, strict=True):
+                out.append(
+                    RegionPair(
+                        _row_view(src, src_group, pair.src, s, head, unit),
+                        _row_view(dst, group, pair.dst, d, head, unit),
+                    )
+                )
+    return tuple(out)
+
+
+def _row_view(
+    layout: EngineLayout, group: KVGroup, region: Region, head: int, head_bytes: int, unit: int
+) -> Region:
+    size = layout.block_size_of(group)
+    if holds_rows(layout, group):
+        return row_region(region, size, head, head_bytes, unit)
+    return head_region(region, size, head * head_bytes, head_bytes)  # unit is one token
+
+
+def _row_spacing(layout: EngineLayout, group: KVGroup, unit: int) -> int | None:
+    """Slice ids between one block's first slice of a head and the next block's, where
+    blocks hold each head's rows (`_row_view`); None: the slices a block holds."""
+    if not holds_rows(layout, group):
+        return None
+    return layout.rank_heads(group) * layout.block_size_of(group) // unit
 
 
 def _state_split(src: EngineLayout, dst: EngineLayout, group: KVGroup) -> bool:
@@ -529,8 +585,7 @@ def _check_same_shape(src: EngineLayout, dst: EngineLayout) -> None:
             raise PlanError(f"{where}.tensors", "tensor names or sizes differ between src and dst")
     if not src.regions or not dst.regions:
         raise PlanError("regions", "both layouts must have registered regions to plan a transfer")
-    if src.tp_size != dst.tp_size:
-        check_serves(src, dst)
+    check_serves(src, dst)  # equal TP sizes: rank r reads rank r
 
 
 def _spans_by_group(spans: Sequence[BlockSpan], name: str, num_groups: int) -> dict[int, BlockSpan]:

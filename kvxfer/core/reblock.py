@@ -27,8 +27,9 @@ class BlockMapping(enum.StrEnum):
     SAME = "same"  # equal block sizes: block i <- block i, whole
     TOKENS = "tokens"  # different sizes: token ranges, byte ranges inside blocks
     STATE = "state"  # a state group: its one block moves whole
-    # Different TP sizes: this rank's heads of each token, byte ranges inside tokens
-    # (kvxfer/core/tp_map.py); block sizes may differ as well.
+    # Different TP sizes, or blocks ordered differently (token-major against HND, HND of
+    # different sizes): this rank's heads, byte ranges inside tokens or blocks
+    # (kvxfer/core/tp_map.py, HeadCut); block sizes may differ as well.
     HEADS = "heads"
 
 
@@ -44,11 +45,26 @@ def mapping_of(
     """How `group` (local) maps to `other` (peer's group of the same id)."""
     if group.kind is GroupKind.MAMBA:
         return BlockMapping.STATE
-    if local.tp_size != peer.tp_size and group.kind in HEAD_SPLIT_KINDS:
+    if group.kind in HEAD_SPLIT_KINDS and (
+        local.tp_size != peer.tp_size or _orders_differ(local, group, peer, other)
+    ):
         return BlockMapping.HEADS
     if local.block_size_of(group) == peer.block_size_of(other):
         return BlockMapping.SAME
     return BlockMapping.TOKENS
+
+
+def _orders_differ(local: EngineLayout, group: KVGroup, peer: EngineLayout, other: KVGroup) -> bool:
+    """The two sides order a block's tokens and heads differently (token-major, HND,
+    head-major in an engine's own order), or are head-major of different block sizes:
+    a whole block, or a token range, of one is then no byte range of the other."""
+    if (local.token_major, local.head_major, local.token_rows) != (
+        peer.token_major,
+        peer.head_major,
+        peer.token_rows,
+    ):
+        return True
+    return local.head_major and local.block_size_of(group) != peer.block_size_of(other)
 
 
 def slicing_problem(layout: EngineLayout, group: KVGroup) -> str | None:
@@ -142,8 +158,31 @@ def head_region(region: Region, block_size: int, offset: int, length: int) -> Re
     )
 
 
-def slice_span(span: BlockSpan, block_size: int, unit: int, slices: range) -> BlockSpan:
-    """The slice ids of `slices` (slice k: tokens [k*unit, (k+1)*unit)) in `span`'s blocks."""
+def slice_span(
+    span: BlockSpan, block_size: int, unit: int, slices: range, spacing: int | None = None
+) -> BlockSpan:
+    """The slice ids of `slices` (slice k: tokens [k*unit, (k+1)*unit)) in `span`'s blocks.
+    Block i's slices are ids [i*spacing, i*spacing + block_size/unit): `spacing` is the
+    slices a block holds (the default), or more where a block holds other heads' rows
+    between (`planner._row_pairs`)."""
     per_block = block_size // unit
-    ids = tuple(BlockId(span.block_id(k // per_block) * per_block + k % per_block) for k in slices)
+    step = per_block if spacing is None else spacing
+    ids = tuple(BlockId(span.block_id(k // per_block) * step + k % per_block) for k in slices)
     return BlockSpan(span.group_id, slices.start, ids)
+
+
+def row_region(region: Region, block_size: int, head: int, head_bytes: int, unit: int) -> Region:
+    """`region`'s rows of head `head` (the rank's own numbering) seen as slices of `unit`
+    tokens, the whole region as one array of them (contiguous regions whose blocks hold
+    each head's tokens as rows: HND): block i's slices of the head are ids
+    [i*spacing, i*spacing + block_size/unit) with spacing block_bytes/slice bytes."""
+    size = unit * head_bytes
+    offset = head * block_size * head_bytes
+    return Region(
+        name=region.name,
+        buffer=region.buffer,
+        offset_bytes=region.offset_bytes + offset,
+        num_blocks=(region.num_blocks * region.block_bytes - offset) // size,
+        stride_bytes=size,
+        block_bytes=size,
+    )

@@ -29,7 +29,9 @@ source.
 
 from __future__ import annotations
 
+import enum
 import functools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -141,24 +143,88 @@ def split_problem(layout: EngineLayout, group: KVGroup) -> str | None:
     return None
 
 
+class HeadCut(enum.StrEnum):
+    """How a group mapped by heads is cut into byte ranges (docs/planning.md)."""
+
+    BLOCK = "block"  # both head-major alike, equal block sizes: a run of heads per block
+    TOKEN = "token"  # both token-major: a run of heads is one byte range of each token
+    # Any other pair (token-major against HND, HND of different block sizes): one head at
+    # a time, `row_tokens` of its tokens one byte range on both sides.
+    ROWS = "rows"
+
+
+def head_cut(src: EngineLayout, a: KVGroup, dst: EngineLayout, b: KVGroup) -> HeadCut:
+    """How `a` (source) and `b` (destination), mapped by heads, are cut."""
+    if not src.head_major and not dst.head_major:
+        return HeadCut.TOKEN
+    if (
+        src.head_major
+        and dst.head_major
+        and src.token_rows == dst.token_rows
+        and src.block_size_of(a) == dst.block_size_of(b)
+    ):
+        return HeadCut.BLOCK
+    return HeadCut.ROWS
+
+
+def holds_rows(layout: EngineLayout, group: KVGroup) -> bool:
+    """A head's tokens are consecutive rows of this side's blocks: HND blocks, or
+    token-major ones whose rank holds a single head (then a token is one head)."""
+    return layout.token_rows or (layout.token_major and layout.rank_heads(group) == 1)
+
+
+def row_tokens(src: EngineLayout, a: KVGroup, dst: EngineLayout, b: KVGroup) -> int:
+    """Tokens of one head that are one byte range on both sides (`HeadCut.ROWS`): the
+    gcd of the block sizes where both sides hold a head's tokens as rows, else one."""
+    if holds_rows(src, a) and holds_rows(dst, b):
+        return math.gcd(src.block_size_of(a), dst.block_size_of(b))
+    return 1
+
+
 def pair_split_problem(src: EngineLayout, a: KVGroup, dst: EngineLayout, b: KVGroup) -> str | None:
-    """Why the two sides' blocks, each cut into heads, do not cut the same way, or None.
-    A head-major block (vLLM's CPU pages) holds a head for every token of the block: a
-    run of heads is one byte range of a block there, and of every token in a
-    token-major one."""
-    if src.head_major != dst.head_major:
-        major = "src" if src.head_major else "dst"
+    """Why the two sides' blocks, each cut into heads, cannot be cut to meet, or None.
+    A run of heads is one byte range of a token (token-major) or of a head-major block;
+    between two orders, or head-major blocks of different sizes, heads move a token
+    range at a time, which needs each side to name a token of a head: token-major or
+    HND blocks can, head-major ones in an engine's own order (vLLM's CPU pages) cannot."""
+    if head_cut(src, a, dst, b) is not HeadCut.ROWS:
+        return None
+    for side, layout, other in (("src", src, dst), ("dst", dst, src)):
+        if not layout.head_major or layout.token_rows:
+            continue
+        if other.head_major and src.block_size_of(a) != dst.block_size_of(b):
+            return (
+                f"head-major blocks of {src.block_size_of(a)} and {dst.block_size_of(b)} "
+                "tokens: a head holds every token of its block in the engine's own order, "
+                "so a token range of it is no byte range kvxfer can name; run the same "
+                "block size on both sides, or register HND blocks (token_rows)"
+            )
+        theirs = "HND (token rows)" if other.head_major else "token-major"
         return (
-            f"the {major} side's blocks are head-major (a head's bytes for every token of "
-            "the block), the other side's token-major: a run of heads is one byte range "
-            "of a block on one side and of every token on the other"
+            f"the {side} side's blocks are head-major (a head's bytes for every token of "
+            f"the block, in the engine's own order), the other side's {theirs}: a token "
+            "of a head is no byte range there, so the two cannot be cut to meet; run "
+            "both sides in one order, or register HND blocks (token_rows)"
         )
-    if src.head_major and src.block_size_of(a) != dst.block_size_of(b):
-        return (
-            f"head-major blocks of {src.block_size_of(a)} and {dst.block_size_of(b)} "
-            "tokens: a head holds every token of its block, so a run of heads is one byte "
-            "range only between equal block sizes; run the same block size on both sides"
-        )
+    for side, layout, group in (("src", src, a), ("dst", dst, b)):
+        problem = _rows_problem(layout, group)
+        if problem is not None:
+            return f"heads move a token range at a time, but on the {side} side {problem}"
+    return None
+
+
+def _rows_problem(layout: EngineLayout, group: KVGroup) -> str | None:
+    """Why a head's token rows in `layout`'s blocks are not byte ranges kvxfer can name."""
+    for tensor in group.tensors:
+        if layout.head_bytes(group, tensor) is None:
+            heads = layout.rank_heads(group)
+            return f"tensor '{tensor.name}' does not split into {heads} heads of whole tokens"
+        region = layout.region_map.get(tensor.name)
+        if region is not None and not region.contiguous:
+            return (
+                f"region '{region.name}' is strided ({region.stride_bytes} bytes between "
+                f"blocks of {region.block_bytes}): its head rows are not one array"
+            )
     return None
 
 
@@ -196,8 +262,14 @@ def check_head_split(
     problem = pair_split_problem(src, a, dst, b)
     if problem is not None:
         raise PlanError(f"{where}.block_size", problem)
-    if [(t.name, head_unit_bytes(src, a, t)) for t in a.tensors] != [
-        (t.name, head_unit_bytes(dst, b, t)) for t in b.tensors
+
+    def per_head(layout: EngineLayout, group: KVGroup, tensor: TensorSpec) -> int | None:
+        if head_cut(src, a, dst, b) is HeadCut.BLOCK:
+            return head_unit_bytes(layout, group, tensor)
+        return layout.head_bytes(group, tensor)  # of a token
+
+    if [(t.name, per_head(src, a, t)) for t in a.tensors] != [
+        (t.name, per_head(dst, b, t)) for t in b.tensors
     ]:
         raise PlanError(f"{where}.tensors", "tensor names or bytes per head differ")
 

@@ -272,6 +272,7 @@ class EngineLayout(_message.Message):
     REGIONS_FIELD_NUMBER: _builtins.int
     TOKEN_MAJOR_FIELD_NUMBER: _builtins.int
     HEAD_MAJOR_FIELD_NUMBER: _builtins.int
+    TOKEN_ROWS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     fingerprint: _builtins.str
     kv_dtype: _builtins.str
@@ -287,6 +288,12 @@ class EngineLayout(_message.Message):
     """Every attention block is [the heads this rank holds][one head's bytes for
     every token of the block] (vLLM's CPU pages: per head, the block's K then
     V), so a run of heads is one byte range of a block. Never with token_major.
+    """
+    token_rows: _builtins.bool
+    """Head-major blocks whose every head is the block's tokens in order, one row of
+    that head's bytes each: [heads][block_size][head bytes], the HND layout. A
+    token range of a head is then one byte range, so such blocks pair with
+    token-major ones and with other block sizes. Only with head_major.
     """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVGroup]: ...
@@ -305,10 +312,11 @@ class EngineLayout(_message.Message):
         regions: _abc.Iterable[Global___Region] | None = ...,
         token_major: _builtins.bool = ...,
         head_major: _builtins.bool = ...,
+        token_rows: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "groups", b"groups", "head_major", b"head_major", "kv_dtype", b"kv_dtype", "model", b"model", "regions", b"regions", "token_major", b"token_major", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "groups", b"groups", "head_major", b"head_major", "kv_dtype", b"kv_dtype", "model", b"model", "regions", b"regions", "token_major", b"token_major", "token_rows", b"token_rows", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

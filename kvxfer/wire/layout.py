@@ -47,6 +47,7 @@ def layout_to_proto(layout: EngineLayout) -> pb.EngineLayout:
         regions=[_region_to_proto(r) for r in layout.regions],
         token_major=layout.token_major,
         head_major=layout.head_major,
+        token_rows=layout.token_rows,
     )
 
 
@@ -112,6 +113,7 @@ def layout_from_proto(message: pb.EngineLayout, field: str = "layout") -> Engine
             regions=tuple(_region_from_proto(r) for r in message.regions),
             token_major=message.token_major,
             head_major=message.head_major,
+            token_rows=message.token_rows,
         )
     except LayoutError as exc:
         raise LayoutError(f"{field}.{exc.field}", exc.detail) from exc
