@@ -47,6 +47,22 @@ def test_equal_tp_comes_first_once_and_every_mode_is_a_case() -> None:
     ]  # fmt: skip
 
 
+def test_block_orders_are_cases_beside_token_major_blocks() -> None:
+    args = build_parser().parse_args(["bench", "--orders", "token-major:hnd", "hnd:hnd"])
+    assert args.orders == [("token-major", "hnd"), ("hnd", "hnd")]
+    for bad in ("hnd", "hnd:nhd", "token:hnd", ":hnd"):
+        with pytest.raises(UsageError, match="--orders"):
+            build_parser().parse_args(["bench", "--orders", bad])
+    wanted = pairings([(1, 2)], ["pull"], [("token-major", "hnd")])
+    assert [p.label for p in wanted] == [
+        "TP 1->1 pull", "TP 1->1 token-major->hnd pull",
+        "TP 1->2 pull", "TP 1->2 token-major->hnd pull",
+    ]  # fmt: skip
+    assert refusal("llama-3.1-8b", Pairing(1, 2, orders=("token-major", "hnd")), 16) is None
+    reason = refusal("llama-3.1-8b", Pairing(1, 1, orders=("head-major", "hnd")), 16)
+    assert reason and "in the engine's own order" in reason, reason
+
+
 def test_a_pairing_negotiation_refuses_is_skipped_with_its_reason() -> None:
     assert refusal("gpt-oss-20b", Pairing(1, 2), 16) is None
     assert refusal("gemma-3-4b-it", Pairing(2, 1), 16) is None
@@ -164,3 +180,23 @@ def test_multihost_without_namespaces_is_refused_naming_the_option(
     monkeypatch.setattr(bench_multihost, "unavailable", lambda: "creating namespaces needs root")
     with pytest.raises(InvalidInputError, match=r"--multihost.*needs root"):
         bench_multihost.run_in_hosts(["bench", "--multihost"])
+
+
+@pytest.mark.e2e
+@pytest.mark.nixl
+@pytest.mark.timeout(300)
+def test_bench_moves_the_same_bytes_between_block_orders() -> None:
+    """gemma-3-4b-it at 1k, equal TP: token-major -> HND is every (token, head) its own
+    descriptor, HND -> HND whole blocks; each moves the request's exact bytes."""
+    report = _bench("--orders", "token-major:hnd", "hnd:hnd")
+    rows = report["pairings"]
+    assert [r["orders"] for r in rows] == ["token-major->token-major", "token-major->hnd",
+                                           "hnd->hnd"]  # fmt: skip
+    layout = layout_for_model("gemma-3-4b-it")
+    cells = sum((g.num_kv_heads or 0) * len(g.tensors) for g in layout.groups)
+    assert [r["descriptors"] for r in rows] == [rows[0]["descriptors"], 1024 * cells,
+                                                rows[0]["descriptors"]]  # fmt: skip
+    for row in rows:
+        assert row["bytes_moved"] == row["bytes"] == rows[0]["bytes"]
+        assert row["valid_tokens"] == 1024 and row["kvxfer_gbps"] > 0
+    assert " t->hnd " in report_text(report)

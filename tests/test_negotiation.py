@@ -285,11 +285,17 @@ def test_head_major_sides_split_by_block_and_mixed_orders_are_named() -> None:
     assert {g.block_mapping for g in agreement.groups} == {"heads"}
     assert {g.slice_tokens for g in agreement.groups} == {decode.block_size}
     text = _block_mapping(dataclasses.asdict(agreement.groups[0]))
-    assert text.endswith("(a byte range of every block)"), text
+    assert text.endswith("(a run of heads is a byte range of every block)"), text
     token_major = negotiate(
         layout_for_model("gpt-oss-20b", tp_size=2), layout_for_model("gpt-oss-20b")
     )
     assert _block_mapping(dataclasses.asdict(token_major.groups[0])).endswith("every token)")
+    hnd = dataclasses.replace(decode, token_rows=True)
+    wide = _head_major(layout_for_model("gpt-oss-20b", block_size=32))
+    rows = negotiate(hnd, dataclasses.replace(wide, token_rows=True))
+    assert {(g.head_cut, g.slice_tokens) for g in rows.groups} == {("rows", 16)}
+    text = _block_mapping(dataclasses.asdict(rows.groups[0]))
+    assert text.endswith("(a head at a time, 16 of its token rows per byte range)"), text
     mixed = _fields(decode, layout_for_model("gpt-oss-20b"))
     assert set(mixed) == {"layout.groups[0].block_size", "layout.groups[1].block_size"}
     assert "the dst side's blocks are head-major" in mixed["layout.groups[0].block_size"].hint  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ import pytest
 from oracle import oracle_head_server, oracle_moved_tokens, oracle_rank_heads
 from sidecars import DecodeImage, EngineSim, engine_link, spans, start_engine, start_sidecar
 
+from kvxfer.cli.main import ORDER_FLAGS
 from kvxfer.core.requests import PullDone, PullStatus
 from kvxfer.core.tp_map import request_valid_tokens
 
@@ -72,9 +73,6 @@ def _assemble(
                 assert np.array_equal(got, want), f"{tensor.name} block {logical} differs"
                 image.written[(tensor.name, dst_ids[logical])] = want
     return checked
-
-
-ORDER_FLAGS = {"token-major": (), "head-major": ("--head-major",), "hnd": ("--hnd",)}
 
 
 @pytest.mark.parametrize(

@@ -224,13 +224,12 @@ def _block_mapping(group: dict[str, Any]) -> str:
     if group["block_mapping"] == "same":
         return f"block i <- peer block i ({mine} tokens)"
     if group["block_mapping"] == "heads":
-        # slice_tokens: 1 where a head run is cut from every token, the block size
-        # where blocks are head-major (one byte range of every block).
-        unit = "block" if group["slice_tokens"] > 1 else "token"
-        return (
-            f"{mine}-token blocks <- peer's {theirs}-token blocks by heads "
-            f"(a byte range of every {unit})"
-        )
+        how = {
+            "block": "a run of heads is a byte range of every block",
+            "token": "a run of heads is a byte range of every token",
+            "rows": f"a head at a time, {group['slice_tokens']} of its token rows per byte range",
+        }[group["head_cut"]]
+        return f"{mine}-token blocks <- peer's {theirs}-token blocks by heads ({how})"
     unit = group["slice_tokens"]
     how = "whole blocks where they align, " if unit in (mine, theirs) else ""
     return (

@@ -172,8 +172,8 @@ def run_bench(args: argparse.Namespace) -> int:
         level_sizes=args.concurrency_sizes or ["1k", "16k"],
         level_rounds=1 if args.quick else 2,
         level_max_bytes=int((args.concurrency_max_gib or DEFAULT_MAX_GIB) * 2**30),
-        pairings=tuple(pairings(args.tp or [], args.modes))
-        if args.tp or args.modes != ["pull"]
+        pairings=tuple(pairings(args.tp or [], args.modes, args.orders or ()))
+        if args.tp or args.orders or args.modes != ["pull"]
         else (),
         lane=not args.engine_grpc,
     )

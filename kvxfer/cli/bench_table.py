@@ -26,7 +26,7 @@ _CASE_COLUMNS = [
 
 _PAIRING_COLUMNS = [
     Column("model"),
-    *_right("tokens", "TP p->d", "mode", "xfers", "descs", "MiB", "vs min", "raw GB/s"),
+    *_right("tokens", "TP p->d", "blocks", "mode", "xfers", "descs", "MiB", "vs min", "raw GB/s"),
     *_right("kvxfer"),
     *_right("kvx/raw", "per round (min-max)", "raw p50/p99 ms", "kvxfer p50/p99 ms"),
 ]
@@ -98,7 +98,8 @@ def pairings_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     cells = []
     for r in rows:
         cells.append([
-            r["model"], str(r["tokens"]), f"{r['prefill_tp']}->{r['decode_tp']}", r["mode"],
+            r["model"], str(r["tokens"]), f"{r['prefill_tp']}->{r['decode_tp']}",
+            _orders(r.get("orders", "")), r["mode"],
             str(r["pulls"]), str(r["descriptors"]), f"{r['bytes'] / 2**20:.1f}",
             f"{r['bytes_vs_min']:.3f}", f"{r['raw_nixl_gbps']:.2f}", f"{r['kvxfer_gbps']:.2f}",
             f"{r['kvxfer_vs_raw']:.3f}", rounds_text(r), _pair(r["raw_ms_p50"], r["raw_ms_p99"]),
@@ -110,6 +111,12 @@ def pairings_table(rows: Sequence[dict[str, Any]]) -> list[str]:
         "PullDone (push: Received); raw posts the same descriptors as READ (push: WRITE); "
         "vs min = bytes moved / the decode ranks' exact need)",
     ]
+
+
+def _orders(orders: str) -> str:
+    """Block orders of a pairing row, short: t (token-major), h (head-major), hnd."""
+    short = {"token-major": "t", "head-major": "h", "hnd": "hnd"}
+    return "->".join(short.get(o, o) for o in orders.split("->")) if orders else "t->t"
 
 
 def _pair(a: float | None, b: float | None) -> str:

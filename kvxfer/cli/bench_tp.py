@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -44,7 +45,7 @@ from kvxfer.cli.admin import fetch_hello
 from kvxfer.cli.bench_concurrency import percentile
 from kvxfer.cli.bench_raw import raw_posts, whole_descriptors
 from kvxfer.cli.fleet import EngineView, Fleet, Proc
-from kvxfer.cli.main import MODES
+from kvxfer.cli.main import MODES, ORDER_FLAGS
 from kvxfer.client.engine import EngineClient
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
@@ -60,6 +61,7 @@ from kvxfer.wire.loops import within
 from kvxfer.wire.sidecar import PeerHello
 
 EQUAL = (1, 1)
+TOKEN_MAJOR = ("token-major", "token-major")
 
 
 @dataclass(frozen=True)
@@ -67,25 +69,47 @@ class Pairing:
     prefill_tp: int
     decode_tp: int
     mode: str = "pull"
+    orders: tuple[str, str] = TOKEN_MAJOR  # each side's block order (ORDERS)
 
     @property
     def label(self) -> str:
-        return f"TP {self.prefill_tp}->{self.decode_tp} {self.mode}"
+        orders = "" if self.orders == TOKEN_MAJOR else f" {self.orders[0]}->{self.orders[1]}"
+        return f"TP {self.prefill_tp}->{self.decode_tp}{orders} {self.mode}"
 
 
-def pairings(tps: Sequence[tuple[int, int]], modes: Sequence[str]) -> list[Pairing]:
-    """Every (TP pairing, mode): equal TP first, so the others sit beside it; no repeats."""
+def pairings(
+    tps: Sequence[tuple[int, int]],
+    modes: Sequence[str],
+    orders: Sequence[tuple[str, str]] = (),
+) -> list[Pairing]:
+    """Every (TP pairing, block orders, mode): equal TP and token-major blocks first, so
+    the others sit beside it; no repeats."""
     sizes = list(dict.fromkeys([EQUAL, *tps]))
-    return [Pairing(p, d, m) for p, d in sizes for m in dict.fromkeys(modes or MODES)]
+    kinds = list(dict.fromkeys([TOKEN_MAJOR, *orders]))
+    return [
+        Pairing(p, d, m, o) for p, d in sizes for o in kinds for m in dict.fromkeys(modes or MODES)
+    ]
+
+
+def ordered(layout: EngineLayout, order: str) -> EngineLayout:
+    """`layout` with its blocks in `order` (ORDERS)."""
+    if order == "token-major":
+        return layout
+    rows = order == "hnd"
+    return dataclasses.replace(layout, token_major=False, head_major=True, token_rows=rows)
 
 
 def refusal(model: str, pairing: Pairing, block: int) -> str | None:
     """Why negotiation would refuse this pairing (checked before any engine starts)."""
     try:
-        prefill = layout_for_model(model, block_size=block, tp_size=pairing.prefill_tp)
+        prefill = ordered(
+            layout_for_model(model, block_size=block, tp_size=pairing.prefill_tp),
+            pairing.orders[0],
+        )
         for rank in range(pairing.decode_tp):
-            decode = layout_for_model(
-                model, block_size=block, tp_size=pairing.decode_tp, tp_rank=rank
+            decode = ordered(
+                layout_for_model(model, block_size=block, tp_size=pairing.decode_tp, tp_rank=rank),
+                pairing.orders[1],
             )
             found = [m for m in find_mismatches(decode, prefill) if m.field != "layout.tp_rank"]
             if found:
@@ -168,7 +192,15 @@ async def measure_pairings(
             async with _TpCase.open(run, views, pairing.mode) as case:
                 for tokens in sizes:
                     row = await case.measure(tokens)
-                    rows.append({"model": model, "tokens": tokens, "mode": pairing.mode, **row})
+                    rows.append(
+                        {
+                            "model": model,
+                            "tokens": tokens,
+                            "mode": pairing.mode,
+                            "orders": "->".join(pairing.orders),
+                            **row,
+                        }
+                    )
         finally:
             await asyncio.gather(*(asyncio.to_thread(run.fleet.stop_engine, v) for v in views))
     return rows, skipped
@@ -177,12 +209,12 @@ async def measure_pairings(
 async def _engines(run: PairingRun, model: str, pairing: Pairing) -> list[EngineView]:
     """Prefill ranks, then decode ranks, each with its TP size and rank."""
     views = []
-    for sidecar, role, size in (
-        (run.prefill, "prefill", pairing.prefill_tp),
-        (run.decode, "decode", pairing.decode_tp),
+    for sidecar, role, size, order in (
+        (run.prefill, "prefill", pairing.prefill_tp, pairing.orders[0]),
+        (run.decode, "decode", pairing.decode_tp, pairing.orders[1]),
     ):
         for rank in range(size):
-            tp = ("--tp-size", str(size), "--tp-rank", str(rank))
+            tp = ("--tp-size", str(size), "--tp-rank", str(rank), *ORDER_FLAGS[order])
             views.append(
                 await asyncio.to_thread(
                     run.fleet.engine, sidecar, model, role, *run.engine_args, *tp

@@ -26,10 +26,6 @@ from kvxfer.client.shm import ShmKVCache, shm_kv_cache
 
 def run_engine_sim(args: argparse.Namespace) -> int:
     layout = layout_from_args(args, args.model)
-    if args.head_major or args.hnd:
-        layout = dataclasses.replace(
-            layout, token_major=False, head_major=True, token_rows=args.hnd
-        )
     with shm_kv_cache(
         layout,
         args.num_blocks,

@@ -10,6 +10,7 @@ with `--json` that line is a JSON object on stdout instead. Exit codes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -117,6 +118,25 @@ def tp_pair(text: str) -> tuple[int, int]:
     return int(p), int(d)
 
 
+# Block orders an engine-sim registers (`add_order_flags`), and their flags.
+ORDER_FLAGS: dict[str, tuple[str, ...]] = {
+    "token-major": (),
+    "head-major": ("--head-major",),
+    "hnd": ("--hnd",),
+}
+
+
+def order_pair(text: str) -> tuple[str, str]:
+    """`--orders` entries: PREFILL_ORDER:DECODE_ORDER."""
+    p, sep, d = text.partition(":")
+    if not sep or p not in ORDER_FLAGS or d not in ORDER_FLAGS:
+        raise argparse.ArgumentTypeError(
+            f"--orders: expected PREFILL:DECODE, each one of {', '.join(ORDER_FLAGS)} "
+            f"(e.g. token-major:hnd), got {text!r}"
+        )
+    return p, d
+
+
 def transfer_mode(text: str) -> str:
     """`--modes` entries."""
     if text not in MODES:
@@ -195,6 +215,15 @@ def _add_bench_pairings(bench: Any) -> None:
         help="also prefill TP P -> decode TP D (e.g. 1:2 2:1), beside 1:1, per model and size",
     )
     bench.add_argument(
+        "--orders",
+        nargs="+",
+        type=order_pair,
+        metavar="P:D",
+        help="also engines whose blocks are ordered P on the prefill side, D on the decode "
+        "side (token-major, head-major, hnd; e.g. token-major:hnd), at each --tp pairing, "
+        "beside token-major on both",
+    )
+    bench.add_argument(
         "--modes",
         nargs="+",
         type=transfer_mode,
@@ -238,15 +267,36 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
 
 
 def layout_from_args(args: argparse.Namespace, model: str) -> EngineLayout:
-    """The layout of `model` with --kv-dtype, --block-size, --tp-size, --tp-rank."""
+    """The layout of `model` with --kv-dtype, --block-size, --tp-size, --tp-rank and the
+    block order (`add_order_flags`)."""
     from kvxfer.core.profiles import layout_for_model  # noqa: PLC0415
 
-    return layout_for_model(
+    layout = layout_for_model(
         model,
         kv_dtype=args.kv_dtype,
         block_size=args.block_size,
         tp_size=args.tp_size,
         tp_rank=args.tp_rank,
+    )
+    if args.head_major or args.hnd:
+        return dataclasses.replace(layout, token_major=False, head_major=True, token_rows=args.hnd)
+    return layout
+
+
+def add_order_flags(parser: argparse.ArgumentParser) -> None:
+    """How the engine orders a block's bytes; token-major unless one is given."""
+    order = parser.add_mutually_exclusive_group()
+    order.add_argument(
+        "--head-major",
+        action="store_true",
+        help="attention blocks are head-major (each head's bytes for every token of the "
+        "block together, in the engine's own order, as vLLM's CPU pages), not token-major",
+    )
+    order.add_argument(
+        "--hnd",
+        action="store_true",
+        help="attention blocks are HND: head-major, each head the block's tokens in order "
+        "([heads][block_size][head bytes], vLLM's VLLM_KV_CACHE_LAYOUT=HND)",
     )
 
 
@@ -333,18 +383,7 @@ def _add_engine_sim(commands: Any) -> None:
     sim.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel size")
     sim.add_argument("--tp-rank", type=non_negative_int, default=0, help="this engine's rank")
     sim.add_argument("--seed", type=non_negative_int, default=0, help="pattern seed")
-    sim.add_argument(
-        "--head-major",
-        action="store_true",
-        help="register attention blocks as head-major (each head's bytes for every token "
-        "of the block together, as vLLM's CPU pages), not token-major",
-    )
-    sim.add_argument(
-        "--hnd",
-        action="store_true",
-        help="register attention blocks as HND: head-major, each head the block's tokens "
-        "in order ([heads][block_size][head bytes], vLLM's VLLM_KV_CACHE_LAYOUT=HND)",
-    )
+    add_order_flags(sim)
     sim.add_argument("--name", default="", help="engine name shown by status")
     sim.set_defaults(run=_lazy("kvxfer.cli.engine_sim", "run_engine_sim"))
 
@@ -365,6 +404,7 @@ def _add_sidecar_commands(commands: Any) -> None:
         help="the transfer mode to agree: pull (this side reads) or push (this side writes)",
     )
     handshake.add_argument("--kv-dtype", default="bfloat16", help="KV cache dtype")
+    add_order_flags(handshake)
     handshake.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel size")
     handshake.add_argument("--tp-rank", type=non_negative_int, default=0, help="rank asking")
     handshake.add_argument(

@@ -87,6 +87,9 @@ class GroupMapping:
     peer_block_size: int = 0
     block_mapping: str = BlockMapping.SAME.value
     slice_tokens: int = 0
+    # "heads" only: how heads are cut (tp_map.HeadCut): "block" (a run of heads per
+    # block), "token" (per token), "rows" (a head at a time, slice_tokens of its rows).
+    head_cut: str = ""
     # Different TP sizes ("heads"): every run of this decode rank's heads and the
     # prefill rank it comes from, all sources (the peer is one of them).
     head_reads: tuple[HeadRead, ...] = ()
@@ -589,6 +592,7 @@ def _mapping(
         peer_block_size=theirs,
         block_mapping=mapping.value,
         slice_tokens=_slice_tokens(mapping, local, group, peer, other),
+        head_cut=head_cut(peer, other, local, group).value if mapping is BlockMapping.HEADS else "",
         head_reads=head_reads(local, group, peer) if mapping is BlockMapping.HEADS else (),
         state_reads=state_reads(local, group, peer) if group.kind is GroupKind.MAMBA else (),
     )
