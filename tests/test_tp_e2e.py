@@ -66,20 +66,25 @@ def _oracle_pull_bytes(
 
 
 SEED_2 = ("0.25", "2")  # (fail rate, seed)
+TOKEN_MAJOR = ("token-major", "token-major")
 
 
 @pytest.mark.parametrize(
-    ("model", "prefill_tp", "decode_tp", "blocks", "faults"),
+    ("model", "prefill_tp", "decode_tp", "blocks", "faults", "orders"),
     [
-        ("llama-3.1-8b", 1, 2, (16, 16), SEED_2),
-        ("gpt-oss-20b", 2, 1, (16, 16), SEED_2),
-        ("gpt-oss-20b", 1, 2, (32, 16), SEED_2),  # block sizes differ as well
+        ("llama-3.1-8b", 1, 2, (16, 16), SEED_2, TOKEN_MAJOR),
+        ("gpt-oss-20b", 2, 1, (16, 16), SEED_2, TOKEN_MAJOR),
+        ("gpt-oss-20b", 1, 2, (32, 16), SEED_2, TOKEN_MAJOR),  # block sizes differ as well
         # Gated DeltaNet state beside attention, both ways (seed 4 fails state blocks), and
         # Mamba-2 state whose one B/C group is replicated on every rank.
-        ("qwen3-next-80b-a3b", 1, 2, (16, 16), SEED_2),
-        ("qwen3-next-80b-a3b", 2, 1, (16, 16), ("0.4", "4")),
-        ("falcon-h1-7b", 2, 4, (16, 16), SEED_2),
-        ("deepseek-v2-lite", 1, 2, (16, 16), SEED_2),  # the replicated latent, whole
+        ("qwen3-next-80b-a3b", 1, 2, (16, 16), SEED_2, TOKEN_MAJOR),
+        ("qwen3-next-80b-a3b", 2, 1, (16, 16), ("0.4", "4"), TOKEN_MAJOR),
+        ("falcon-h1-7b", 2, 4, (16, 16), SEED_2, TOKEN_MAJOR),
+        ("deepseek-v2-lite", 1, 2, (16, 16), SEED_2, TOKEN_MAJOR),  # the latent, whole
+        # Blocks ordered differently: a head at a time, at equal TP sizes too.
+        ("gemma-3-4b-it", 1, 2, (32, 16), SEED_2, ("token-major", "hnd")),
+        ("qwen3-next-80b-a3b", 1, 1, (16, 32), SEED_2, ("hnd", "token-major")),
+        ("llama-3.1-8b", 2, 1, (16, 48), SEED_2, ("hnd", "hnd")),
     ],
 )
 def test_different_tp_sizes_pull_head_by_head_with_failures(
@@ -89,15 +94,18 @@ def test_different_tp_sizes_pull_head_by_head_with_failures(
     decode_tp: int,
     blocks: tuple[int, int],
     faults: tuple[str, str],
+    orders: tuple[str, str],
 ) -> None:
     result = demos.run(
         "--model", model, "--requests", "4", "--tokens-range", "100:1200",
         "--prefix-hit-rate", "0.5", "--fail-rate", faults[0], "--seed", faults[1],
         "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
         "--prefill-block-size", str(blocks[0]), "--decode-block-size", str(blocks[1]),
+        "--prefill-order", orders[0], "--decode-order", orders[1],
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
+    assert report["orders"] == {"prefill": orders[0], "decode": orders[1]}
     check_tp_report(report, model, prefill_tp, decode_tp, blocks)
     if faults[1] == "4":  # a failed state block fails that pull's state: it resumes at C
         state = [
@@ -207,3 +215,30 @@ def test_handshake_shows_which_prefill_rank_serves_which_state_bytes(tmp_path: P
         assert {r["src_rank"] for r in state["state_reads"]} == {0, 1}
     finally:
         fleet.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "field", "reason"),
+    [
+        # Head-major blocks in an engine's own order name no token of a head.
+        (("--prefill-order", "head-major", "--decode-order", "hnd"), "--decode-order",
+         "in the engine's own order"),
+        (("--prefill-order", "head-major", "--decode-order", "head-major",
+          "--prefill-block-size", "32"), "--decode-order", "head-major blocks of 32 and 16"),
+        # Flags one engine does not read are refused, never ignored.
+        (("--engine", "vllm", "--mode", "push"), "--mode", "not read by --engine vllm"),
+        (("--engine", "vllm", "--decode-order=hnd"), "--decode-order", "not read by --engine"),
+        (("--max-tokens", "4",), "--max-tokens", "not read by --engine sim"),
+    ],
+)  # fmt: skip
+def test_a_demo_that_cannot_run_as_asked_stops_before_it_starts(
+    argv: tuple[str, ...], field: str, reason: str
+) -> None:
+    """No process is started: the refusal comes from the flags and layouts alone."""
+    result = subprocess.run(
+        [CLI, "demo", "--model", "gpt-oss-20b", *argv, "--json"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = json.loads(result.stdout)
+    assert error["field"] == field and reason in error["error"], error

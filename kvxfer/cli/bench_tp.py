@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -45,7 +44,7 @@ from kvxfer.cli.admin import fetch_hello
 from kvxfer.cli.bench_concurrency import percentile
 from kvxfer.cli.bench_raw import raw_posts, whole_descriptors
 from kvxfer.cli.fleet import EngineView, Fleet, Proc
-from kvxfer.cli.main import MODES, ORDER_FLAGS
+from kvxfer.cli.main import MODES, ORDER_FLAGS, ordered
 from kvxfer.client.engine import EngineClient
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
@@ -89,14 +88,6 @@ def pairings(
     return [
         Pairing(p, d, m, o) for p, d in sizes for o in kinds for m in dict.fromkeys(modes or MODES)
     ]
-
-
-def ordered(layout: EngineLayout, order: str) -> EngineLayout:
-    """`layout` with its blocks in `order` (ORDERS)."""
-    if order == "token-major":
-        return layout
-    rows = order == "hnd"
-    return dataclasses.replace(layout, token_major=False, head_major=True, token_rows=rows)
 
 
 def refusal(model: str, pairing: Pairing, block: int) -> str | None:

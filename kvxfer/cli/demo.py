@@ -106,16 +106,42 @@ def workload(args: argparse.Namespace, block_size: int) -> list[Request]:
     return requests
 
 
+# Flags only one engine reads: given to the other, they are refused, never ignored.
+SIM_ONLY = (
+    "--block-size", "--prefix-hit-rate", "--prefill-order", "--decode-order", "--mode",
+    "--push-steps",
+)  # fmt: skip
+VLLM_ONLY = ("--max-tokens",)
+
+
+def check_engine_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag the chosen engine would not read (`args.argv`: as given)."""
+    others = SIM_ONLY if args.engine == "vllm" else VLLM_ONLY
+    for arg in getattr(args, "argv", ()):
+        flag = arg.partition("=")[0]
+        if flag in others:
+            raise InvalidInputError(
+                flag,
+                f"not read by --engine {args.engine}"
+                + (
+                    " (the vLLM connector pulls; its block order comes from the engine)"
+                    if args.engine == "vllm"
+                    else " (simulated engines decode nothing)"
+                ),
+            )
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    check_engine_flags(args)
     if args.engine == "vllm":  # vLLM's own config checks the TP sizes, the sidecars the pair
         from kvxfer.cli.vllm_demo import run_vllm  # noqa: PLC0415 (only this engine needs it)
 
         return run_vllm(args)
-    if args.prefill_tp != args.decode_tp:
-        from kvxfer.cli.demo_tp import check_tp_args  # noqa: PLC0415
+    from kvxfer.cli.demo_tp import by_heads, check_tp_args  # noqa: PLC0415
 
-        check_tp_args(args)
     args.model = args.model or "gpt-oss-20b"
+    if by_heads(args):
+        check_tp_args(args)
     args.requests = args.requests or 24
     if not args.tokens and not args.tokens_range:
         args.tokens_range = (512, 16384)
@@ -126,7 +152,7 @@ def run_demo(args: argparse.Namespace) -> int:
             "--prefix-hit-rate", f"must be in [0, 1], got {args.prefix_hit_rate}"
         )
     with local_fleet("kvxfer-demo-", "kvxfer-cli demo") as fleet:
-        if args.prefill_tp != args.decode_tp:
+        if by_heads(args):
             from kvxfer.cli.demo_tp import demo_tp  # noqa: PLC0415
 
             report = run_until_interrupted(demo_tp(args, fleet))

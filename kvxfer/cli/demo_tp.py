@@ -20,7 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ from kvxfer._exceptions import InvalidInputError
 from kvxfer.cli.demo import EVENT_TIMEOUT_S, Request, _sizing, workload
 from kvxfer.cli.demo_reblock import source_blocks
 from kvxfer.cli.fleet import EngineView, Fleet
-from kvxfer.cli.main import EXIT_FAILED, EXIT_OK
+from kvxfer.cli.main import EXIT_FAILED, EXIT_OK, ORDER_FLAGS, ordered
 from kvxfer.cli.planning import human_bytes
 from kvxfer.client.engine import EngineClient
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind, KVGroup
@@ -53,6 +53,12 @@ class _Rank:
     events: asyncio.Queue[EngineEvent] = field(default_factory=asyncio.Queue)
 
 
+def by_heads(args: argparse.Namespace) -> bool:
+    """This demo runs here: different TP sizes, or blocks not both token-major."""
+    orders = {args.prefill_order, args.decode_order}
+    return args.prefill_tp != args.decode_tp or orders != {"token-major"}
+
+
 def check_tp_args(args: argparse.Namespace) -> None:
     """Refuse, before any process starts, a pairing negotiation would refuse."""
     from kvxfer.core.negotiation import find_mismatches  # noqa: PLC0415
@@ -60,16 +66,21 @@ def check_tp_args(args: argparse.Namespace) -> None:
 
     p_block = args.prefill_block_size or args.block_size
     d_block = args.decode_block_size or args.block_size
+    field = "--decode-tp" if args.prefill_tp != args.decode_tp else "--decode-order"
     for d_rank in range(args.decode_tp):
-        decode = layout_for_model(
-            args.model, block_size=d_block, tp_size=args.decode_tp, tp_rank=d_rank
+        decode = ordered(
+            layout_for_model(
+                args.model, block_size=d_block, tp_size=args.decode_tp, tp_rank=d_rank
+            ),
+            args.decode_order,
         )
-        prefill = layout_for_model(
-            args.model, block_size=p_block, tp_size=args.prefill_tp, tp_rank=0
+        prefill = ordered(
+            layout_for_model(args.model, block_size=p_block, tp_size=args.prefill_tp, tp_rank=0),
+            args.prefill_order,
         )
         found = [m for m in find_mismatches(decode, prefill) if m.field != "layout.tp_rank"]
         if found:
-            raise InvalidInputError("--decode-tp", "; ".join(str(m) for m in found[:3]))
+            raise InvalidInputError(field, "; ".join(str(m) for m in found[:3]))
 
 
 async def demo_tp(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
@@ -88,10 +99,12 @@ async def demo_tp(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
     for rank in range(args.prefill_tp):
         tp = ("--tp-size", str(args.prefill_tp), "--tp-rank", str(rank), "--seed", str(rank + 2))
         p_args = ("--block-size", str(p_block), *sizing.p_args, *tp)
+        p_args += ORDER_FLAGS[args.prefill_order]
         prefill.append(await asyncio.to_thread(fleet.engine, p, args.model, "prefill", *p_args))
     for rank in range(args.decode_tp):
         tp = ("--tp-size", str(args.decode_tp), "--tp-rank", str(rank), "--seed", str(rank + 50))
         d_args = ("--block-size", str(d_block), *sizing.d_args, *tp)
+        d_args += ORDER_FLAGS[args.decode_order]
         decode.append(await asyncio.to_thread(fleet.engine, d, args.model, "decode", *d_args))
     async with _clients(p.ready, prefill) as p_ranks, _clients(d.ready, decode) as d_ranks:
         runner = _Runner(p_ranks, d_ranks, sizing.pools, random.Random(args.seed + 1), push)
@@ -104,6 +117,7 @@ async def demo_tp(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
         "model": args.model,
         "mode": args.mode,
         "tp": {"prefill": args.prefill_tp, "decode": args.decode_tp},
+        "orders": {"prefill": args.prefill_order, "decode": args.decode_order},
         "block_sizes": {"prefill": p_block, "decode": d_block},
         "requests": len(rows),
         "verified_requests": verified,
@@ -277,16 +291,12 @@ class _Runner:
                     )
                 for tensor in plan.group.tensors:
                     pieces = _pieces(pe.layout, de.layout, plan.group, tensor.name)
-                    p_bytes = pe.regions[tensor.name].block_bytes // p_unit
-                    d_bytes = tensor.bytes_per_block // d_unit
                     want = images.get((tensor.name, d_id))
                     want = de.pattern_block(tensor.name, d_id) if want is None else want
                     for t in units:
                         block = pe.block(tensor.name, src_by[gid].block_id(t // p_unit))
-                        s_base, d_base = t % p_unit * p_bytes, t % d_unit * d_bytes
-                        for s_at, d_at, size in pieces:
-                            s_at_t, d_at_t = s_base + s_at, d_base + d_at
-                            want[d_at_t : d_at_t + size] = block[s_at_t : s_at_t + size]
+                        for s_at, d_at, size in pieces(t):
+                            want[d_at : d_at + size] = block[s_at : s_at + size]
                             verified += size
                     images[(tensor.name, d_id)] = want
                     self.touched[(tensor.name, d_id)] = logical
@@ -315,19 +325,49 @@ def _differing(de: EngineView, images: Images, touched: dict[tuple[str, int], in
     ]
 
 
-def _pieces(src: EngineLayout, dst: EngineLayout, group: KVGroup, tensor: str) -> list[Piece]:
-    """What this source serves of one token (attention), or of the state block."""
+def _pieces(
+    src: EngineLayout, dst: EngineLayout, group: KVGroup, tensor: str
+) -> Callable[[int], list[Piece]]:
+    """What this source serves of token t (attention: in each side's block, by each side's
+    order), or of the state block (t is 0), as (source byte, destination byte, bytes)."""
     if group.kind is GroupKind.MAMBA:
-        return [
+        state = [
             (p.src_at, p.dst_at, p.length) for p in served_state(src, dst, group).get(tensor, [])
         ]
+        return lambda t: state
     spec = next(t for t in group.tensors if t.name == tensor)
-    token = spec.bytes_per_block // dst.block_size_of(group)
-    if group.kind is GroupKind.MLA:
-        return [(0, 0, token)]  # the replicated latent: the whole token
+    src_size, dst_size = src.block_size_of(group), dst.block_size_of(group)
+    src_token = src.region_map[tensor].block_bytes // src_size
+    dst_token = spec.bytes_per_block // dst_size
+    if group.kind is GroupKind.MLA:  # the replicated latent: the whole token
+        return lambda t: [(t % src_size * src_token, t % dst_size * dst_token, dst_token)]
     head = dst.head_bytes(group, spec)
     assert head is not None
-    return [piece.byte_range(head) for piece in served_slices(src, dst, group)]
+    heads = [
+        (s, d) for piece in served_slices(src, dst, group)
+        for s, d in zip(piece.src_heads, piece.dst_heads, strict=True)
+    ]  # fmt: skip
+
+    def at(layout: EngineLayout, size: int, t: int, local: int) -> int:
+        if layout.head_major:  # [heads][tokens][head bytes]; whole heads where in own order
+            return (local * size + t % size) * head
+        return (t % size * layout.rank_heads(group) + local) * head
+
+    return lambda t: _merged(
+        [(at(src, src_size, t, s), at(dst, dst_size, t, d), head) for s, d in heads]
+    )
+
+
+def _merged(pieces: list[Piece]) -> list[Piece]:
+    """Pieces that follow each other on both sides as one (a run of heads of a token in
+    token-major blocks on both sides)."""
+    out: list[Piece] = []
+    for s, d, n in pieces:
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((s, d, n))
+    return out
 
 
 def _serves(p_rank: _Rank, d_rank: _Rank) -> bool:
@@ -341,7 +381,8 @@ def summary_tp(report: dict[str, Any]) -> str:
         [
             f"{report['model']} ({report['mode']}): prefill TP {tp['prefill']} -> decode TP "
             f"{tp['decode']}, "
-            f"blocks {sizes['prefill']} -> {sizes['decode']} tokens",
+            f"blocks {sizes['prefill']} -> {sizes['decode']} tokens, "
+            f"{report['orders']['prefill']} -> {report['orders']['decode']}",
             f"{report['verified_requests']}/{report['requests']} requests verified head by "
             f"head ({report['pulls']} {'pushes' if report['mode'] == 'push' else 'pulls'}, "
             f"{human_bytes(report['bytes_moved'])} moved, "

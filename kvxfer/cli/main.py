@@ -278,9 +278,15 @@ def layout_from_args(args: argparse.Namespace, model: str) -> EngineLayout:
         tp_size=args.tp_size,
         tp_rank=args.tp_rank,
     )
-    if args.head_major or args.hnd:
-        return dataclasses.replace(layout, token_major=False, head_major=True, token_rows=args.hnd)
-    return layout
+    return ordered(layout, "hnd" if args.hnd else "head-major" if args.head_major else "")
+
+
+def ordered(layout: EngineLayout, order: str) -> EngineLayout:
+    """`layout` with its attention blocks in `order` (ORDER_FLAGS; empty: as it is)."""
+    if order in ("", "token-major"):
+        return layout
+    rows = order == "hnd"
+    return dataclasses.replace(layout, token_major=False, head_major=True, token_rows=rows)
 
 
 def add_order_flags(parser: argparse.ArgumentParser) -> None:
@@ -486,6 +492,15 @@ def _add_demo(commands: Any) -> None:
         default=1,
         help="decode TP size; different from --prefill-tp, decode ranks read heads",
     )
+    for side in ("prefill", "decode"):
+        demo.add_argument(
+            f"--{side}-order",
+            choices=tuple(ORDER_FLAGS),
+            default="token-major",
+            help=f"sim: how the {side} engines order a block's bytes (token-major; hnd: "
+            "[heads][tokens][head bytes]; head-major: each head's tokens in an engine's own "
+            "order); orders that differ move a head at a time",
+        )
     demo.add_argument(
         "--mode",
         choices=("pull", "push"),
