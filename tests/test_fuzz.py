@@ -41,6 +41,7 @@ from sidecars import DecodeImage, EngineSim, engine_link, spans
 
 from kvxfer.cli.fleet import Proc, spawn
 from kvxfer.client.engine import SyncEngineClient
+from kvxfer.core.negotiation import PROTOCOL_VERSION
 from kvxfer.core.requests import PullDone, PullStatus, Released
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.wire.layout import layout_to_proto, span_to_proto
@@ -132,8 +133,10 @@ def _vocabulary(p: Proc, pe: EngineSim, d: Proc, de: EngineSim) -> Vocabulary:
         pb.PullRequest(engine_id=pe.engine_id, params=params_to_proto(held[0]), local_spans=local),
         pb.AbortRequest(engine_id=pe.engine_id, request_id=ids[1]),
         pb.WatchEventsRequest(engine_id=pe.engine_id),
-        pb.HandshakeRequest(protocol_version=1, sidecar_id="fuzz", layout=layout, dry_run=True),
-        pb.HandshakeRequest(protocol_version=1, sidecar_id="fuzz", layout=layout),
+        pb.HandshakeRequest(
+            protocol_version=PROTOCOL_VERSION, sidecar_id="fuzz", layout=layout, dry_run=True
+        ),
+        pb.HandshakeRequest(protocol_version=PROTOCOL_VERSION, sidecar_id="fuzz", layout=layout),
         pb.BeginReadRequest(epoch=epoch, request_id=ids[2]),
         pb.HeartbeatRequest(epoch=epoch, request_ids=ids),
         pb.EndReadRequest(epoch=epoch, request_id=ids[2], reason=pb.RELEASE_REASON_CONSUMED),

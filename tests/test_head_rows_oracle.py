@@ -260,11 +260,17 @@ def test_what_cannot_be_cut_to_meet_is_refused_with_the_reason() -> None:
     only their own order at their own size. Strided HND pages are no array of rows."""
     opaque = _opaque(_case("hnd", "hnd", (1, 16), (1, 16)).dst)  # the decode side
     for src_order, size, reason in (
-        ("token", 16, r"dst side's blocks are head-major \(.*own order\), the other side's token"),
-        ("hnd", 16, r"dst side's blocks are head-major \(.*own order\), the other side's HND"),
-        ("hnd", 32, "head-major blocks of 32 and 16 tokens"),
+        (
+            "token",
+            16,
+            r"decode side's blocks are head-major \(.*own order\), the other side's token",
+        ),
+        ("hnd", 16, r"decode side's blocks are head-major \(.*own order\), the other side's HND"),
+        ("hnd", 32, "the decode side's blocks are head-major .* the other side's HND"),
+        ("opaque", 32, r"head-major blocks of 32 \(prefill\) and 16 \(decode\) tokens"),
     ):
-        src = _case(src_order, "hnd", (1, size), (1, 16)).src(0)
+        src = _case("hnd" if src_order == "opaque" else src_order, "hnd", (1, size), (1, 16))
+        src = _opaque(src.src(0)) if src_order == "opaque" else src.src(0)
         with pytest.raises(NegotiationError) as refused:
             negotiate(opaque, src)
         (mismatch,) = refused.value.mismatches
@@ -277,9 +283,26 @@ def test_what_cannot_be_cut_to_meet_is_refused_with_the_reason() -> None:
         Region(r.name, r.buffer, r.offset_bytes, r.num_blocks, r.stride_bytes + 64, r.block_bytes)
         for r in case.dst.regions
     )
-    with pytest.raises(PlanError, match=r"dst side region .* is strided .* not one array"):
+    with pytest.raises(PlanError, match=r"decode side region .* is strided .* not one array"):
         plan_transfer(case.src(0), padded, SPANS, SPANS, 64, 0)
+    with pytest.raises(NegotiationError) as refused:
+        negotiate(padded, case.src(0))
+    assert [m.field for m in refused.value.mismatches] == ["layout.groups[0].tensors"]
     plan_transfer(case.src(0), case.dst, SPANS, SPANS, 64, 0)  # unpadded: planned
+
+
+def test_an_mla_latent_in_hnd_blocks_is_token_major() -> None:
+    """A latent is one head: HND rows are its tokens, so it pairs with token-major
+    latents of another block size by token ranges, as token-major ones do."""
+    model = "deepseek-v2-lite"
+    hnd = dataclasses.replace(
+        layout_for_model(model, block_size=32), token_major=False, head_major=True, token_rows=True
+    )
+    agreement = negotiate(layout_for_model(model), hnd)
+    assert {(g.block_mapping, g.slice_tokens) for g in agreement.groups} == {("tokens", 16)}
+    opaque = dataclasses.replace(hnd, token_rows=False)
+    with pytest.raises(NegotiationError, match="not token-major"):
+        negotiate(layout_for_model(model), opaque)
 
 
 def test_token_rows_go_over_the_wire_and_need_head_major() -> None:

@@ -122,7 +122,7 @@ def test_different_block_sizes_map_by_tokens_or_are_refused_with_the_reason() ->
         refused = _fields(other, fused)
         assert set(refused) == {"layout.groups[0].tensors", "layout.groups[1].tensors"}
         hint = refused["layout.groups[0].tensors"].hint  # type: ignore[attr-defined]
-        assert "blocks ordered differently" in hint and "not token-major" in hint
+        assert "blocks ordered differently" in hint and "in the engine's own order" in hint
     odd = layout_for_model("gpt-oss-20b", block_size=24)
     assert {g.slice_tokens for g in negotiate(odd, large).groups} == {8}
 
@@ -177,6 +177,9 @@ def test_protocol_versions_must_match() -> None:
     base = layout_for_model("gemma-3-4b-it")
     m = _fields(base, base, local_protocol=1, peer_protocol=2)
     assert set(m) == {"protocol_version"}
+    # Protocol 1 did not carry token_rows: it would take HND blocks for blocks in an
+    # engine's own order, so it never pairs with this one.
+    assert set(_fields(base, base, local_protocol=2, peer_protocol=1)) == {"protocol_version"}
 
 
 def test_group_ids_must_match_structure() -> None:
@@ -298,8 +301,11 @@ def test_head_major_sides_split_by_block_and_mixed_orders_are_named() -> None:
     assert text.endswith("(a head at a time, 16 of its token rows per byte range)"), text
     mixed = _fields(decode, layout_for_model("gpt-oss-20b"))
     assert set(mixed) == {"layout.groups[0].block_size", "layout.groups[1].block_size"}
-    assert "the dst side's blocks are head-major" in mixed["layout.groups[0].block_size"].hint  # type: ignore[attr-defined]
+    assert "the decode side's blocks are head-major" in mixed["layout.groups[0].block_size"].hint  # type: ignore[attr-defined]
     sizes = _fields(decode, _head_major(layout_for_model("gpt-oss-20b", block_size=32)))
-    assert "head-major blocks of 32 and 16 tokens" in sizes["layout.groups[0].block_size"].hint  # type: ignore[attr-defined]
+    assert (
+        "head-major blocks of 32 (prefill) and 16 (decode) tokens"
+        in sizes["layout.groups[0].block_size"].hint
+    )  # type: ignore[attr-defined]
     with pytest.raises(LayoutError, match="head_major"):
         dataclasses.replace(prefill, token_major=True)

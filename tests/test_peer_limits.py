@@ -23,6 +23,7 @@ from sidecars import EngineSim, engine_link, scrape, spans, start_engine, start_
 
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.cli.fleet import BIN, Proc, metric
+from kvxfer.core.negotiation import PROTOCOL_VERSION
 from kvxfer.core.requests import TransferParams
 from kvxfer.server.peers import channel_options, server_options
 from kvxfer.server.settings import load_settings
@@ -134,7 +135,7 @@ async def test_sizes_and_counts_are_capped_per_rpc(
     assert "limits.max_heartbeat_ids" in (refused.value.details() or "")
     layout = layout_pb2.EngineLayout(groups=[layout_pb2.KVGroup()] * 300)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await peer.Handshake(pb.HandshakeRequest(protocol_version=1, layout=layout))
+        await peer.Handshake(pb.HandshakeRequest(protocol_version=PROTOCOL_VERSION, layout=layout))
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert (refused.value.details() or "").startswith("layout.groups:")
 
@@ -146,7 +147,9 @@ async def test_names_echoed_into_errors_arrive_exactly(channel: grpc.aio.Channel
     for name in ("é\n", "a\r\nkvxfer-error: Forged", "\x00"):
         layout = layout_pb2.EngineLayout(regions=[layout_pb2.Region(name=name, buffer="")])
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await peer.Handshake(pb.HandshakeRequest(protocol_version=1, layout=layout))
+            await peer.Handshake(
+                pb.HandshakeRequest(protocol_version=PROTOCOL_VERSION, layout=layout)
+            )
         assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, refused.value
         error = rpc_error(refused.value, "handshake")
         assert isinstance(error, InvalidInputError) and name in error.field, error

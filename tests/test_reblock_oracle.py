@@ -269,7 +269,10 @@ def test_slicing_is_refused_where_a_token_range_is_not_one_byte_range() -> None:
     case = Case(src, dst, {0: list(range(8))}, {0: list(range(4))}, 100, 0)
     assert case.plan(4).nbytes == 112 * dst.groups[0].bytes_per_block // 32  # [0, 112)
     fused = dataclasses.replace(case.dst, token_major=False)
+    both = dataclasses.replace(case, src=dataclasses.replace(case.src, token_major=False))
     with pytest.raises(PlanError, match="not token-major"):
+        dataclasses.replace(both, dst=fused).plan(4)
+    with pytest.raises(PlanError, match="in the engine's own order"):  # orders differ too
         dataclasses.replace(case, dst=fused).plan(4)
     region = case.src.regions[0]
     strided = case.src.with_regions(
@@ -281,6 +284,10 @@ def test_slicing_is_refused_where_a_token_range_is_not_one_byte_range() -> None:
 
 def test_block_order_survives_the_wire() -> None:
     layout = layout_for_model("gpt-oss-20b")
-    for token_major, head_major in ((True, False), (False, False), (False, True)):
-        flagged = dataclasses.replace(layout, token_major=token_major, head_major=head_major)
+    for token_major, head_major, rows in (
+        (True, False, False), (False, False, False), (False, True, False), (False, True, True)
+    ):  # fmt: skip
+        flagged = dataclasses.replace(
+            layout, token_major=token_major, head_major=head_major, token_rows=rows
+        )
         assert layout_from_proto(layout_to_proto(flagged)) == flagged

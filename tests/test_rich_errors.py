@@ -24,7 +24,7 @@ from kvxfer import _exceptions as errors
 from kvxfer._exceptions import InvalidInputError, KvxferError, NegotiationError, NotFoundError
 from kvxfer.cli.fleet import Proc
 from kvxfer.client.engine import EngineClient
-from kvxfer.core.negotiation import Mismatch
+from kvxfer.core.negotiation import PROTOCOL_VERSION, Mismatch
 from kvxfer.server.status import status_for
 from kvxfer.v1 import layout_pb2
 from kvxfer.v1 import sidecar_pb2 as pb
@@ -93,7 +93,9 @@ def test_a_field_error_names_the_field_exactly_for_any_client(pair: Pair) -> Non
     with grpc.insecure_channel(pair.p.ready["peer_address"]) as channel:
         stub = pb_grpc.PeerServiceStub(channel)
         with pytest.raises(grpc.RpcError) as refused:
-            stub.Handshake(pb.HandshakeRequest(protocol_version=1, layout=layout), timeout=20)
+            stub.Handshake(
+                pb.HandshakeRequest(protocol_version=PROTOCOL_VERSION, layout=layout), timeout=20
+            )
     status, details = _plain_call(refused.value)
     assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     info, bad = details["ErrorInfo"], details["BadRequest"]

@@ -50,6 +50,7 @@ from kvxfer.cli.fleet import BIN, Samples, metric, rss_excluding_shm_bytes
 from kvxfer.client.engine import EngineClient, SyncEngineClient
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import Region
+from kvxfer.core.negotiation import PROTOCOL_VERSION
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import (
     AbortState,
@@ -445,7 +446,7 @@ def test_cli_handshake_dry_run(fleet: Fleet) -> None:
     assert report["compatible"] is True and report["mismatches"] == []
     assert report["peer"]["engine_id"] == fleet.pe.engine_id
     assert report["peer"]["epoch"] == fleet.p.ready["epoch"]
-    assert report["peer"]["protocol_version"] == 1
+    assert report["peer"]["protocol_version"] == PROTOCOL_VERSION
     kinds = [g["kind"] for g in report["agreement"]["groups"]]
     assert kinds == ["sliding_window", "full_attention"]
     text = _cli("handshake", "--peer", peer, "--layout", MODEL)

@@ -73,7 +73,8 @@ TOKEN_MAJOR = ("token-major", "token-major")
     ("model", "prefill_tp", "decode_tp", "blocks", "faults", "orders"),
     [
         ("llama-3.1-8b", 1, 2, (16, 16), SEED_2, TOKEN_MAJOR),
-        ("gpt-oss-20b", 2, 1, (16, 16), SEED_2, TOKEN_MAJOR),
+        # vLLM's CPU pages: heads of whole blocks, equal block sizes.
+        ("gpt-oss-20b", 2, 1, (16, 16), SEED_2, ("head-major", "head-major")),
         ("gpt-oss-20b", 1, 2, (32, 16), SEED_2, TOKEN_MAJOR),  # block sizes differ as well
         # Gated DeltaNet state beside attention, both ways (seed 4 fails state blocks), and
         # Mamba-2 state whose one B/C group is replicated on every rank.
@@ -224,15 +225,17 @@ def test_handshake_shows_which_prefill_rank_serves_which_state_bytes(tmp_path: P
         (("--prefill-order", "head-major", "--decode-order", "hnd"), "--decode-order",
          "in the engine's own order"),
         (("--prefill-order", "head-major", "--decode-order", "head-major",
-          "--prefill-block-size", "32"), "--decode-order", "head-major blocks of 32 and 16"),
+          "--prefill-block-size", "32"), "--decode-order",
+         "head-major blocks of 32 (prefill) and 16 (decode)"),
         # Flags one engine does not read are refused, never ignored.
         (("--engine", "vllm", "--mode", "push"), "--mode", "not read by --engine vllm"),
         (("--engine", "vllm", "--decode-order=hnd"), "--decode-order", "not read by --engine"),
         (("--max-tokens", "4",), "--max-tokens", "not read by --engine sim"),
+        (("--engine", "vllm", "--decode-ord", "hnd"), None, "unrecognized arguments"),
     ],
 )  # fmt: skip
 def test_a_demo_that_cannot_run_as_asked_stops_before_it_starts(
-    argv: tuple[str, ...], field: str, reason: str
+    argv: tuple[str, ...], field: str | None, reason: str
 ) -> None:
     """No process is started: the refusal comes from the flags and layouts alone."""
     result = subprocess.run(

@@ -297,10 +297,10 @@ def _pair(src_major: bool, dst_major: bool, src_size: int, dst_size: int) -> HMC
 @pytest.mark.parametrize(
     ("src_major", "dst_major", "src_size", "dst_size", "reason"),
     [
-        (True, False, 16, 16, "src side's blocks are head-major"),
-        (False, True, 16, 16, "dst side's blocks are head-major"),
-        (True, True, 16, 32, "head-major blocks of 16 and 32 tokens"),
-        (True, True, 32, 16, "head-major blocks of 32 and 16 tokens"),
+        (True, False, 16, 16, "prefill side's blocks are head-major"),
+        (False, True, 16, 16, "decode side's blocks are head-major"),
+        (True, True, 16, 32, r"head-major blocks of 16 \(prefill\) and 32 \(decode\) tokens"),
+        (True, True, 32, 16, r"head-major blocks of 32 \(prefill\) and 16 \(decode\) tokens"),
     ],
 )
 def test_mixed_orders_and_unequal_head_major_blocks_are_refused(
@@ -335,7 +335,9 @@ def test_the_refusals_are_about_order_and_size_alone() -> None:
 def test_same_tp_head_major_blocks_of_different_sizes_are_refused() -> None:
     """Between equal TP sizes a head-major block cannot be cut into token ranges."""
     case = HMCase("llama-3.1-8b", 2, 2, 0, 16, 32, 64, 0, 0, ascending=True)
-    with pytest.raises(PlanError, match="head-major blocks of 16 and 32 tokens"):
+    with pytest.raises(
+        PlanError, match=r"head-major blocks of 16 \(prefill\) and 32 \(decode\) tokens"
+    ):
         case.plan(0, 16)
     assert dataclasses.replace(case, src_size=32).plan(0, 16).nbytes == 64 * 128 * 2 * 4 * 2
 

@@ -342,7 +342,10 @@ def _pieces(
     if group.kind is GroupKind.MLA:  # the replicated latent: the whole token
         return lambda t: [(t % src_size * src_token, t % dst_size * dst_token, dst_token)]
     head = dst.head_bytes(group, spec)
-    assert head is not None
+    if head is None:  # head-major in an engine's own order: whole heads of equal blocks
+        whole = dst.head_block_bytes(group, spec)  # move, checked as rows alike on each side
+        assert whole is not None and whole % dst_size == 0
+        head = whole // dst_size
     heads = [
         (s, d) for piece in served_slices(src, dst, group)
         for s, d in zip(piece.src_heads, piece.dst_heads, strict=True)

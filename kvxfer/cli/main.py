@@ -439,7 +439,9 @@ def _add_sidecar_commands(commands: Any) -> None:
 
 def _add_demo(commands: Any) -> None:
     demo = commands.add_parser(
-        "demo", help="a whole P/D transfer here: 2 sidecars, 2 engines, every byte checked"
+        "demo",
+        help="a whole P/D transfer here: 2 sidecars, 2 engines, every byte checked",
+        allow_abbrev=False,  # flags one engine does not read are refused by their full name
     )
     demo.add_argument(
         "--engine",

@@ -434,7 +434,9 @@ class EngineLayout:
         cannot be sliced by tokens (a state group, a layout that is not token-major,
         or a block size that does not divide its bytes)."""
         size = self.block_size_of(group)
-        if group.kind is GroupKind.MAMBA or not self.token_major or tensor.bytes_per_block % size:
+        # An mla latent is one head: in HND blocks its rows are the block's tokens.
+        by_token = self.token_major or (self.token_rows and group.kind is GroupKind.MLA)
+        if group.kind is GroupKind.MAMBA or not by_token or tensor.bytes_per_block % size:
             return None
         return tensor.bytes_per_block // size
 

@@ -44,13 +44,17 @@ from kvxfer.core.tp_map import (
     pair_split_problem,
     pairing_sources,
     row_tokens,
+    rows_problem,
     split_problem,
     state_problem,
 )
 from kvxfer.core.tp_reads import HeadRead, StateRead, head_reads, state_reads
 
-PROTOCOL_VERSION = 1
-SUPPORTED_PROTOCOLS = frozenset({1})
+# 2: layouts carry `token_rows` (HND). A sidecar of protocol 1 would drop it, take HND
+# blocks for head-major ones in an engine's own order and, against token-major blocks of
+# the same size and TP, agree to copy whole blocks; so 1 and 2 never pair.
+PROTOCOL_VERSION = 2
+SUPPORTED_PROTOCOLS = frozenset({2})
 
 # Group kinds the planner handles but no pull has moved end to end yet, and why. A new
 # kind is listed here until a byte-checked pull of it runs (kept as the seam for that).
@@ -337,6 +341,16 @@ def _head_problems(
                 _order(local, local.block_size_of(a)),
                 _order(peer, peer.block_size_of(b)),
                 f"{why}: {pair}",
+            )
+        )
+    rows = None if found else rows_problem(peer, b, local, a)
+    if rows is not None:
+        found.append(
+            Mismatch(
+                f"{where}.tensors",
+                _order(local, local.block_size_of(a)),
+                _order(peer, peer.block_size_of(b)),
+                f"{why}: {rows}",
             )
         )
     return found

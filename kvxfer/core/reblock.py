@@ -70,7 +70,8 @@ def _orders_differ(local: EngineLayout, group: KVGroup, peer: EngineLayout, othe
 def slicing_problem(layout: EngineLayout, group: KVGroup) -> str | None:
     """Why `group`'s blocks in `layout` cannot be cut into token ranges, or None."""
     size = layout.block_size_of(group)
-    if not layout.token_major:
+    # An mla latent is one head: in HND blocks its rows are the block's tokens.
+    if not (layout.token_major or (layout.token_rows and group.kind is GroupKind.MLA)):
         return (
             "this layout's pages are not token-major (as vLLM's, whose attention kernel "
             "orders each head's K and V its own way), so a token range is not a byte "

@@ -129,6 +129,12 @@ def split_problem(layout: EngineLayout, group: KVGroup) -> str | None:
             "the layout does not carry the group's KV head count (num_kv_heads), so a "
             "token cannot be cut into heads"
         )
+    if not layout.head_major and not layout.token_major:
+        return (
+            "this layout's blocks are in the engine's own order (neither token-major nor "
+            "head-major), so a head is no byte range kvxfer can name; such blocks pair "
+            "only with their own order, block size and TP size"
+        )
     if not layout.head_major:
         problem = slicing_problem(layout, group)
         if problem is not None:
@@ -186,27 +192,39 @@ def pair_split_problem(src: EngineLayout, a: KVGroup, dst: EngineLayout, b: KVGr
     A run of heads is one byte range of a token (token-major) or of a head-major block;
     between two orders, or head-major blocks of different sizes, heads move a token
     range at a time, which needs each side to name a token of a head: token-major or
-    HND blocks can, head-major ones in an engine's own order (vLLM's CPU pages) cannot."""
+    HND blocks can, head-major ones in an engine's own order (vLLM's CPU pages) cannot.
+    The source is the prefill side, the destination the decode side."""
     if head_cut(src, a, dst, b) is not HeadCut.ROWS:
         return None
-    for side, layout, other in (("src", src, dst), ("dst", dst, src)):
+    sizes = f"{src.block_size_of(a)} (prefill) and {dst.block_size_of(b)} (decode)"
+    for side, layout, other in (("prefill", src, dst), ("decode", dst, src)):
         if not layout.head_major or layout.token_rows:
             continue
-        if other.head_major and src.block_size_of(a) != dst.block_size_of(b):
+        if other.head_major and not other.token_rows:  # the same order, sizes differ
             return (
-                f"head-major blocks of {src.block_size_of(a)} and {dst.block_size_of(b)} "
-                "tokens: a head holds every token of its block in the engine's own order, "
-                "so a token range of it is no byte range kvxfer can name; run the same "
-                "block size on both sides, or register HND blocks (token_rows)"
+                f"head-major blocks of {sizes} tokens: a head holds every token of its "
+                "block in the engine's own order, so a token range of it is no byte range "
+                "kvxfer can name; run the same block size on both sides, or register HND "
+                "blocks (token_rows)"
             )
         theirs = "HND (token rows)" if other.head_major else "token-major"
         return (
             f"the {side} side's blocks are head-major (a head's bytes for every token of "
             f"the block, in the engine's own order), the other side's {theirs}: a token "
             "of a head is no byte range there, so the two cannot be cut to meet; run "
-            "both sides in one order, or register HND blocks (token_rows)"
+            "both sides in the same order and block size, or register HND blocks "
+            "(token_rows)"
         )
-    for side, layout, group in (("src", src, a), ("dst", dst, b)):
+    return None
+
+
+def rows_problem(src: EngineLayout, a: KVGroup, dst: EngineLayout, b: KVGroup) -> str | None:
+    """Why heads cut a token range at a time (`HeadCut.ROWS`) cannot be named as byte
+    ranges on a side whose order allows it (strided pages, bytes that do not split), or
+    None."""
+    if head_cut(src, a, dst, b) is not HeadCut.ROWS:
+        return None
+    for side, layout, group in (("prefill", src, a), ("decode", dst, b)):
         problem = _rows_problem(layout, group)
         if problem is not None:
             return f"heads move a token range at a time, but on the {side} side {problem}"
@@ -262,6 +280,9 @@ def check_head_split(
     problem = pair_split_problem(src, a, dst, b)
     if problem is not None:
         raise PlanError(f"{where}.block_size", problem)
+    problem = rows_problem(src, a, dst, b)
+    if problem is not None:
+        raise PlanError(f"{where}.tensors", problem)
 
     def per_head(layout: EngineLayout, group: KVGroup, tensor: TensorSpec) -> int | None:
         if head_cut(src, a, dst, b) is HeadCut.BLOCK:
