@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import oracle_head_server, oracle_moved_tokens, oracle_rank_heads
 from test_reblock_oracle import OFFSET, _trim, _with_regions
-from test_tp_head_major_oracle import _check_arrays, _placeable
-from test_tp_oracle import TP_PROFILES, TPCase
+from test_tp_head_major_oracle import _check_arrays, _placeable, serving_ranks
+from test_tp_oracle import TP_PROFILES, TPCase, draw_tokens
 
 from kvxfer._exceptions import LayoutError, NegotiationError, PlanError
 from kvxfer.core.layout import (
@@ -86,10 +86,7 @@ def rows_cases(draw: st.DrawFn) -> RowsCase:
     placeable = _placeable(model)
     src_tp, dst_tp = draw(st.sampled_from(placeable)), draw(st.sampled_from(placeable))
     src_size, dst_size = draw(st.sampled_from(SIZES)), draw(st.sampled_from(SIZES))
-    num_tokens = draw(st.integers(1, 160))
-    computed = num_tokens
-    if draw(st.integers(0, 9)):
-        computed = draw(st.integers(0, (num_tokens - 1) // dst_size)) * dst_size
+    num_tokens, computed = draw_tokens(draw, dst_size, 160)
     return RowsCase(
         model,
         src_tp,
@@ -163,11 +160,7 @@ def test_every_head_of_every_token_lands_where_the_readers_order_puts_it(
 ) -> None:
     dst = case.dst
     landed: dict[int, list[Copy]] = {}
-    servers = {
-        oracle_head_server(_heads(case.model, g.group_id), case.src_tp, h, case.dst_rank)
-        for g in dst.groups
-        for h in oracle_rank_heads(_heads(case.model, g.group_id), case.dst_tp, case.dst_rank)
-    }
+    servers = serving_ranks(case)
     for rank in range(case.src_tp):
         if rank not in servers:
             with pytest.raises(PlanError, match="holds none of decode rank"):

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import oracle_head_server, oracle_moved_tokens, oracle_rank_heads
 from test_reblock_oracle import OFFSET, _trim, _with_regions
-from test_tp_oracle import TP_PROFILES, TP_SIZES, TPCase
+from test_tp_oracle import TP_PROFILES, TP_SIZES, TPCase, draw_tokens
 
 from kvxfer._exceptions import LayoutError, NegotiationError, PlanError
 from kvxfer.core.buffers import MemoryKind
@@ -97,10 +97,7 @@ def hm_cases(draw: st.DrawFn) -> HMCase:
     src_tp = draw(st.sampled_from(placeable))
     dst_tp = draw(st.sampled_from([t for t in placeable if t != src_tp]))
     size = draw(st.sampled_from(SIZES))  # equal on both sides
-    num_tokens = draw(st.integers(1, 200))
-    computed = num_tokens
-    if draw(st.integers(0, 9)):
-        computed = draw(st.integers(0, (num_tokens - 1) // size)) * size
+    num_tokens, computed = draw_tokens(draw, size, 200)
     return HMCase(
         model,
         src_tp,
@@ -114,6 +111,15 @@ def hm_cases(draw: st.DrawFn) -> HMCase:
         pad=draw(st.sampled_from((0, 0, 64))),
         ascending=draw(st.booleans()),
     )
+
+
+def serving_ranks(case: TPCase) -> set[int]:
+    """The prefill ranks that serve the decode rank some head of some group (oracle)."""
+    return {
+        oracle_head_server(_heads(case.model, g.group_id), case.src_tp, h, case.dst_rank)
+        for g in case.dst.groups
+        for h in oracle_rank_heads(_heads(case.model, g.group_id), case.dst_tp, case.dst_rank)
+    }
 
 
 def _moved_blocks(case: HMCase, group: KVGroup) -> set[int]:
@@ -210,11 +216,7 @@ def test_every_head_of_every_block_comes_from_its_serving_rank(
 ) -> None:
     dst = case.dst
     landed: dict[int, list[Copy]] = {}
-    servers = {
-        oracle_head_server(_heads(case.model, g.group_id), case.src_tp, h, case.dst_rank)
-        for g in dst.groups
-        for h in oracle_rank_heads(_heads(case.model, g.group_id), case.dst_tp, case.dst_rank)
-    }
+    servers = serving_ranks(case)
     for rank in range(case.src_tp):
         if rank not in servers:
             with pytest.raises(PlanError, match="holds none of decode rank"):

@@ -87,6 +87,15 @@ def _heads(model: str) -> int:
     return heads
 
 
+def draw_tokens(draw: st.DrawFn, dst_size: int, most: int) -> tuple[int, int]:
+    """(num_tokens, computed_tokens): a prompt of up to `most` tokens; nine times in ten
+    a prefix of whole decode blocks is computed, else all of it (nothing moves)."""
+    num_tokens = draw(st.integers(1, most))
+    if not draw(st.integers(0, 9)):
+        return num_tokens, num_tokens
+    return num_tokens, draw(st.integers(0, (num_tokens - 1) // dst_size)) * dst_size
+
+
 @st.composite
 def tp_cases(draw: st.DrawFn) -> TPCase:
     model = draw(st.sampled_from(TP_PROFILES))
@@ -95,10 +104,7 @@ def tp_cases(draw: st.DrawFn) -> TPCase:
     src_tp = draw(st.sampled_from(placeable))
     dst_tp = draw(st.sampled_from([t for t in placeable if t != src_tp]))
     src_size, dst_size = draw(st.sampled_from((16, 32))), draw(st.sampled_from((16, 32)))
-    num_tokens = draw(st.integers(1, 200))
-    computed = num_tokens
-    if draw(st.integers(0, 9)):
-        computed = draw(st.integers(0, (num_tokens - 1) // dst_size)) * dst_size
+    num_tokens, computed = draw_tokens(draw, dst_size, 200)
     return TPCase(
         model,
         src_tp,

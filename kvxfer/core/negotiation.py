@@ -333,26 +333,18 @@ def _head_problems(
                     f"into heads: {problem}",
                 )
             )
-    pair = None if found else pair_split_problem(peer, b, local, a)
-    if pair is not None:
-        found.append(
-            Mismatch(
-                f"{where}.block_size",
-                _order(local, local.block_size_of(a)),
-                _order(peer, peer.block_size_of(b)),
-                f"{why}: {pair}",
+    # The two cuts must meet (orders, sizes), then each side's rows be one array.
+    for field, check in (("block_size", pair_split_problem), ("tensors", rows_problem)):
+        problem = None if found else check(peer, b, local, a)
+        if problem is not None:
+            found.append(
+                Mismatch(
+                    f"{where}.{field}",
+                    _order(local, local.block_size_of(a)),
+                    _order(peer, peer.block_size_of(b)),
+                    f"{why}: {problem}",
+                )
             )
-        )
-    rows = None if found else rows_problem(peer, b, local, a)
-    if rows is not None:
-        found.append(
-            Mismatch(
-                f"{where}.tensors",
-                _order(local, local.block_size_of(a)),
-                _order(peer, peer.block_size_of(b)),
-                f"{why}: {rows}",
-            )
-        )
     return found
 
 
