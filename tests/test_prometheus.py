@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecars import engine_link, free_port, scrape, spans, start_engine, start_sidecar
 
 from kvxfer.cli.fleet import Proc, Samples, metric
+from kvxfer.core.negotiation import PROTOCOL_VERSION
 from kvxfer.core.requests import PullDone, PullStatus
 
 pytestmark = [
@@ -169,7 +170,7 @@ async def test_a_live_scrape_is_clean_and_complete(tmp_path: Path) -> None:
         assert ("kvxfer_refusals_total", (("reason", reason),)) in before
     for reason in ("consumed", "aborted", "unregistered"):
         assert ("kvxfer_released_leases_total", (("reason", reason),)) in before
-    assert metric(samples, "kvxfer_build_info", protocol="1") == 1
+    assert metric(samples, "kvxfer_build_info", protocol=str(PROTOCOL_VERSION)) == 1
     assert metric(samples, "process_resident_memory_bytes") > 0
     assert metric(samples, "kvxfer_transfer_bytes_count") == 1
     assert metric(samples, "kvxfer_transfer_bytes_sum") == metric(
