@@ -44,13 +44,11 @@ from kvxfer.cli.admin import fetch_hello
 from kvxfer.cli.bench_concurrency import percentile
 from kvxfer.cli.bench_raw import raw_posts, whole_descriptors
 from kvxfer.cli.fleet import EngineView, Fleet, Proc
-from kvxfer.cli.main import MODES, ORDER_FLAGS, ordered
+from kvxfer.cli.main import MODES, ORDER_FLAGS, pairing_mismatches
 from kvxfer.client.engine import EngineClient
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
-from kvxfer.core.negotiation import find_mismatches
 from kvxfer.core.planner import group_blocks, plan_blocks, plan_transfer
-from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import PullDone, PullStatus, Pushed, Received, TransferParams
 from kvxfer.core.tp_map import pairing_sources, request_valid_tokens
 from kvxfer.dataplane.adapter import NixlAgent
@@ -93,21 +91,11 @@ def pairings(
 def refusal(model: str, pairing: Pairing, block: int) -> str | None:
     """Why negotiation would refuse this pairing (checked before any engine starts)."""
     try:
-        prefill = ordered(
-            layout_for_model(model, block_size=block, tp_size=pairing.prefill_tp),
-            pairing.orders[0],
-        )
-        for rank in range(pairing.decode_tp):
-            decode = ordered(
-                layout_for_model(model, block_size=block, tp_size=pairing.decode_tp, tp_rank=rank),
-                pairing.orders[1],
-            )
-            found = [m for m in find_mismatches(decode, prefill) if m.field != "layout.tp_rank"]
-            if found:
-                return "; ".join(str(m) for m in found[:3])
+        tps = (pairing.prefill_tp, pairing.decode_tp)
+        found = pairing_mismatches(model, (block, block), tps, pairing.orders)
     except KvxferError as exc:
         return str(exc)
-    return None
+    return "; ".join(str(m) for m in found[:3]) or None
 
 
 def min_bytes(layout: EngineLayout, tokens: int) -> int:

@@ -31,7 +31,7 @@ from kvxfer._exceptions import InvalidInputError
 from kvxfer.cli.demo import EVENT_TIMEOUT_S, Request, _sizing, workload
 from kvxfer.cli.demo_reblock import source_blocks
 from kvxfer.cli.fleet import EngineView, Fleet
-from kvxfer.cli.main import EXIT_FAILED, EXIT_OK, ORDER_FLAGS, ordered
+from kvxfer.cli.main import EXIT_FAILED, EXIT_OK, ORDER_FLAGS, pairing_mismatches
 from kvxfer.cli.planning import human_bytes
 from kvxfer.client.engine import EngineClient
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind, KVGroup
@@ -61,26 +61,15 @@ def by_heads(args: argparse.Namespace) -> bool:
 
 def check_tp_args(args: argparse.Namespace) -> None:
     """Refuse, before any process starts, a pairing negotiation would refuse."""
-    from kvxfer.core.negotiation import find_mismatches  # noqa: PLC0415
-    from kvxfer.core.profiles import layout_for_model  # noqa: PLC0415
-
-    p_block = args.prefill_block_size or args.block_size
-    d_block = args.decode_block_size or args.block_size
-    field = "--decode-tp" if args.prefill_tp != args.decode_tp else "--decode-order"
-    for d_rank in range(args.decode_tp):
-        decode = ordered(
-            layout_for_model(
-                args.model, block_size=d_block, tp_size=args.decode_tp, tp_rank=d_rank
-            ),
-            args.decode_order,
-        )
-        prefill = ordered(
-            layout_for_model(args.model, block_size=p_block, tp_size=args.prefill_tp, tp_rank=0),
-            args.prefill_order,
-        )
-        found = [m for m in find_mismatches(decode, prefill) if m.field != "layout.tp_rank"]
-        if found:
-            raise InvalidInputError(field, "; ".join(str(m) for m in found[:3]))
+    found = pairing_mismatches(
+        args.model,
+        (args.prefill_block_size or args.block_size, args.decode_block_size or args.block_size),
+        (args.prefill_tp, args.decode_tp),
+        (args.prefill_order, args.decode_order),
+    )
+    if found:
+        field = "--decode-tp" if args.prefill_tp != args.decode_tp else "--decode-order"
+        raise InvalidInputError(field, "; ".join(str(m) for m in found[:3]))
 
 
 async def demo_tp(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
@@ -351,14 +340,19 @@ def _pieces(
         for s, d in zip(piece.src_heads, piece.dst_heads, strict=True)
     ]  # fmt: skip
 
-    def at(layout: EngineLayout, size: int, t: int, local: int) -> int:
+    def at(layout: EngineLayout, size: int, local: int) -> tuple[int, int]:
+        """(byte of `local`'s head in a block's first token, bytes to the next token)."""
         if layout.head_major:  # [heads][tokens][head bytes]; whole heads where in own order
-            return (local * size + t % size) * head
-        return (t % size * layout.rank_heads(group) + local) * head
+            return local * size * head, head
+        return local * head, layout.rank_heads(group) * head  # [tokens][heads][head bytes]
 
-    return lambda t: _merged(
-        [(at(src, src_size, t, s), at(dst, dst_size, t, d), head) for s, d in heads]
-    )
+    # Token t's pieces are token 0's, each side moved t % its block size rows on.
+    first = [(at(src, src_size, s), at(dst, dst_size, d)) for s, d in heads]
+    if not first:
+        return lambda t: []
+    s_row, d_row = first[0][0][1], first[0][1][1]
+    base = _merged([(s, d, head) for (s, _), (d, _) in first])
+    return lambda t: [(s + t % src_size * s_row, d + t % dst_size * d_row, n) for s, d, n in base]
 
 
 def _merged(pieces: list[Piece]) -> list[Piece]:

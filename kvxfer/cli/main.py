@@ -21,6 +21,7 @@ from kvxfer._version import version
 
 if TYPE_CHECKING:
     from kvxfer.core.layout import EngineLayout
+    from kvxfer.core.negotiation import Mismatch
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # it ran and the answer is no: incompatible, refused, a check failed
@@ -279,6 +280,25 @@ def layout_from_args(args: argparse.Namespace, model: str) -> EngineLayout:
         tp_rank=args.tp_rank,
     )
     return ordered(layout, "hnd" if args.hnd else "head-major" if args.head_major else "")
+
+
+def pairing_mismatches(
+    model: str, blocks: tuple[int, int], tps: tuple[int, int], orders: tuple[str, str]
+) -> list[Mismatch]:
+    """What negotiation would refuse between `model`'s prefill and decode engines of
+    these (prefill, decode) block sizes, TP sizes and block orders: the first decode
+    rank's mismatches with a prefill rank, which rank serves it aside."""
+    from kvxfer.core.negotiation import find_mismatches  # noqa: PLC0415
+    from kvxfer.core.profiles import layout_for_model  # noqa: PLC0415
+
+    prefill = ordered(layout_for_model(model, block_size=blocks[0], tp_size=tps[0]), orders[0])
+    for rank in range(tps[1]):
+        decode = layout_for_model(model, block_size=blocks[1], tp_size=tps[1], tp_rank=rank)
+        found = find_mismatches(ordered(decode, orders[1]), prefill)
+        found = [m for m in found if m.field != "layout.tp_rank"]
+        if found:
+            return found
+    return []
 
 
 def ordered(layout: EngineLayout, order: str) -> EngineLayout:

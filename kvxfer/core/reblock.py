@@ -83,15 +83,20 @@ def slicing_problem(layout: EngineLayout, group: KVGroup) -> str | None:
                 f"tensor '{tensor.name}': {tensor.bytes_per_block} bytes/block is not a "
                 f"multiple of the block size {size}"
             )
-    if layout.regions:
-        regions = layout.region_map
-        for tensor in group.tensors:
-            region = regions.get(tensor.name)
-            if region is not None and not region.contiguous:
-                return (
-                    f"region '{region.name}' is strided ({region.stride_bytes} bytes between "
-                    f"blocks of {region.block_bytes}): its token slices are not one array"
-                )
+    return strided_problem(layout, group, "token slices")
+
+
+def strided_problem(layout: EngineLayout, group: KVGroup, what: str) -> str | None:
+    """Why `group`'s regions cannot be seen as one array of `what`: the first strided
+    one (blocks with gaps between them), or None."""
+    regions = layout.region_map
+    for tensor in group.tensors:
+        region = regions.get(tensor.name)
+        if region is not None and not region.contiguous:
+            return (
+                f"region '{region.name}' is strided ({region.stride_bytes} bytes between "
+                f"blocks of {region.block_bytes}): its {what} are not one array"
+            )
     return None
 
 

@@ -44,7 +44,7 @@ from kvxfer.core.layout import (
     TensorSpec,
     check_int,
 )
-from kvxfer.core.reblock import HEAD_SPLIT_KINDS, slicing_problem
+from kvxfer.core.reblock import HEAD_SPLIT_KINDS, slicing_problem, strided_problem
 
 
 def rank_heads(num_kv_heads: int, tp_size: int, rank: int) -> range:
@@ -237,13 +237,7 @@ def _rows_problem(layout: EngineLayout, group: KVGroup) -> str | None:
         if layout.head_bytes(group, tensor) is None:
             heads = layout.rank_heads(group)
             return f"tensor '{tensor.name}' does not split into {heads} heads of whole tokens"
-        region = layout.region_map.get(tensor.name)
-        if region is not None and not region.contiguous:
-            return (
-                f"region '{region.name}' is strided ({region.stride_bytes} bytes between "
-                f"blocks of {region.block_bytes}): its head rows are not one array"
-            )
-    return None
+    return strided_problem(layout, group, "head rows")
 
 
 def served_slices(src: EngineLayout, dst: EngineLayout, group: KVGroup) -> tuple[HeadSlice, ...]:
@@ -284,11 +278,9 @@ def check_head_split(
     if problem is not None:
         raise PlanError(f"{where}.tensors", problem)
 
-    def per_head(layout: EngineLayout, group: KVGroup, tensor: TensorSpec) -> int | None:
-        if head_cut(src, a, dst, b) is HeadCut.BLOCK:
-            return head_unit_bytes(layout, group, tensor)
-        return layout.head_bytes(group, tensor)  # of a token
-
+    # Whole head-major blocks compare a head's bytes over a block, anything else a token's.
+    whole = head_cut(src, a, dst, b) is HeadCut.BLOCK
+    per_head = head_unit_bytes if whole else EngineLayout.head_bytes
     if [(t.name, per_head(src, a, t)) for t in a.tensors] != [
         (t.name, per_head(dst, b, t)) for t in b.tensors
     ]:
