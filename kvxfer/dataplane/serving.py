@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -72,7 +73,7 @@ class AgentProcess:
     round trip on this child's own thread: a caller that gives up (a cancelled RPC)
     cannot leave a reply behind for the next request to read."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, conn: Connection) -> None:
+    def __init__(self, proc: ChildProcess, conn: Connection) -> None:
         self.proc = proc
         self._conn = conn
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "serving-agent")
@@ -83,7 +84,7 @@ class AgentProcess:
         ours, theirs = socket.socketpair()
         with ours, theirs:
             try:
-                proc = await _spawn_child(theirs.fileno())
+                proc = _spawn_child(theirs.fileno())
             except OSError as exc:
                 raise DataPlaneError(f"cannot start a serving agent process: {exc}") from exc
             child = cls(proc, Connection(ours.detach()))
@@ -136,8 +137,7 @@ class AgentProcess:
         self._release()
 
     async def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
+        self.proc.kill()
         await self.proc.wait()
         self._release()
 
@@ -146,13 +146,56 @@ class AgentProcess:
         self._conn.close()
 
 
-async def _spawn_child(fd: int) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvxfer.dataplane.agent_child", str(fd),
+class ChildProcess:
+    """A child process started by `subprocess.Popen` and awaited on the loop through its
+    pidfd.
+
+    Not `asyncio.create_subprocess_exec`: uvloop's starts the child with fork(), which
+    runs the process's fork handlers in the child before exec. In a sidecar whose other
+    threads are inside UCX (which hooks munmap behind a spinlock), the child can then
+    spin forever in uvloop's own after-fork handler, never reaching exec, while the
+    loop waits for that exec: the sidecar hung replacing a crashed serving agent, and
+    the child outlived it at 100% CPU. Popen starts the child with vfork(), which runs
+    no fork handler (tests/test_serving_spawn.py)."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self._loop = asyncio.get_running_loop()
+        self._exited: asyncio.Future[int] = self._loop.create_future()
+        self._pidfd = os.pidfd_open(popen.pid)
+        self._loop.add_reader(self._pidfd, self._reap)
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    def _reap(self) -> None:
+        self._loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        returncode = self._popen.wait()  # it has exited: this only reaps it
+        if not self._exited.done():
+            self._exited.set_result(returncode)
+
+    def kill(self) -> None:
+        """SIGKILL, unless it has been reaped already (then its pid may be another's)."""
+        self._popen.kill()
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+
+def _spawn_child(fd: int) -> ChildProcess:
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "kvxfer.dataplane.agent_child", str(fd)],
         pass_fds=(fd,),
         stdin=subprocess.DEVNULL,
         stdout=2,  # our stdout carries the ready line; UCX and NIXL log to stderr
     )  # fmt: skip
+    return ChildProcess(popen)
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -251,8 +294,7 @@ class ServingAgent:
             return
         log.warning("revoking remote access: killing serving agent %d (%s)", child.pid, reason)
         self._revoked = reason
-        with contextlib.suppress(ProcessLookupError):
-            child.proc.kill()
+        child.proc.kill()
         await child.proc.wait()
 
     async def close(self) -> None:
