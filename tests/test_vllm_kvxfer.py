@@ -14,57 +14,29 @@ GPT-OSS with half its chunks failing (vLLM recomputes, the output must not
 change); Qwen3-Next against vLLM's own NixlConnector P/D (bf16 drift between
 its chunked and recurrent kernels makes one engine a false reference).
 
-The four demos run two at a time: a demo leaves a core idle about half its wall
-time (engines starting, handshaking and shutting down), so two overlap well on
-two cores.
+The demos start once pytest has collected these tests and run beside the rest of the
+suite, one at a time and niced, then two at a time once these tests wait for them
+(tests/vllm_background.py).
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
+import vllm_background
 from oracle import oracle_blocks
 
 from kvxfer.core.layout import GroupId, GroupKind, KVGroup, TensorSpec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-CLI = Path(sys.prefix) / "bin" / "kvxfer-cli"
-# Each test's demo, longest first so that the two lanes end close together.
-DEMOS = {
-    "qwen3-next": ("--model", "qwen3-next"),
-    "gpt-oss": ("--model", "gpt-oss", "--fail-rate", "0.5", "--seed", "3"),
-    "llama": ("--model", "llama", "--prefill-block-size", "96", "--decode-block-size", "64"),
-    "gemma3": ("--model", "gemma3", "--prefill-block-size", "32", "--decode-block-size", "64"),
-}
-
-
-def demo(*args: str) -> dict[str, Any]:
-    argv = [str(CLI), "demo", "--engine", "vllm", "--json", "--requests", "3", *args]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=880, check=False)
-    assert done.stdout.strip(), f"demo printed nothing (rc {done.returncode}):\n{done.stderr}"
-    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "error" not in report, f"demo failed: {report}\n{done.stderr[-3000:]}"
-    report["returncode"] = done.returncode
-    report["stderr"] = done.stderr[-3000:]
-    return report
-
 
 @pytest.fixture(scope="module")
-def reports() -> Iterator[dict[str, Future[dict[str, Any]]]]:
-    """Every demo's report, two demos running at once; a test waits for its own."""
-    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="demo")
-    try:
-        yield {name: pool.submit(demo, *args) for name, args in DEMOS.items()}
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+def reports() -> dict[str, Future[dict[str, Any]]]:
+    """Every demo's report (started at collection); a test waits for its own."""
+    return vllm_background.futures("test_vllm_kvxfer.py")
 
 
 def oracle_minimum(report: dict[str, Any]) -> int:

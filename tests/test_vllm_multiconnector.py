@@ -20,23 +20,19 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import oracle_pull_bytes, vllm_python, write_models
+import vllm_background
+from vllm_background import CASES
+from vllm_harness import oracle_pull_bytes
 
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.cli.fleet import Fleet
 from kvxfer.integrations import vllm_compose, vllm_fleet
-from kvxfer.integrations.tiny_models import VOCAB_SIZE
 from kvxfer.integrations.vllm_params import handshake_path, read_handshake, write_handshake
-
-MAX_TOKENS = 8
-PROMPTS = vllm_fleet.random_prompts(2, 200, 500, VOCAB_SIZE, seed=3)
-CASES = [("llama", None, "kvxfer-first"), ("gemma3", 32, "offload-first")]
 
 
 # ---- unit: the registration side channel and the config builders --------------------
@@ -97,35 +93,10 @@ def test_a_stuck_reset_says_what_the_prefill_sidecar_holds(tmp_path: Path) -> No
 
 # ---- real vLLM processes ------------------------------------------------------------
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return write_models(tmp_path_factory.mktemp("models"), [case[0] for case in CASES])
-
-
-def composed(family: str, block_size: int | None, order: str, model: Path, workdir: Path) -> Any:
-    fleet = Fleet(workdir)
-    try:
-        return vllm_compose.run_composed_pd(
-            model, PROMPTS, MAX_TOKENS, fleet, workdir / "engines",
-            block_size=block_size, order=order, python=vllm_python(),
-        )  # fmt: skip
-    finally:
-        fleet.close()
-
-
-@pytest.fixture(scope="module")
-def reports(
-    models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Future[Any]]]:
-    """Both cases' reports, run side by side (engines starting leave a core idle); a test
+def reports() -> dict[str, Future[Any]]:
+    """Both cases' reports (vllm_background.composed, started at collection); a test
     waits for its own."""
-    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="composed")
-    try:
-        yield {
-            case[2]: pool.submit(composed, *case, models[case[0]], tmp_path_factory.mktemp(case[2]))
-            for case in CASES
-        }
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    return vllm_background.futures("test_vllm_multiconnector.py")
 
 
 @pytest.mark.vllm
@@ -137,7 +108,9 @@ def test_kvxfer_beside_an_offloading_connector_in_a_multiconnector(
     report = reports[order].result()
     routed, again = report["routed"], report["repeat"]
     # 1. P/D through the MultiConnector: the single instance's tokens, exact bytes.
-    assert report["matched"] == report["requests"] == len(PROMPTS) + 1, report
+    assert report["matched"] == report["requests"] == len(vllm_background.COMPOSED_PROMPTS) + 1, (
+        report
+    )
     _assert_exact_pulls(report)
     # 2. The offloading child is alive: it served the prefill every prompt's prefix.
     assert all(r["prefill_load_bytes"] > 0 for r in routed), routed
