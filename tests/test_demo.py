@@ -15,7 +15,7 @@ import pytest
 from oracle import oracle_valid_tokens
 from session_watch import SessionWatch, cmdline
 
-from kvxfer.cli.fleet import BIN
+from kvxfer.cli.fleet import BIN, SHM_DIR, unlink_segments_of
 from kvxfer.core.profiles import layout_for_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -168,26 +168,33 @@ def test_unexpected_failures_make_the_demo_exit_non_zero(demos: Demos) -> None:
     assert report["verified_requests"] == 4  # what did arrive is still checked
 
 
-def _wait_for_engines(demo: subprocess.Popen[str], timeout_s: float = 90) -> int:
-    """The pid of the demo's decode engine-sim once it is running."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert demo.poll() is None, demo.communicate()
-        out = subprocess.run(
-            ["pgrep", "-s", str(demo.pid), "-f", "engine-sim.*--role decode"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        if out.stdout.strip():
-            time.sleep(2)  # let requests start flowing
-            return int(out.stdout.split()[0])
-        time.sleep(0.2)
-    raise AssertionError("the demo's engines never started")
+def _wait_until_running(demo: subprocess.Popen[str], requests: int) -> list[str]:
+    """The demo's stderr up to its readiness marker: every engine and sidecar started
+    (a fixed sleep was not enough beside the vLLM tier's background jobs)."""
+    assert demo.stderr is not None
+    seen: list[str] = []
+    while not seen or f"running {requests} requests" not in seen[-1]:
+        line = demo.stderr.readline()
+        assert line, f"the demo ended before running requests: {seen}"
+        seen.append(line)
+    return seen
+
+
+def _decode_engine(demo: subprocess.Popen[str]) -> int:
+    """The pid of the demo's decode engine-sim (it is running)."""
+    out = subprocess.run(
+        ["pgrep", "-s", str(demo.pid), "-f", "engine-sim.*--role decode"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.stdout.strip(), "the demo has no decode engine running"
+    return int(out.stdout.split()[0])
 
 
 def test_a_killed_engine_fails_the_demo_with_a_clear_message(demos: Demos) -> None:
     demo = demos.start("--requests", "400", "--tokens", "4000")
     try:
-        os.kill(_wait_for_engines(demo), signal.SIGKILL)
+        _wait_until_running(demo, 400)
+        os.kill(_decode_engine(demo), signal.SIGKILL)
         _, stderr = demo.communicate(timeout=90)
     finally:
         _kill(demo)
@@ -200,13 +207,8 @@ def test_ctrl_c_stops_everything_with_one_line(demos: Demos, to: str, tmp_path: 
     """SIGINT to the demo's process group (Ctrl-C in a terminal: sidecars and engines get
     it too) or to the demo alone: exit 130, one line, nothing left running or on disk."""
     demo = demos.start("--requests", "4000", "--tokens", "4000", env={"TMPDIR": str(tmp_path)})
-    assert demo.stderr is not None
     try:
-        seen = []
-        while not seen or "running 4000 requests" not in seen[-1]:  # the readiness marker
-            line = demo.stderr.readline()
-            assert line, f"the demo ended before running requests: {seen}"
-            seen.append(line)
+        _wait_until_running(demo, 4000)
         assert list(tmp_path.glob("kvxfer-demo-*")), "the demo's directory is not in TMPDIR"
         if to == "group":
             os.killpg(demo.pid, signal.SIGINT)
@@ -286,3 +288,19 @@ def test_ctrl_c_stops_the_vllm_demo_with_one_line(tmp_path: Path) -> None:
     assert stderr.splitlines() == ["kvxfer-cli: interrupted"], stderr[-3000:]
     assert not workdir.exists(), "the demo's directory was left behind"
     assert not _processes_mentioning(str(workdir)), "a vLLM worker was left running"
+
+
+def test_an_engine_that_died_starting_leaves_no_segment(tmp_path: Path) -> None:
+    """What a killed engine created is named after its pid; nothing else is touched."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ours = [SHM_DIR / f"kvxfer-decode-{dead.pid}-0a1b2c3d-g{g}" for g in (0, 1)]
+    other = SHM_DIR / f"kvxfer-decode-{dead.pid}1-0a1b2c3d-g0"  # another pid's prefix
+    for path in [*ours, other]:
+        path.write_bytes(b"x")
+    try:
+        assert sorted(unlink_segments_of(dead.pid)) == sorted(p.name for p in ours)
+        assert not any(p.exists() for p in ours) and other.exists()
+    finally:
+        for path in [*ours, other]:
+            path.unlink(missing_ok=True)

@@ -112,8 +112,19 @@ def spawn(name: str, argv: Sequence[str], log: Path) -> Proc:
     popen.kill()
     popen.wait(10)
     popen.stdout.close()
+    unlink_segments_of(popen.pid)
     tail = log.read_text(errors="replace")[-2000:]
     raise ChildDiedError(f"{name} did not start (log {log}):\n{tail}")
+
+
+def unlink_segments_of(pid: int) -> list[str]:
+    """Unlink the shared-memory segments a dead process created and could not remove: an
+    engine killed while it started has no ready line naming them, only its pid in their
+    names (`kvxfer-<role>-<pid>-<random>-g<group>`, kvxfer/client/shm.py)."""
+    names = [path.name for path in SHM_DIR.glob(f"kvxfer-*-{pid}-*")]
+    for name in names:
+        (SHM_DIR / name).unlink(missing_ok=True)
+    return names
 
 
 @dataclass
