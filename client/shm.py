@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 import secrets
 import weakref
 from collections.abc import Iterator
@@ -26,6 +27,15 @@ from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import EngineLayout, GroupKind, Region, check_int
 
 SHM_DIR = "/dev/shm"
+# A segment's name: kvxfer-<role>-<creator's pid>-<random>-g<group> (EngineMemory).
+_SEGMENT = re.compile(r"^kvxfer-[a-z]+-(\d+)-[0-9a-f]+-g\d+$")
+
+
+def segment_creator(name: str) -> int | None:
+    """The pid of the process that created the engine segment `name`, None if `name` is
+    not one."""
+    match = _SEGMENT.match(name)
+    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ segments `kvxfer-<role>-<pid>-<random>-g<group>`, see kvxfer/client/shm.py).
 
 from __future__ import annotations
 
-import re
 import threading
 from pathlib import Path
 
+from kvxfer.client.shm import segment_creator
+
 SHM_DIR = Path("/dev/shm")
-_SEGMENT = re.compile(r"^kvxfer-[a-z]+-(\d+)-[0-9a-f]+-")
 
 
 def session_of(pid: int) -> int | None:
@@ -80,7 +80,5 @@ class SessionWatch:
     def segments(self) -> set[str]:
         """Segments in /dev/shm created by a process this watch saw."""
         return {
-            entry.name
-            for entry in SHM_DIR.iterdir()
-            if (match := _SEGMENT.match(entry.name)) and int(match.group(1)) in self.seen
+            entry.name for entry in SHM_DIR.iterdir() if segment_creator(entry.name) in self.seen
         }

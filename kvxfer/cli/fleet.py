@@ -39,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvxfer._exceptions import KvxferError
 from kvxfer.client.patterns import pattern, salt_for
+from kvxfer.client.shm import segment_creator
 from kvxfer.core.layout import EngineLayout, Region
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.wire.loops import DEFAULT_EVENT_LOOP
@@ -121,7 +122,7 @@ def unlink_segments_of(pid: int) -> list[str]:
     """Unlink the shared-memory segments a dead process created and could not remove: an
     engine killed while it started has no ready line naming them, only its pid in their
     names (`kvxfer-<role>-<pid>-<random>-g<group>`, kvxfer/client/shm.py)."""
-    names = [path.name for path in SHM_DIR.glob(f"kvxfer-*-{pid}-*")]
+    names = [path.name for path in SHM_DIR.glob("kvxfer-*") if segment_creator(path.name) == pid]
     for name in names:
         (SHM_DIR / name).unlink(missing_ok=True)
     return names

@@ -169,10 +169,6 @@ class ChildProcess:
     def pid(self) -> int:
         return self._popen.pid
 
-    @property
-    def returncode(self) -> int | None:
-        return self._popen.returncode
-
     def _reap(self) -> None:
         self._loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
