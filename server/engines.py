@@ -19,7 +19,7 @@ import collections
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from kvxfer._exceptions import InvalidInputError, LayoutError
+from kvxfer._exceptions import InvalidInputError, LayoutError, NotFoundError
 from kvxfer.core.buffers import BoundBuffer, BufferHandle
 from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind
 from kvxfer.core.planner import check_span_ids, group_blocks
@@ -84,6 +84,14 @@ class Engine:
     @property
     def registered_bytes(self) -> int:
         return sum(b.handle.size_bytes for b in self.buffers)
+
+    def check_live(self) -> None:
+        """Refuse new work once the engine is retiring. A transfer that awaited (a peer's
+        handshake, BeginWrite) after its first check must check again before it is
+        recorded: the retirement waits only for transfers it can see, then unmaps the
+        buffers, and one recorded after that would register or copy unmapped memory."""
+        if self.retiring:
+            raise NotFoundError(f"engine {self.engine_id!r} is going away ({self.retiring})")
 
 
 def check_regions_fit(layout: EngineLayout, handles: list[BufferHandle]) -> None:

@@ -248,6 +248,7 @@ class Pushes:
                 await self._links.reload(link, engine.layout)
             plan = _plan(engine.layout, link.layout, local_spans, params, begun.computed_tokens,
                          self._settings.transfer.chunk_blocks)  # fmt: skip
+            engine.check_live()  # it may have begun retiring during the awaits above
         except BaseException as exc:  # the decode engine hears why its blocks are free
             await self._end_write(link, params.request_id, aborted=True, detail=str(exc))
             raise

@@ -337,8 +337,7 @@ class Sidecar:
         engine = self._engines.get(engine_id)
         if engine is None:
             raise NotFoundError(f"engine {engine_id!r} is not registered with this sidecar")
-        if engine.retiring:
-            raise NotFoundError(f"engine {engine_id!r} is going away ({engine.retiring})")
+        engine.check_live()
         return engine
 
     def engines(self) -> list[Engine]:
@@ -405,6 +404,7 @@ class Sidecar:
                 computed_tokens,
                 self.settings.transfer.chunk_blocks,
             )
+            engine.check_live()  # it may have begun retiring during the handshake
         except BaseException:
             admission.close()
             raise

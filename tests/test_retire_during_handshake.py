@@ -1,0 +1,66 @@
+"""An engine that retires while its Pull waits on a new peer's handshake gets no pull.
+
+The retirement waits for the engine's pulls, then unmaps its buffers. A Pull that
+passed its engine check and then awaited the handshake with a new peer used to be
+recorded after the retirement had looked: its read then registered the unmapped
+buffers with NIXL (the CI of 2026-11-27: "malloc(): corrupted top size" in the decode
+sidecar, after its engine died during the first pull). Here the prefill sidecar is
+frozen so the handshake waits; the decode engine unregisters meanwhile (its memory
+is unmapped when that returns); after the thaw the Pull must be refused, no reader
+may open into that engine, and the decode sidecar must keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from sidecars import engine_link, freeze, spans, start_engine, start_sidecar, thaw
+
+from kvxfer._exceptions import NotFoundError
+from kvxfer.client import EngineClient
+from kvxfer.core.requests import PullDone, PullStatus
+
+pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(120)]
+
+MODEL = "gpt-oss-20b"
+TOKENS = 64  # 4 blocks of 16
+BLOCKS = spans({0: [0, 1, 2, 3], 1: [0, 1, 2, 3]})
+
+
+async def test_a_pull_waiting_on_a_handshake_is_refused_once_its_engine_retired(
+    tmp_path: Path,
+) -> None:
+    p = start_sidecar(tmp_path, "p")
+    d = start_sidecar(tmp_path, "d", "--transfer.rpc-timeout-s", "60")
+    pe = start_engine(tmp_path, p, MODEL, "prefill")
+    de = start_engine(tmp_path, d, MODEL, "decode")
+    procs = [de, pe, d, p]
+    try:
+        async with engine_link(p, pe) as (p_client, _):
+            async with engine_link(d, de) as (d_client, _):
+                params = await p_client.publish("r", TOKENS, BLOCKS)
+                freeze(p)
+                try:
+                    pulling = asyncio.create_task(d_client.pull(params, BLOCKS, 0))
+                    await asyncio.sleep(1.0)  # the Pull waits in its handshake with the peer
+                    assert not pulling.done(), pulling
+                    async with EngineClient(d.ready["engine_address"], engine_id=de.engine_id) as c:
+                        await c.unregister()  # returns once its buffers are unmapped
+                finally:
+                    thaw(p)
+                with pytest.raises(NotFoundError, match="going away"):
+                    await pulling
+            d.check_alive()
+            assert f"into engine {de.engine_id}" not in d.log_text(), d.log_text()[-3000:]
+            # The sidecar still serves: a new engine registers and pulls.
+            again = start_engine(tmp_path, d, MODEL, "decode")
+            procs.insert(0, again)
+            async with engine_link(d, again) as (client, events):
+                await client.pull(await p_client.publish("again", TOKENS, BLOCKS), BLOCKS, 0)
+                done = await events.next(timeout_s=60)
+            assert isinstance(done, PullDone) and done.status is PullStatus.OK, done
+    finally:
+        for proc in procs:
+            proc.stop()
