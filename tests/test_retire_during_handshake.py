@@ -1,4 +1,4 @@
-"""An engine that retires while its Pull waits on a new peer's handshake gets no pull.
+"""An engine that retires while its transfer waits on a new peer gets no transfer.
 
 The retirement waits for the engine's pulls, then unmaps its buffers. A Pull that
 passed its engine check and then awaited the handshake with a new peer used to be
@@ -7,7 +7,10 @@ buffers with NIXL (the CI of 2026-11-27: "malloc(): corrupted top size" in the d
 sidecar, after its engine died during the first pull). Here the prefill sidecar is
 frozen so the handshake waits; the decode engine unregisters meanwhile (its memory
 is unmapped when that returns); after the thaw the Pull must be refused, no reader
-may open into that engine, and the decode sidecar must keep serving.
+may open into that engine, and the decode sidecar must keep serving. A Push waits the
+same way on the decode sidecar (its handshake, then BeginWrite) while its prefill
+engine retires: it must be refused too, with no writer opened from that engine's
+memory, and the decode engine must hear that nothing was written.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from sidecars import engine_link, freeze, spans, start_engine, start_sidecar, th
 
 from kvxfer._exceptions import NotFoundError
 from kvxfer.client import EngineClient
-from kvxfer.core.requests import PullDone, PullStatus
+from kvxfer.core.requests import PullDone, PullStatus, Received
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(120)]
 
@@ -61,6 +64,41 @@ async def test_a_pull_waiting_on_a_handshake_is_refused_once_its_engine_retired(
                 await client.pull(await p_client.publish("again", TOKENS, BLOCKS), BLOCKS, 0)
                 done = await events.next(timeout_s=60)
             assert isinstance(done, PullDone) and done.status is PullStatus.OK, done
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+async def test_a_push_waiting_on_its_peer_is_refused_once_its_engine_retired(
+    tmp_path: Path,
+) -> None:
+    p = start_sidecar(tmp_path, "p", "--transfer.rpc-timeout-s", "60")
+    d = start_sidecar(tmp_path, "d")
+    pe = start_engine(tmp_path, p, MODEL, "prefill")
+    de = start_engine(tmp_path, d, MODEL, "decode")
+    procs = [de, pe, d, p]
+    try:
+        async with engine_link(d, de) as (d_client, d_events):
+            async with engine_link(p, pe) as (p_client, _):
+                params = await d_client.expect("r", TOKENS, BLOCKS)
+                freeze(d)
+                try:
+                    pushing = asyncio.create_task(p_client.push(params, BLOCKS, TOKENS))
+                    await asyncio.sleep(1.0)  # the Push waits on the frozen decode sidecar
+                    assert not pushing.done(), pushing
+                    async with EngineClient(p.ready["engine_address"], engine_id=pe.engine_id) as c:
+                        await c.unregister()  # returns once its buffers are unmapped
+                finally:
+                    thaw(d)
+                with pytest.raises(NotFoundError, match="going away"):
+                    await pushing
+            received = await d_events.next(timeout_s=60)
+            assert isinstance(received, Received), received
+            assert received.status is PullStatus.ABORTED and received.bytes_moved == 0, received
+            assert "going away" in received.reason, received
+            assert received.failed_blocks == {0: (0, 1, 2, 3), 1: (0, 1, 2, 3)}, received
+        p.check_alive()
+        assert f"into engine {pe.engine_id}" not in p.log_text(), p.log_text()[-3000:]
     finally:
         for proc in procs:
             proc.stop()
