@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -52,6 +52,9 @@ class Pull:
     task: asyncio.Task[None] | None = None
     renewing: asyncio.Task[None] | None = None  # its heartbeat, cancelled once read
     result: TransferResult | None = None  # the executed read, for its metrics
+    # Set once nothing of it can touch the engine's memory: its PullDone is out (or it
+    # ended before posting anything). What its task does after, EndRead, uses no memory.
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def request_id(self) -> str:
@@ -253,6 +256,17 @@ async def heartbeat(transfer: Renewed, links: PeerLinks, ttl_s: float) -> None:
             transfer.lease_lost = True
             transfer.cancel.set()
             return
+
+
+async def all_finished(events: Sequence[asyncio.Event], timeout_s: float) -> bool:
+    """Wait until every event is set; False when `timeout_s` passed first."""
+    waits = [asyncio.create_task(event.wait()) for event in events]
+    try:
+        _, late = await asyncio.wait(waits, timeout=timeout_s) if waits else (set(), set())
+        return not late
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 async def stop_heartbeat(task: asyncio.Task[None]) -> None:

@@ -48,6 +48,7 @@ from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import PeerLink, PeerLinks
 from kvxfer.server.pulls import (
     all_failed,
+    all_finished,
     check_held,
     end_patiently,
     heartbeat,
@@ -82,6 +83,9 @@ class Push:
     # completing: its bytes may still reach the decode side (EndWrite says so).
     settled: bool = True
     why: str = ""  # why it was stopped
+    # Set once nothing of it can read the engine's memory: its Pushed is out (or it
+    # ended before posting anything). What its task does after, EndWrite, uses no memory.
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def request_id(self) -> str:
@@ -270,7 +274,9 @@ class Pushes:
             done = self._all_failed(push, PullStatus.FAILED, f"internal error: {exc}")
         finally:
             self._metrics.active.stop()
-            self._pushes.pop(key, None)
+            if self._pushes.get(key) is push:
+                del self._pushes[key]
+            push.finished.set()
         # Every chunk has ended (failed ones severed their agent): our blocks are free.
         self._emit(push.engine.engine_id, done)
         observe(push.plan, done, self._metrics, peer, "write")
@@ -406,16 +412,14 @@ class Pushes:
         return AbortState.PUSHING
 
     async def cancel_engine(self, engine_id: str, timeout_s: float) -> int:
-        """Abort the engine's pushes and wait for them; -1 when one would not end."""
-        tasks = []
-        for (owner, _), push in list(self._pushes.items()):
-            if owner == engine_id and push.task is not None:
-                push.stop()
-                tasks.append(push.task)
-        if not tasks:
-            return 0
-        _, late = await asyncio.wait(tasks, timeout=timeout_s)
-        return -1 if late else len(tasks)
+        """Abort the engine's pushes and wait until none can read its memory (their
+        Pushed is out; an EndWrite to a silent peer may run on); -1 when one would not."""
+        pushes = [push for (owner, _), push in list(self._pushes.items()) if owner == engine_id]
+        for push in pushes:
+            push.stop()
+        if not await all_finished([push.finished for push in pushes], timeout_s):
+            return -1
+        return len(pushes)
 
     async def shutdown(self, grace_s: float) -> None:
         pending = [p.task for p in self._pushes.values() if p.task is not None]

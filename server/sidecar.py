@@ -56,7 +56,7 @@ from kvxfer.server.engines import (
 from kvxfer.server.leases import Lease, LeaseTable, LiveClock
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import Dialer, PeerLinks
-from kvxfer.server.pulls import Pull, PullContext, run_pull
+from kvxfer.server.pulls import Pull, PullContext, all_finished, run_pull
 from kvxfer.server.push_side import PushSide
 from kvxfer.server.read_side import ReadSide
 from kvxfer.server.settings import Settings
@@ -375,10 +375,7 @@ class Sidecar:
         self._check_open()
         engine = self.engine(engine_id)
         key = (engine_id, params.request_id)
-        if key in self._pulls:
-            raise InvalidInputError(
-                "params.request_id", f"{params.request_id!r} is already being pulled"
-            )
+        self._check_not_pulled(key)
         if params.mode is not TransferMode.PULL:
             raise InvalidInputError("params.mode", "push params go to the prefill engine's Push")
         # params.tp_rank is the prefill rank read: rank r with equal TP sizes, one of the
@@ -404,7 +401,11 @@ class Sidecar:
                 computed_tokens,
                 self.settings.transfer.chunk_blocks,
             )
-            engine.check_live()  # it may have begun retiring during the handshake
+            # Checked again with nothing awaited before the pull is recorded: during the
+            # handshake its engine may have begun retiring (the retirement waits only for
+            # the pulls it sees), or a second Pull of the request may have been recorded.
+            engine.check_live()
+            self._check_not_pulled(key)
         except BaseException:
             admission.close()
             raise
@@ -427,14 +428,25 @@ class Sidecar:
         pull; the slot is held until the read is ended at the peer."""
 
         def report(done: PullDone) -> None:
-            self._pulls.pop(key, None)
+            self._forget_pull(key, pull)
             self._emit(pull.engine.engine_id, done)
 
         try:
             async with admission.slot():
                 await run_pull(pull, self._pull_ctx, report)
         finally:
-            self._pulls.pop(key, None)
+            self._forget_pull(key, pull)
+
+    def _check_not_pulled(self, key: tuple[str, str]) -> None:
+        if key in self._pulls:
+            raise InvalidInputError("params.request_id", f"{key[1]!r} is already being pulled")
+
+    def _forget_pull(self, key: tuple[str, str], pull: Pull) -> None:
+        """Once reported, the request may be pulled again (its EndRead still running):
+        only this pull's own entry goes, never a later pull's."""
+        if self._pulls.get(key) is pull:
+            del self._pulls[key]
+        pull.finished.set()
 
     def _check_block_count(self, spans: Sequence[BlockSpan], field: str) -> None:
         total = sum(len(s.block_ids) for s in spans)
@@ -541,17 +553,16 @@ class Sidecar:
         return self.settings.lease.ttl_s + self.settings.transfer.stall_deadline_s
 
     async def _cancel_pulls(self, engine: Engine) -> int:
-        """Abort the engine's pulls and wait for them; -1 when one would not end."""
-        tasks = []
-        for key, pull in list(self._pulls.items()):
-            if key[0] == engine.engine_id and pull.task is not None:
-                pull.aborted = True
-                pull.cancel.set()
-                tasks.append(pull.task)
-        if not tasks:
-            return 0
-        _, late = await asyncio.wait(tasks, timeout=2 * self.settings.transfer.stall_deadline_s + 5)
-        return -1 if late else len(tasks)
+        """Abort the engine's pulls and wait until none can touch its memory (their
+        PullDone is out; an EndRead to a silent peer may run on); -1 when one would not."""
+        pulls = [pull for key, pull in list(self._pulls.items()) if key[0] == engine.engine_id]
+        for pull in pulls:
+            pull.aborted = True
+            pull.cancel.set()
+        timeout_s = 2 * self.settings.transfer.stall_deadline_s + 5
+        if not await all_finished([pull.finished for pull in pulls], timeout_s):
+            return -1
+        return len(pulls)
 
     def _end_leases(self, engine: Engine) -> int:
         """Release the engine's held leases now; mark the ones being read aborted, so
