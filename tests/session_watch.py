@@ -52,6 +52,9 @@ class SessionWatch:
     def __init__(self, sid: int, interval_s: float = 0.05) -> None:
         self.sid = sid
         self.seen: dict[int, str] = {}
+        # A segment left by an earlier run may be named after a pid this session's
+        # processes reuse (seen in CI, a segment of 4 hours before): never counted.
+        self._before = {entry.name for entry in SHM_DIR.iterdir()}
         self._interval_s = interval_s
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -78,7 +81,9 @@ class SessionWatch:
         return in_session(self.sid)
 
     def segments(self) -> set[str]:
-        """Segments in /dev/shm created by a process this watch saw."""
+        """Segments in /dev/shm created by a process this watch saw (not there before)."""
         return {
-            entry.name for entry in SHM_DIR.iterdir() if segment_creator(entry.name) in self.seen
+            entry.name
+            for entry in SHM_DIR.iterdir()
+            if segment_creator(entry.name) in self.seen and entry.name not in self._before
         }

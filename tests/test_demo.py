@@ -304,3 +304,26 @@ def test_an_engine_that_died_starting_leaves_no_segment(tmp_path: Path) -> None:
     finally:
         for path in [*ours, other]:
             path.unlink(missing_ok=True)
+
+
+def test_the_watch_counts_only_segments_made_while_it_watched() -> None:
+    """A segment an earlier run left under a pid this session reuses is not a leftover
+    of this session (CI: a segment of four hours before failed a demo's teardown)."""
+    with subprocess.Popen(["sleep", "30"], start_new_session=True) as proc:
+        stale = SHM_DIR / f"kvxfer-prefill-{proc.pid}-0a1b2c3d-g0"
+        made = SHM_DIR / f"kvxfer-prefill-{proc.pid}-4e5f6a7b-g0"
+        stale.write_bytes(b"x")
+        try:
+            watch = SessionWatch(proc.pid)
+            made.write_bytes(b"x")
+            deadline = time.monotonic() + 10
+            while proc.pid not in watch.seen and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proc.kill()
+            proc.wait()
+            watch.stop()
+            assert proc.pid in watch.seen
+            assert watch.segments() == {made.name}
+        finally:
+            stale.unlink(missing_ok=True)
+            made.unlink(missing_ok=True)
