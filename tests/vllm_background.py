@@ -54,8 +54,9 @@ DEMO_TIMEOUT_S = 1500.0  # a demo alone takes 1-3 min; beside the suite, niced, 
 # sidecar "did not run for 6.9 s", its BeginRead passed the 5 s peer deadline, and the
 # pull failed (recomputed, tokens identical, but not the oracle's bytes). These jobs check
 # bytes and tokens; the deadlines have their own tests (a frozen peer, a stalled agent),
-# so the jobs' sidecars get five times the default deadlines, still under the 30 s lease
-# TTL (settings refuse a stall deadline past it; the MultiConnector job waits on the TTL).
+# so the jobs' sidecars get longer ones (5x the RPC default, 2.5x the stall default),
+# still under the 30 s lease TTL (settings refuse a stall deadline past it; the
+# MultiConnector job waits on the TTL).
 PATIENT_ENV = {"KVXFER_TRANSFER__RPC_TIMEOUT_S": "25", "KVXFER_TRANSFER__STALL_DEADLINE_S": "25"}
 
 # ---- tests/test_vllm_kvxfer.py ---------------------------------------------------------
