@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +43,38 @@ def start_engine(
 ) -> EngineSim:
     extra = ("--num-blocks", str(num_blocks), "--state-blocks", "4", *args)
     return Fleet(tmp).engine(sidecar, model, role, *extra)
+
+
+@dataclass
+class PdSidecars:
+    """A prefill sidecar `p` and a decode sidecar `d` with one engine each; `procs` are
+    stopped in order when the pair ends (a test may add its own)."""
+
+    p: Proc
+    d: Proc
+    pe: EngineSim
+    de: EngineSim
+    procs: list[Proc | EngineSim]
+
+
+@contextlib.contextmanager
+def pd_sidecars(
+    tmp: Path, model: str, p_args: Sequence[str] = (), d_args: Sequence[str] = ()
+) -> Iterator[PdSidecars]:
+    procs: list[Proc | EngineSim] = []
+    try:
+        p = start_sidecar(tmp, "p", *p_args)
+        procs.insert(0, p)
+        d = start_sidecar(tmp, "d", *d_args)
+        procs.insert(0, d)
+        pe = start_engine(tmp, p, model, "prefill")
+        procs.insert(0, pe)
+        de = start_engine(tmp, d, model, "decode")
+        procs.insert(0, de)
+        yield PdSidecars(p, d, pe, de, procs)
+    finally:
+        for proc in procs:
+            proc.stop()
 
 
 def free_port() -> int:
@@ -152,6 +184,13 @@ async def engine_link(
             yield client, events
         finally:
             await events.close()
+
+
+async def unregister(sidecar: Proc, engine: EngineSim) -> None:
+    """Unregister `engine` over a link of its own; returns once its memory is unmapped
+    (or, when a transfer would not end, left mapped)."""
+    async with EngineClient(sidecar.ready["engine_address"], engine_id=engine.engine_id) as c:
+        await c.unregister()
 
 
 def scrape(sidecar: Proc) -> Samples:

@@ -25,11 +25,10 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from sidecars import engine_link, freeze, spans, start_engine, start_sidecar, thaw
+from sidecars import engine_link, freeze, pd_sidecars, spans, start_engine, thaw, unregister
 
 from kvxfer._exceptions import InvalidInputError, NotFoundError
 from kvxfer.cli.fleet import Proc, metric, scrape
-from kvxfer.client import EngineClient
 from kvxfer.core.requests import PullDone, PullStatus, Received
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(120)]
@@ -38,6 +37,7 @@ MODEL = "gpt-oss-20b"
 TOKENS = 64  # 4 blocks of 16
 BLOCKS = spans({0: [0, 1, 2, 3], 1: [0, 1, 2, 3]})
 WAIT_S = 2.0  # for the calls to reach the sidecar and wait in the handshake
+PATIENT = ("--transfer.rpc-timeout-s", "60")  # the dialing side waits out the freeze
 
 
 def handshakes(sidecar: Proc) -> float:
@@ -49,12 +49,8 @@ def handshakes(sidecar: Proc) -> float:
 async def test_a_pull_waiting_on_a_handshake_is_refused_once_its_engine_retired(
     tmp_path: Path,
 ) -> None:
-    p = start_sidecar(tmp_path, "p")
-    d = start_sidecar(tmp_path, "d", "--transfer.rpc-timeout-s", "60")
-    pe = start_engine(tmp_path, p, MODEL, "prefill")
-    de = start_engine(tmp_path, d, MODEL, "decode")
-    procs = [de, pe, d, p]
-    try:
+    with pd_sidecars(tmp_path, MODEL, d_args=PATIENT) as pair:
+        p, d, pe, de = pair.p, pair.d, pair.pe, pair.de
         async with engine_link(p, pe) as (p_client, _):
             async with engine_link(d, de) as (d_client, _):
                 params = await p_client.publish("r", TOKENS, BLOCKS)
@@ -63,8 +59,7 @@ async def test_a_pull_waiting_on_a_handshake_is_refused_once_its_engine_retired(
                     pulling = asyncio.create_task(d_client.pull(params, BLOCKS, 0))
                     await asyncio.sleep(WAIT_S)  # the Pull waits in its handshake with the peer
                     assert not pulling.done(), pulling
-                    async with EngineClient(d.ready["engine_address"], engine_id=de.engine_id) as c:
-                        await c.unregister()  # returns once its buffers are unmapped
+                    await unregister(d, de)
                 finally:
                     thaw(p)
                 with pytest.raises(NotFoundError, match="going away"):
@@ -74,25 +69,18 @@ async def test_a_pull_waiting_on_a_handshake_is_refused_once_its_engine_retired(
             assert f"into engine {de.engine_id}" not in d.log_text(), d.log_text()[-3000:]
             # The sidecar still serves: a new engine registers and pulls.
             again = start_engine(tmp_path, d, MODEL, "decode")
-            procs.insert(0, again)
+            pair.procs.insert(0, again)
             async with engine_link(d, again) as (client, events):
                 await client.pull(await p_client.publish("again", TOKENS, BLOCKS), BLOCKS, 0)
                 done = await events.next(timeout_s=60)
             assert isinstance(done, PullDone) and done.status is PullStatus.OK, done
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 async def test_a_push_waiting_on_its_peer_is_refused_once_its_engine_retired(
     tmp_path: Path,
 ) -> None:
-    p = start_sidecar(tmp_path, "p", "--transfer.rpc-timeout-s", "60")
-    d = start_sidecar(tmp_path, "d")
-    pe = start_engine(tmp_path, p, MODEL, "prefill")
-    de = start_engine(tmp_path, d, MODEL, "decode")
-    procs = [de, pe, d, p]
-    try:
+    with pd_sidecars(tmp_path, MODEL, p_args=PATIENT) as pair:
+        p, d, pe, de = pair.p, pair.d, pair.pe, pair.de
         async with engine_link(d, de) as (d_client, d_events):
             async with engine_link(p, pe) as (p_client, _):
                 params = await d_client.expect("r", TOKENS, BLOCKS)
@@ -101,8 +89,7 @@ async def test_a_push_waiting_on_its_peer_is_refused_once_its_engine_retired(
                     pushing = asyncio.create_task(p_client.push(params, BLOCKS, TOKENS))
                     await asyncio.sleep(WAIT_S)  # the Push waits on the frozen decode sidecar
                     assert not pushing.done(), pushing
-                    async with EngineClient(p.ready["engine_address"], engine_id=pe.engine_id) as c:
-                        await c.unregister()  # returns once its buffers are unmapped
+                    await unregister(p, pe)
                 finally:
                     thaw(d)
                 with pytest.raises(NotFoundError, match="going away"):
@@ -115,21 +102,14 @@ async def test_a_push_waiting_on_its_peer_is_refused_once_its_engine_retired(
             assert received.failed_blocks == {0: (0, 1, 2, 3), 1: (0, 1, 2, 3)}, received
         p.check_alive()
         assert f"into engine {pe.engine_id}" not in p.log_text(), p.log_text()[-3000:]
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 async def test_two_pulls_of_a_request_during_a_handshake_make_one_pull(tmp_path: Path) -> None:
-    p = start_sidecar(tmp_path, "p")
-    d = start_sidecar(tmp_path, "d", "--transfer.rpc-timeout-s", "60")
-    pe = start_engine(tmp_path, p, MODEL, "prefill")
-    de = start_engine(tmp_path, d, MODEL, "decode")
-    procs = [de, pe, d, p]
-    try:
+    with pd_sidecars(tmp_path, MODEL, d_args=PATIENT) as pair:
+        p, d = pair.p, pair.d
         async with (
-            engine_link(p, pe) as (p_client, _),
-            engine_link(d, de) as (d_client, d_events),
+            engine_link(p, pair.pe) as (p_client, _),
+            engine_link(d, pair.de) as (d_client, d_events),
         ):
             params = await p_client.publish("r", TOKENS, BLOCKS)
             freeze(p)
@@ -149,6 +129,3 @@ async def test_two_pulls_of_a_request_during_a_handshake_make_one_pull(tmp_path:
             with pytest.raises(TimeoutError):  # one pull, one PullDone
                 print("a second event:", await d_events.next(timeout_s=3))
         d.check_alive()
-    finally:
-        for proc in procs:
-            proc.stop()

@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
-from sidecars import engine_link, freeze, spans, start_engine, start_sidecar, thaw
+from sidecars import engine_link, freeze, pd_sidecars, spans, thaw, unregister
 
 from kvxfer.cli.fleet import Proc
-from kvxfer.client import EngineClient
 from kvxfer.core.requests import PullDone, PullStatus, Pushed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(120)]
@@ -45,14 +44,10 @@ def assert_retired_and_freed(sidecar: Proc, engine_id: str) -> None:
 async def test_an_engine_retires_while_its_pulls_end_read_waits_on_a_frozen_peer(
     tmp_path: Path,
 ) -> None:
-    p = start_sidecar(tmp_path, "p")
-    d = start_sidecar(tmp_path, "d", *STALLING)
-    pe = start_engine(tmp_path, p, MODEL, "prefill")
-    de = start_engine(tmp_path, d, MODEL, "decode")
-    procs = [de, pe, d, p]
-    try:
+    with pd_sidecars(tmp_path, MODEL, d_args=STALLING) as pair:
+        p, d, de = pair.p, pair.d, pair.de
         async with (
-            engine_link(p, pe) as (p_client, _),
+            engine_link(p, pair.pe) as (p_client, _),
             engine_link(d, de) as (d_client, d_events),
         ):
             params = await p_client.publish("r", TOKENS, BLOCKS)
@@ -62,8 +57,7 @@ async def test_an_engine_retires_while_its_pulls_end_read_waits_on_a_frozen_peer
             assert d_events.pending() == 0, "the pull ended before its chunks' deadline"
             freeze(p)
             try:
-                async with EngineClient(d.ready["engine_address"], engine_id=de.engine_id) as c:
-                    await c.unregister()
+                await unregister(d, de)
                 retired_after = time.monotonic() - pulling
                 done = await d_events.next(timeout_s=5)
             finally:
@@ -71,22 +65,15 @@ async def test_an_engine_retires_while_its_pulls_end_read_waits_on_a_frozen_peer
         assert isinstance(done, PullDone) and done.status is PullStatus.ABORTED, done
         assert_retired_and_freed(d, de.engine_id)
         print(f"retired {retired_after:.1f} s after the pull began")
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 async def test_an_engine_retires_while_its_pushs_end_write_waits_on_a_frozen_peer(
     tmp_path: Path,
 ) -> None:
-    p = start_sidecar(tmp_path, "p", *STALLING)
-    d = start_sidecar(tmp_path, "d")
-    pe = start_engine(tmp_path, p, MODEL, "prefill")
-    de = start_engine(tmp_path, d, MODEL, "decode")
-    procs = [de, pe, d, p]
-    try:
+    with pd_sidecars(tmp_path, MODEL, p_args=STALLING) as pair:
+        p, d, pe = pair.p, pair.d, pair.pe
         async with (
-            engine_link(d, de) as (d_client, _),
+            engine_link(d, pair.de) as (d_client, _),
             engine_link(p, pe) as (p_client, p_events),
         ):
             params = await d_client.expect("r", TOKENS, BLOCKS)
@@ -95,13 +82,9 @@ async def test_an_engine_retires_while_its_pushs_end_write_waits_on_a_frozen_pee
             assert p_events.pending() == 0, "the push ended before its chunks' deadline"
             freeze(d)
             try:
-                async with EngineClient(p.ready["engine_address"], engine_id=pe.engine_id) as c:
-                    await c.unregister()
+                await unregister(p, pe)
                 done = await p_events.next(timeout_s=5)
             finally:
                 thaw(d)
         assert isinstance(done, Pushed) and done.status is PullStatus.ABORTED, done
         assert_retired_and_freed(p, pe.engine_id)
-    finally:
-        for proc in procs:
-            proc.stop()
