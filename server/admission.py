@@ -35,13 +35,27 @@ class Admission:
     closed: bool = field(default=False)
 
     @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Wait for a running slot (FIFO), hold it, then leave the gate."""
+    async def slot(self, cancel: asyncio.Event) -> AsyncIterator[None]:
+        """Wait for a running slot (FIFO) and hold it, or, once `cancel` is set first,
+        go on holding none (the pull then ends at once: a retiring engine does not wait
+        behind reads that hold their slots through an EndRead to a silent peer); then
+        leave the gate."""
         peer = self.gate.peer(self.address)
+        acquiring = asyncio.ensure_future(peer.slots.acquire())
+        cancelled = asyncio.ensure_future(cancel.wait())
+        held = False
         try:
-            async with peer.slots:
-                yield
+            try:
+                await asyncio.wait({acquiring, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                cancelled.cancel()
+                held = acquiring.done() and not acquiring.cancelled()
+                if not held:
+                    acquiring.cancel()  # a slot it is given meanwhile goes to the next waiter
+            yield
         finally:
+            if held:
+                peer.slots.release()
             self.close()
 
     def close(self) -> None:

@@ -52,8 +52,10 @@ class Pull:
     task: asyncio.Task[None] | None = None
     renewing: asyncio.Task[None] | None = None  # its heartbeat, cancelled once read
     result: TransferResult | None = None  # the executed read, for its metrics
-    # Set once nothing of it can touch the engine's memory: its PullDone is out (or it
-    # ended before posting anything). What its task does after, EndRead, uses no memory.
+    # Set once its PullDone is out: every chunk it posted has ended (on the exceptional
+    # paths, a cancelled task or an internal error, one may still be posted; retiring
+    # destroys the engine's agents before it unmaps). What its task does after, EndRead,
+    # uses no engine memory.
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -109,6 +111,8 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
     lease, and a refused or mismatched read fails every block, reported only after
     every posted chunk has ended, so nothing lands in a block reported failed."""
     link, params = pull.link, pull.params
+    if pull.cancel.is_set():  # aborted while it waited for a slot: nothing begun
+        return _all_failed(pull, PullStatus.ABORTED, "aborted before it began"), False
     if link.epoch != params.epoch:
         return _all_failed(
             pull,
@@ -144,7 +148,11 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
             stale = begun.registration_version != link.hello.registration_version
             if result is None or stale:
                 # Not read yet, or read by the publisher's old registrations: (re)load
-                # its metadata and read by the new ones.
+                # its metadata and read by the new ones, unless it was cancelled (its
+                # engine may be retiring: no agent may register its memory now).
+                if pull.cancel.is_set():
+                    pull.aborted = True
+                    return _all_failed(pull, PullStatus.ABORTED, "aborted during the pull"), True
                 try:
                     if stale:
                         await ctx.links.reload(link, pull.engine.layout)

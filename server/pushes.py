@@ -83,8 +83,10 @@ class Push:
     # completing: its bytes may still reach the decode side (EndWrite says so).
     settled: bool = True
     why: str = ""  # why it was stopped
-    # Set once nothing of it can read the engine's memory: its Pushed is out (or it
-    # ended before posting anything). What its task does after, EndWrite, uses no memory.
+    # Set once its Pushed is out: every chunk it posted has ended (on the exceptional
+    # paths, a cancelled task or an internal error, one may still be posted; retiring
+    # destroys the engine's agents before it unmaps). What its task does after,
+    # EndWrite, uses no engine memory.
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

@@ -432,7 +432,7 @@ class Sidecar:
             self._emit(pull.engine.engine_id, done)
 
         try:
-            async with admission.slot():
+            async with admission.slot(pull.cancel):
                 await run_pull(pull, self._pull_ctx, report)
         finally:
             self._forget_pull(key, pull)
@@ -559,7 +559,9 @@ class Sidecar:
         for pull in pulls:
             pull.aborted = True
             pull.cancel.set()
-        timeout_s = 2 * self.settings.transfer.stall_deadline_s + 5
+        # A pull may be waiting on BeginRead (or a reload) and then its posted chunks.
+        transfer = self.settings.transfer
+        timeout_s = 2 * (transfer.stall_deadline_s + transfer.rpc_timeout_s) + 5
         if not await all_finished([pull.finished for pull in pulls], timeout_s):
             return -1
         return len(pulls)

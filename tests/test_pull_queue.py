@@ -50,7 +50,7 @@ async def test_queued_pulls_run_in_arrival_order_within_the_running_limit() -> N
     release = asyncio.Event()
 
     async def pull(i: int) -> None:
-        async with gate.admit("p:1").slot():
+        async with gate.admit("p:1").slot(asyncio.Event()):
             order.append(i)
             if i == 0:
                 await release.wait()
@@ -119,3 +119,41 @@ async def test_pulls_beyond_the_running_limit_queue_and_complete(tmp_path: Path)
     finally:
         for proc in (de, pe, d, p):
             proc.stop()
+
+
+async def test_a_cancelled_queued_pull_goes_on_without_a_slot() -> None:
+    """A retiring engine's queued pull must not wait behind reads that hold their slots
+    (through an EndRead to a silent peer): once its cancel is set it goes on, holding
+    none, and leaves the gate; the slots and the queue order stay right."""
+    gate = PullGate(running=1, queued=3)
+    held, release = asyncio.Event(), asyncio.Event()
+    cancels = [asyncio.Event() for _ in range(3)]
+    ran: list[str] = []
+
+    async def holder() -> None:
+        async with gate.admit("p:1").slot(asyncio.Event()):
+            held.set()
+            await release.wait()
+        ran.append("holder")
+
+    async def queued(i: int) -> None:
+        async with gate.admit("p:1").slot(cancels[i]):
+            ran.append(f"{i} {'cancelled' if cancels[i].is_set() else 'ran'}")
+
+    first = asyncio.create_task(holder())
+    await held.wait()
+    waiting = [asyncio.create_task(queued(i)) for i in range(3)]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert gate.waiting("p:1") == 3
+    cancels[1].set()
+    await asyncio.wait_for(waiting[1], 5)
+    assert ran == ["1 cancelled"] and gate.admitted("p:1") == 3
+    # A slot released in the same turn as a waiter's cancel goes to the next waiter.
+    release.set()
+    cancels[0].set()
+    await asyncio.wait_for(asyncio.gather(first, *waiting), 5)
+    assert ran[1:] in (["holder", "0 cancelled", "2 ran"], ["holder", "2 ran", "0 cancelled"])
+    assert gate.admitted("p:1") == 0
+    async with gate.admit("p:1").slot(asyncio.Event()):  # the one slot is free again
+        pass

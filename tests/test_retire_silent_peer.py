@@ -11,6 +11,8 @@ although every chunk of the pull had ended. Here the decode sidecar's chunks sta
 and the decode engine unregisters: the pull's chunks fail at their deadline, its
 EndRead cannot reach the publisher, and the engine must retire with its memory freed.
 A prefill engine's push is the same with EndWrite, toward a frozen decode sidecar.
+A pull queued for a slot against that publisher (the running ones hold theirs through
+their EndRead) must not keep the retirement waiting either: it ends at once, aborted.
 """
 
 from __future__ import annotations
@@ -88,3 +90,27 @@ async def test_an_engine_retires_while_its_pushs_end_write_waits_on_a_frozen_pee
                 thaw(d)
         assert isinstance(done, Pushed) and done.status is PullStatus.ABORTED, done
         assert_retired_and_freed(p, pe.engine_id)
+
+
+async def test_a_queued_pull_does_not_hold_up_its_engines_retirement(tmp_path: Path) -> None:
+    one_slot = ("--limits.max-inflight-pulls-per-peer", "1")
+    with pd_sidecars(tmp_path, MODEL, d_args=(*STALLING, *one_slot)) as pair:
+        p, d, de = pair.p, pair.d, pair.de
+        async with (
+            engine_link(p, pair.pe) as (p_client, _),
+            engine_link(d, de) as (d_client, d_events),
+        ):
+            for request_id in ("running", "queued"):
+                params = await p_client.publish(request_id, TOKENS, BLOCKS)
+                await d_client.pull(params, BLOCKS, 0)
+            await asyncio.sleep(1.0)  # "running" has its slot and is begun at p
+            freeze(p)
+            try:
+                await unregister(d, de)
+                done = {e.request_id: e for e in [await d_events.next(5), await d_events.next(5)]}
+            finally:
+                thaw(p)
+        assert done["queued"].status is PullStatus.ABORTED, done
+        assert done["queued"].reason == "aborted before it began", done
+        assert done["running"].status is PullStatus.ABORTED, done
+        assert_retired_and_freed(d, de.engine_id)
