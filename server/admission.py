@@ -40,28 +40,41 @@ class Admission:
         go on holding none (the pull then ends at once: a retiring engine does not wait
         behind reads that hold their slots through an EndRead to a silent peer); then
         leave the gate."""
-        peer = self.gate.peer(self.address)
-        acquiring = asyncio.ensure_future(peer.slots.acquire())
-        cancelled = asyncio.ensure_future(cancel.wait())
+        slots = self.gate.peer(self.address).slots
         held = False
         try:
-            try:
-                await asyncio.wait({acquiring, cancelled}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                cancelled.cancel()
-                held = acquiring.done() and not acquiring.cancelled()
-                if not held:
-                    acquiring.cancel()  # a slot it is given meanwhile goes to the next waiter
+            if not slots.locked():  # a free slot is taken at once, without a loop turn
+                held = await slots.acquire()
+            elif not cancel.is_set():
+                held = await _acquire_unless(slots, cancel)
             yield
         finally:
             if held:
-                peer.slots.release()
+                slots.release()
             self.close()
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             self.gate.leave(self.address)
+
+
+async def _acquire_unless(slots: asyncio.Semaphore, cancel: asyncio.Event) -> bool:
+    """Wait for a slot (FIFO) or for `cancel`, whichever comes first: True when the slot
+    was taken (then the caller releases it)."""
+    acquiring = asyncio.ensure_future(slots.acquire())
+    cancelled = asyncio.ensure_future(cancel.wait())
+    try:
+        await asyncio.wait({acquiring, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this call was cancelled: a slot already taken goes back
+        if acquiring.done():
+            slots.release()
+        raise
+    finally:
+        cancelled.cancel()
+        if not acquiring.done():
+            acquiring.cancel()  # a slot it is given meanwhile goes to the next waiter
+    return acquiring.done()
 
 
 class PullGate:

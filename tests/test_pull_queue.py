@@ -157,3 +157,41 @@ async def test_a_cancelled_queued_pull_goes_on_without_a_slot() -> None:
     assert gate.admitted("p:1") == 0
     async with gate.admit("p:1").slot(asyncio.Event()):  # the one slot is free again
         pass
+
+
+@pytest.mark.parametrize("turns", range(5))
+async def test_a_queued_pull_whose_task_is_cancelled_leaks_no_slot(turns: int) -> None:
+    """Cancelled while it waits, just as its slot is handed to it, or once it has it:
+    the slot goes on to the pull queued behind it."""
+    gate = PullGate(running=1, queued=2)
+    held, release, third_ran = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def holder() -> None:
+        async with gate.admit("p:1").slot(asyncio.Event()):
+            held.set()
+            await release.wait()
+
+    async def cancelled() -> None:
+        async with gate.admit("p:1").slot(asyncio.Event()):
+            await asyncio.sleep(3600)
+
+    async def third() -> None:
+        async with gate.admit("p:1").slot(asyncio.Event()):
+            third_ran.set()
+
+    first = asyncio.create_task(holder())
+    await held.wait()
+    waiter = asyncio.create_task(cancelled())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    behind = asyncio.create_task(third())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert gate.waiting("p:1") == 2
+    release.set()
+    for _ in range(turns):  # the holder releases, the slot is handed on, taken
+        await asyncio.sleep(0)
+    waiter.cancel()
+    await asyncio.wait_for(third_ran.wait(), 5)  # a leaked slot would leave it waiting
+    await asyncio.gather(first, waiter, behind, return_exceptions=True)
+    assert gate.admitted("p:1") == 0
