@@ -37,7 +37,7 @@ class Admission:
     @asynccontextmanager
     async def slot(self, cancel: asyncio.Event) -> AsyncIterator[None]:
         """Wait for a running slot (FIFO) and hold it, or, once `cancel` is set first,
-        go on holding none (the pull then ends at once: a retiring engine does not wait
+        go on holding none (a retiring engine's pull then ends at once: it does not wait
         behind reads that hold their slots through an EndRead to a silent peer); then
         leave the gate."""
         slots = self.gate.peer(self.address).slots

@@ -47,6 +47,10 @@ class Pull:
     plan: TransferPlan
     started: float = field(default_factory=time.monotonic)
     cancel: asyncio.Event = field(default_factory=asyncio.Event)
+    # Its engine is retiring: it stops waiting for a slot and begins nothing (an engine's
+    # own Abort only cancels: a queued pull still begins, to end the read as aborted, so
+    # the publisher frees the blocks at once instead of at the lease's expiry).
+    leaving: asyncio.Event = field(default_factory=asyncio.Event)
     aborted: bool = False
     lease_lost: bool = False
     task: asyncio.Task[None] | None = None
@@ -111,8 +115,8 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
     lease, and a refused or mismatched read fails every block, reported only after
     every posted chunk has ended, so nothing lands in a block reported failed."""
     link, params = pull.link, pull.params
-    if pull.cancel.is_set():  # aborted while it waited for a slot: nothing begun
-        return _all_failed(pull, PullStatus.ABORTED, "aborted before it began"), False
+    if pull.leaving.is_set():  # its engine began retiring while it waited for a slot
+        return _all_failed(pull, PullStatus.ABORTED, "its engine is going away"), False
     if link.epoch != params.epoch:
         return _all_failed(
             pull,

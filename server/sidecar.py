@@ -432,7 +432,7 @@ class Sidecar:
             self._emit(pull.engine.engine_id, done)
 
         try:
-            async with admission.slot(pull.cancel):
+            async with admission.slot(pull.leaving):
                 await run_pull(pull, self._pull_ctx, report)
         finally:
             self._forget_pull(key, pull)
@@ -559,6 +559,7 @@ class Sidecar:
         for pull in pulls:
             pull.aborted = True
             pull.cancel.set()
+            pull.leaving.set()
         # A pull may be waiting on BeginRead (or a reload) and then its posted chunks.
         transfer = self.settings.transfer
         timeout_s = 2 * (transfer.stall_deadline_s + transfer.rpc_timeout_s) + 5

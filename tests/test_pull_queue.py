@@ -13,10 +13,19 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from sidecars import DecodeImage, engine_link, freeze, spans, start_engine, start_sidecar, thaw
+from sidecars import (
+    DecodeImage,
+    engine_link,
+    freeze,
+    pd_sidecars,
+    spans,
+    start_engine,
+    start_sidecar,
+    thaw,
+)
 
 from kvxfer._exceptions import LimitExceededError
-from kvxfer.core.requests import PullDone, PullStatus
+from kvxfer.core.requests import AbortState, PullDone, PullStatus, Released, ReleaseReason
 from kvxfer.server.admission import PullGate
 
 MODEL = "gpt-oss-20b"
@@ -195,3 +204,27 @@ async def test_a_queued_pull_whose_task_is_cancelled_leaks_no_slot(turns: int) -
     await asyncio.wait_for(third_ran.wait(), 5)  # a leaked slot would leave it waiting
     await asyncio.gather(first, waiter, behind, return_exceptions=True)
     assert gate.admitted("p:1") == 0
+
+
+async def test_an_engines_abort_of_a_queued_pull_frees_the_publishers_blocks(
+    tmp_path: Path,
+) -> None:
+    """Only a retiring engine's queued pull ends without beginning; one its engine
+    aborts still begins when its slot comes, to end the read as aborted: the publisher
+    hears Released (aborted) and frees the blocks, not a lease expiry 30 s later."""
+    one_slot = ("--limits.max-inflight-pulls-per-peer", "1")
+    stalling = ("--faults.stall-rate", "1", "--transfer.stall-deadline-s", "3")
+    with pd_sidecars(tmp_path, MODEL, d_args=(*one_slot, *stalling)) as pair:
+        async with (
+            engine_link(pair.p, pair.pe) as (p_client, p_events),
+            engine_link(pair.d, pair.de) as (d_client, d_events),
+        ):
+            for i, request_id in enumerate(("running", "queued")):
+                params = await p_client.publish(request_id, TOKENS, blocks_at(4 * i))
+                await d_client.pull(params, blocks_at(4 * i), 0)
+            assert await d_client.abort("queued") is AbortState.PULLING
+            dones = {e.request_id: e for e in [await d_events.next(30) for _ in range(2)]}
+            released = {e.request_id: e for e in [await p_events.next(30) for _ in range(2)]}
+    assert dones["queued"].status is PullStatus.ABORTED, dones
+    assert released["queued"] == Released("queued", ReleaseReason.ABORTED), released
+    assert isinstance(released["running"], Released), released

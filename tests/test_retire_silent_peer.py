@@ -111,6 +111,6 @@ async def test_a_queued_pull_does_not_hold_up_its_engines_retirement(tmp_path: P
             finally:
                 thaw(p)
         assert done["queued"].status is PullStatus.ABORTED, done
-        assert done["queued"].reason == "aborted before it began", done
+        assert done["queued"].reason == "its engine is going away", done
         assert done["running"].status is PullStatus.ABORTED, done
         assert_retired_and_freed(d, de.engine_id)
