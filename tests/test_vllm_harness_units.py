@@ -183,3 +183,30 @@ def test_demo_block_sizes_default_to_the_family_or_are_both_given() -> None:
     with pytest.raises(InvalidInputError, match="give --prefill-block-size") as caught:
         DemoOptions("llama", decode_block_size=64)
     assert caught.value.field == "--decode-block-size"
+
+
+PROBE = """
+import os, sys
+from pathlib import Path
+from kvxfer.integrations.vllm_worker import keep_niceness_in_own_session
+os.nice(int(sys.argv[1]))
+keep_niceness_in_own_session()
+print(Path("/proc/self/autogroup").read_text().split()[-1])
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroup here")
+@pytest.mark.parametrize(("nice", "own_session", "group_nice"), [(10, True, "10"), (0, True, "0"),
+                                                                 (10, False, "0")])  # fmt: skip
+def test_a_niced_engine_in_its_own_session_nices_its_session(
+    nice: int, own_session: bool, group_nice: str
+) -> None:
+    """Autogroup gives each session a CPU share at the group's niceness, whatever its
+    processes' niceness: a niced engine (its own session leader) sets it, so it yields
+    to un-niced work in other sessions; a worker run in another's session leaves that
+    session's group alone."""
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, str(nice)],
+        capture_output=True, text=True, timeout=60, start_new_session=own_session, check=True,
+    )  # fmt: skip
+    assert done.stdout.strip() == group_nice, done

@@ -18,10 +18,12 @@ Replies: {"ok": true, ...} or {"ok": false, "error": "..."}; the first line is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import IO, Any
 
 from kvxfer.integrations import vllm_stream
@@ -147,11 +149,27 @@ def _generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def keep_niceness_in_own_session(autogroup: Path = Path("/proc/self/autogroup")) -> None:
+    """The engine runs in a session of its own (vllm_fleet starts it so, to stop it with
+    its children). Where Linux groups each session's processes for the CPU (autogroup,
+    on by default), that group competes with every other at its own niceness, 0 unless
+    set, whatever the niceness of its processes: a niced engine (TP > 1, or started by a
+    niced caller) would take the CPU from un-niced sidecars and tests as if it were not
+    niced. So the group gets the niceness the engine runs at. Raising it needs no
+    privilege; without autogroup there is nothing to do. Only a session leader does it:
+    run from a shell, the group would be the shell's."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice > 0 and os.getsid(0) == os.getpid():
+        with contextlib.suppress(OSError):
+            autogroup.write_text(str(nice))
+
+
 def main() -> None:
     replies = _protocol_stream()
     config = json.loads(sys.argv[1])
     if config.get("nice"):
         os.nice(int(config["nice"]))  # the engine's processes inherit it
+    keep_niceness_in_own_session()
     started = time.perf_counter()
     llm = _engine(config)
     ready = {"ok": True, "ready": True, "load_s": time.perf_counter() - started}
