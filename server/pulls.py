@@ -272,9 +272,11 @@ async def heartbeat(transfer: Renewed, links: PeerLinks, ttl_s: float) -> None:
 
 async def all_finished(events: Sequence[asyncio.Event], timeout_s: float) -> bool:
     """Wait until every event is set; False when `timeout_s` passed first."""
+    if not events:
+        return True
     waits = [asyncio.create_task(event.wait()) for event in events]
     try:
-        _, late = await asyncio.wait(waits, timeout=timeout_s) if waits else (set(), set())
+        _, late = await asyncio.wait(waits, timeout=timeout_s)
         return not late
     finally:
         for wait in waits:

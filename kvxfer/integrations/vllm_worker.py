@@ -149,7 +149,7 @@ def _generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def keep_niceness_in_own_session(autogroup: Path = Path("/proc/self/autogroup")) -> None:
+def keep_niceness_in_own_session() -> None:
     """The engine runs in a session of its own (vllm_fleet starts it so, to stop it with
     its children). Where Linux groups each session's processes for the CPU (autogroup,
     on by default), that group competes with every other at its own niceness, 0 unless
@@ -161,7 +161,7 @@ def keep_niceness_in_own_session(autogroup: Path = Path("/proc/self/autogroup"))
     nice = os.getpriority(os.PRIO_PROCESS, 0)
     if nice > 0 and os.getsid(0) == os.getpid():
         with contextlib.suppress(OSError):
-            autogroup.write_text(str(nice))
+            Path("/proc/self/autogroup").write_text(str(nice))
 
 
 def main() -> None:
