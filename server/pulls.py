@@ -37,6 +37,7 @@ from kvxfer.wire.layout import spans_from_proto
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+POST_WAIT_S = 0.005  # the longest BeginRead waits for the read's first post
 
 
 @dataclass
@@ -125,15 +126,16 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
             f"peer {params.peer_address} is now epoch {link.epoch}",
         ), False
     reading: asyncio.Future[TransferResult] | None = None
+    posted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     # Without a reader (the peer's metadata may have changed: BeginRead says so) the
     # read waits for BeginRead.
     with contextlib.suppress(KvxferError):
-        reading = _execute(pull, ctx, await _reader(pull, ctx))
+        reading = _execute(pull, ctx, await _reader(pull, ctx), posted)
     try:
         if reading is not None:
-            # One turn of the loop first: the chunks' tasks hand them to the NIXL thread
-            # before BeginRead's gRPC call takes the loop, so the copy starts first.
-            await asyncio.sleep(0)
+            # The loop idles until the NIXL thread posts the first chunk: BeginRead's
+            # gRPC call would hold the GIL the thread needs to build and post it.
+            await asyncio.wait((posted,), timeout=POST_WAIT_S)
         try:
             begun = await ctx.links.begin_read(link, params.request_id, ctx.reader_id)
         except KvxferError as exc:
@@ -199,7 +201,9 @@ async def _reader(pull: Pull, ctx: PullContext) -> Reader:
         raise DataPlaneError(f"no NIXL agent to read with: {exc}") from exc
 
 
-def _execute(pull: Pull, ctx: PullContext, reader: Reader) -> asyncio.Task[TransferResult]:
+def _execute(
+    pull: Pull, ctx: PullContext, reader: Reader, posted: asyncio.Future[None] | None = None
+) -> asyncio.Task[TransferResult]:
     """The read of the pull's plan, its chunks bound and handed on before this returns."""
     return execute_plan(
         pull.plan,
@@ -210,6 +214,7 @@ def _execute(pull: Pull, ctx: PullContext, reader: Reader) -> asyncio.Task[Trans
         block_size=pull.engine.layout.block_size,
         options=ctx.options,
         cancel=pull.cancel,
+        posted=posted,
     )
 
 

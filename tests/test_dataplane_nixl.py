@@ -12,6 +12,7 @@ import asyncio
 import random
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -247,6 +248,68 @@ async def test_stalled_chunk_fails_at_its_deadline() -> None:
         assert result.failed_blocks == {0: tuple(range(32, 48))}
         assert result.valid_tokens == 32 * BLOCK
         assert result.status is RequestStatus.PARTIAL
+    finally:
+        p.close()
+
+
+class _Watching:
+    """The real backend, noting at each chunk's end whether `posted` was settled."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.posted: asyncio.Future[None] | None = None
+        self.settled_by_then: list[bool] = []
+
+    async def read(self, job: Any) -> TransferStatus:
+        status: TransferStatus = await self._inner.read(job)
+        self.settled_by_then.append(self.posted is not None and self.posted.done())
+        return status
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+async def test_posted_settles_as_the_first_chunk_is_posted_and_never_hangs() -> None:
+    """What a pull's BeginRead waits for (server/pulls.py): settled by the NIXL thread
+    as it posts the first chunk, long before the read ends; by whichever chunk posts
+    first when the first stalls; and by the chunks' end when none is posted."""
+    p = Pair("llama-3.1-8b")
+    try:
+        src_spans = spans(p.src.layout, random.Random(2), 1000)
+        plan = plan_transfer(p.src.layout, p.dst.layout, src_spans, src_spans, 1000, 0, 4)
+        assert len(plan.chunks) >= 16
+        loop = asyncio.get_running_loop()
+        async with LocalSide(p.dst.buffers) as local:
+            peer = await local.backend.add_peer(p.peer.metadata)
+
+            def read(backend: object, options: ExecOptions, **more: object) -> tuple:
+                posted: asyncio.Future[None] = loop.create_future()
+                task = execute_plan(
+                    plan, backend=backend, peer=peer, local=local.buffers,
+                    remote=p.peer.buffers, block_size=BLOCK, options=options, posted=posted,
+                    **more,
+                )  # fmt: skip
+                assert not posted.done()
+                return posted, task
+
+            watching = _Watching(local.backend)
+            posted, task = read(watching, ExecOptions(max_inflight=1))
+            watching.posted = posted
+            await asyncio.wait_for(posted, 10)
+            assert not task.done()  # 15 more chunks to post, one at a time
+            assert (await task).status is RequestStatus.OK
+            assert watching.settled_by_then == [True] * len(plan.chunks)  # before any ended
+
+            stalling = FaultInjectingBackend(local.backend, fail_chunks((), stalling={0}))
+            posted, task = read(stalling, ExecOptions(stall_deadline_s=5))
+            await asyncio.wait_for(posted, 2)  # chunk 1 posts; chunk 0 ends in 5 s
+            assert (await task).chunk_statuses[0] is TransferStatus.TIMED_OUT
+
+            cancel = asyncio.Event()
+            cancel.set()
+            posted, task = read(local.backend, ExecOptions(), cancel=cancel)
+            assert (await task).status is RequestStatus.FAILED
+            assert posted.done()
     finally:
         p.close()
 

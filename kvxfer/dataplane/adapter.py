@@ -85,6 +85,9 @@ class ChunkJob:
     remote_kind: MemoryKind
     deadline_s: float
     write: bool = False
+    # Called on the NIXL thread just before the handle is posted (the post releases the
+    # GIL while it copies): a caller holding back GIL-heavy work until then.
+    on_post: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -509,6 +512,8 @@ class NixlAgent:
                 _settle(outcome, TransferStatus.FAILED)
                 return
             item = _InFlight(handle, time.monotonic() + job.deadline_s, outcome)
+            if job.on_post is not None:
+                job.on_post()
             status = self._start(state, item, job.peer)
             if status is None:
                 state.inflight.append(item)

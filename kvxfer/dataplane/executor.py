@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvxfer._exceptions import DataPlaneError
@@ -65,6 +66,7 @@ def execute_plan(
     options: ExecOptions | None = None,
     cancel: asyncio.Event | None = None,
     notify: bytes | None = None,
+    posted: asyncio.Future[None] | None = None,
 ) -> asyncio.Task[TransferResult]:
     """Pull `plan` from `peer` (src = remote, dst = local), begun now: every chunk is
     bound and its task created before this returns (a bad address raises here), so the
@@ -72,12 +74,16 @@ def execute_plan(
     Once `cancel` is set, chunks not yet posted end CANCELLED; posted ones finish or
     fail by their deadline.
 
+    `posted` is settled once the NIXL thread is about to post the first chunk (or a
+    chunk ended without being posted): until then that thread needs the GIL to build
+    the handle, and a caller can hold back GIL-heavy work.
+
     With `notify`, once every chunk has ended (done or failed: nothing more will be
     read either way) the message goes to `peer` as a NIXL notification. A peer that
     cannot be told (gone, say) leaves `notified` False; the result stands."""
     options = options or ExecOptions()
     start = time.perf_counter()
-    posting = ChunkPoster(backend, peer, local, remote, options, cancel=cancel)
+    posting = ChunkPoster(backend, peer, local, remote, options, cancel=cancel, posted=posted)
     posting.post(plan.chunks)  # binds every chunk before posting any
 
     async def finish() -> TransferResult:
@@ -94,7 +100,7 @@ class ChunkPoster:
     """Posts chunks, at most `max_inflight` at once, as they are handed in: all at once
     for a pull, as the prefill computes them for a push (`write`: the local buffers are
     the source). A bad address fails the call that hands its chunk in, before any of
-    that call's chunks is posted."""
+    that call's chunks is posted. `posted`: see `execute_plan`."""
 
     def __init__(
         self,
@@ -106,10 +112,12 @@ class ChunkPoster:
         *,
         cancel: asyncio.Event | None = None,
         write: bool = False,
+        posted: asyncio.Future[None] | None = None,
     ) -> None:
         self._backend, self._peer, self._options = backend, peer, options
         self._local, self._remote, self._write = local, remote, write
         self._cancel = cancel
+        self._posted = posted
         self._gate = asyncio.Semaphore(options.max_inflight)
         self._tasks: dict[Chunk, asyncio.Task[TransferStatus]] = {}
         self.bind_s = 0.0
@@ -117,8 +125,9 @@ class ChunkPoster:
 
     def post(self, chunks: Sequence[Chunk]) -> None:
         start = time.perf_counter()
+        first = None if self._posted is None else _first_post(self._posted)
         jobs = [
-            (c, _job(c, self._peer, self._local, self._remote, self._options, self._write))
+            (c, _job(c, self._peer, self._local, self._remote, self._options, self._write, first))
             for c in chunks
         ]
         self.bind_s += time.perf_counter() - start
@@ -127,10 +136,14 @@ class ChunkPoster:
             self._tasks[chunk] = asyncio.create_task(self._run(job))
 
     async def _run(self, job: ChunkJob) -> TransferStatus:
-        async with self._gate:
-            if self._cancel is not None and self._cancel.is_set():
-                return TransferStatus.CANCELLED
-            return await self._backend.read(job)
+        try:
+            async with self._gate:
+                if self._cancel is not None and self._cancel.is_set():
+                    return TransferStatus.CANCELLED
+                return await self._backend.read(job)
+        finally:  # a chunk that ended unposted (or a backend that never calls on_post)
+            if self._posted is not None and not self._posted.done():
+                self._posted.set_result(None)
 
     def posted(self, chunk: Chunk) -> bool:
         return chunk in self._tasks
@@ -140,6 +153,22 @@ class ChunkPoster:
         chunks = list(self._tasks)
         statuses = await asyncio.gather(*(self._tasks[c] for c in chunks))
         return dict(zip(chunks, statuses, strict=True))
+
+
+def _first_post(future: asyncio.Future[None]) -> Callable[[], None]:
+    """The `on_post` of a poster's chunks: the first call, on the NIXL thread, settles
+    `future` on its loop; later ones cost nothing."""
+    loop, calls = future.get_loop(), itertools.count()
+
+    def settle() -> None:
+        if not future.done():
+            future.set_result(None)
+
+    def on_post() -> None:
+        if next(calls) == 0:  # count() steps atomically under the GIL
+            loop.call_soon_threadsafe(settle)
+
+    return on_post
 
 
 def summarize(
@@ -199,6 +228,7 @@ def _job(
     remote: Mapping[str, BoundBuffer],
     options: ExecOptions,
     write: bool = False,
+    on_post: Callable[[], None] | None = None,
 ) -> ChunkJob:
     """A pull reads the peer's blocks into ours; a push (`write`) writes ours into the
     peer's: the same descriptors, source and destination swapped."""
@@ -206,9 +236,10 @@ def _job(
     src_side, dst_side = (local, remote) if write else (remote, local)
     src, dst = chunk_arrays(chunk, src_side, dst_side)
     src_kind, dst_kind = src_side[pair.src.buffer].kind, dst_side[pair.dst.buffer].kind
+    deadline = options.stall_deadline_s
     if write:
-        return ChunkJob(peer, src, dst, src_kind, dst_kind, options.stall_deadline_s, True)
-    return ChunkJob(peer, dst, src, dst_kind, src_kind, options.stall_deadline_s)
+        return ChunkJob(peer, src, dst, src_kind, dst_kind, deadline, True, on_post)
+    return ChunkJob(peer, dst, src, dst_kind, src_kind, deadline, on_post=on_post)
 
 
 def _status(failed: Mapping[int, list[int]], resume: int, plan: TransferPlan) -> RequestStatus:
