@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from vllm_harness import vllm_python
 
 from kvxfer._exceptions import InvalidInputError
-from kvxfer.integrations import vllm_fleet, vllm_stream
+from kvxfer.integrations import process_groups, vllm_fleet, vllm_stream
 from kvxfer.integrations.tiny_models import (
     DEFAULT_SLIDING_WINDOW,
     FAMILIES,
@@ -130,24 +129,28 @@ def test_a_worker_that_does_not_answer_in_time_is_stopped_with_its_children(
     finally:
         worker.close()
     # SIGKILLed children take a moment to tear down their memory before they are gone.
-    deadline = time.monotonic() + 15
-    while _live_members(group) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _live_members(group) == []
+    assert process_groups.wait_group_gone(group, 15)
 
 
-def _live_members(group: int) -> list[int]:
-    """Processes of `group` that are not zombies (a killed child stays a zombie until init
-    reaps it, and still counts for killpg)."""
-    live = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == group and fields[0] != "Z":
-            live.append(int(stat.parent.name))
-    return live
+@pytest.mark.vllm
+def test_a_killed_engine_leaves_no_shared_memory_behind(tmp_path: Path) -> None:
+    """vLLM's message queues are 160 MiB /dev/shm segments its resource tracker unlinks,
+    and a killed group kills the tracker too: the worker sweeps what its group mapped."""
+    model = tmp_path / "llama"
+    subprocess.run(
+        [str(vllm_python()), "-m", "kvxfer.cli.main", "tiny-model", "--family", "llama",
+         "--out", str(model)],
+        cwd=tmp_path, capture_output=True, timeout=300, check=True,
+    )  # fmt: skip
+    worker = vllm_fleet.VllmWorker("killed", vllm_fleet.EngineSpec(model), vllm_python(), tmp_path)
+    try:
+        worker.wait_ready()
+        segments = worker.segments
+        assert any(name.startswith("psm_") for name in segments), segments
+        assert all((Path("/dev/shm") / name).exists() for name in segments)
+    finally:
+        worker.kill()
+    assert not [name for name in segments if (Path("/dev/shm") / name).exists()]
 
 
 def test_side_channel_ports_are_outside_the_ephemeral_range_and_never_repeat() -> None:

@@ -39,6 +39,7 @@ from types import TracebackType
 from typing import Any
 
 from kvxfer._exceptions import InvalidInputError, KvxferError
+from kvxfer.integrations import process_groups
 from kvxfer.integrations.cpu_amx import ALLOW_AMX_ENV
 
 WORKER_MODULE = "kvxfer.integrations.vllm_worker"
@@ -46,6 +47,9 @@ VLLM_VENV = ".venv-vllm"
 READY_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 10.0
+# After the worker quits: how long its engine core and Python's resource tracker get to
+# finish their own clean-up (unlinking vLLM's shared memory) before they are signalled.
+GROUP_DRAIN_S = 5.0
 # vLLM's NixlConnector metrics, as the worker reports them (histogram _sum/_count).
 NIXL_BYTES = "vllm:nixl_bytes_transferred"
 NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds"
@@ -270,6 +274,7 @@ class VllmWorker:
         self._metrics: dict[str, float] = {}
         self.ready: dict[str, Any] = {}
         self.peak_rss_bytes = 0
+        self._segments: set[str] = set()  # vLLM's /dev/shm segments, swept once it is gone
 
     @property
     def pid(self) -> int:
@@ -284,7 +289,22 @@ class VllmWorker:
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
         self.ready = self.receive(timeout_s, "start")
+        self._note_segments()
         return self.ready
+
+    @property
+    def segments(self) -> frozenset[str]:
+        """vLLM's own /dev/shm segments its group mapped (noted at start and at stop)."""
+        return frozenset(self._segments)
+
+    def _note_segments(self) -> None:
+        self._segments |= process_groups.shm_mapped_by(process_groups.group_pids(self.pid))
+
+    def _sweep(self) -> None:
+        """Unlink the mapped shared memory its group left (its tracker gone too), once no
+        process of the group is left (one stuck in the kernel still maps it: it stays)."""
+        if process_groups.wait_group_gone(self.pid, STOP_TIMEOUT_S):
+            process_groups.sweep(self._segments)
 
     def receive(self, timeout_s: float, what: str) -> dict[str, Any]:
         """The next reply line (raises on an error reply, EOF or `timeout_s`)."""
@@ -356,28 +376,44 @@ class VllmWorker:
             self._popen.stdin.close()
 
     def kill(self) -> int:
-        """SIGKILL the engine's whole process group at once (a crashed pod), and reap it."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._popen.pid, signal.SIGKILL)
-        return self._popen.wait()
+        """SIGKILL the engine's whole process group at once (a crashed pod) and reap it;
+        its resource tracker goes last, so the shared memory vLLM registered with it is
+        unlinked as it would be with the pod (a machine's /dev/shm outlives a process)."""
+        self._note_segments()
+        process_groups.kill_group(self.pid)
+        code = self._popen.wait()
+        self._close_pipes()
+        self._sweep()
+        return code
 
     def close(self) -> int:
-        """Ask the worker to quit, then SIGTERM and SIGKILL its process group if it will not."""
+        """Ask the worker to quit and let its group finish cleaning up; SIGTERM the group
+        if the worker will not quit, then SIGKILL whatever of it is left (the resource
+        tracker last), and sweep what it left in /dev/shm."""
+        self._note_segments()
         self.request_quit()
         try:
-            code = self._popen.wait(STOP_TIMEOUT_S)
+            code: int | None = self._popen.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            code = None
-        # vLLM's engine core and worker live in this process group (start_new_session).
-        for sig in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._popen.pid, sig)
-            if code is None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    code = self._popen.wait(STOP_TIMEOUT_S)
-        if self._popen.stdout is not None:
-            self._popen.stdout.close()
-        return self._popen.wait() if code is None else code
+                os.killpg(self.pid, signal.SIGTERM)
+            code = None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self._popen.wait(STOP_TIMEOUT_S)
+        # vLLM's engine core and worker live in this process group (start_new_session); after
+        # a clean quit they and the resource tracker may still be unlinking their memory.
+        if code is None or not process_groups.wait_group_gone(self.pid, GROUP_DRAIN_S):
+            process_groups.kill_group(self.pid)
+        self._close_pipes()
+        code = self._popen.wait()
+        self._sweep()
+        return code
+
+    def _close_pipes(self) -> None:
+        for pipe in (self._popen.stdin, self._popen.stdout):
+            with contextlib.suppress(OSError):  # stdin: a flush into a dead reader
+                if pipe is not None:
+                    pipe.close()
 
     def __enter__(self) -> VllmWorker:
         return self
