@@ -107,6 +107,16 @@ def test_a_worker_that_cannot_start_fails_with_its_log(tmp_path: Path) -> None:
         worker.close()
 
 
+def _tiny_llama(tmp_path: Path) -> Path:
+    model = tmp_path / "llama"
+    subprocess.run(
+        [str(vllm_python()), "-m", "kvxfer.cli.main", "tiny-model", "--family", "llama",
+         "--out", str(model)],
+        cwd=tmp_path, capture_output=True, timeout=300, check=True,
+    )  # fmt: skip
+    return model
+
+
 @pytest.mark.vllm
 def test_a_worker_that_does_not_answer_in_time_is_stopped_with_its_children(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -115,12 +125,7 @@ def test_a_worker_that_does_not_answer_in_time_is_stopped_with_its_children(
     # loading (deaf to "quit") when closed, and only the process-group kill stops it.
     # A 1 s stop timeout keeps it so by a wider margin, and `close` waits 1 s, not 10.
     monkeypatch.setattr(vllm_fleet, "STOP_TIMEOUT_S", 1.0)
-    model = tmp_path / "llama"
-    subprocess.run(
-        [str(vllm_python()), "-m", "kvxfer.cli.main", "tiny-model", "--family", "llama",
-         "--out", str(model)],
-        cwd=tmp_path, capture_output=True, timeout=300, check=True,
-    )  # fmt: skip
+    model = _tiny_llama(tmp_path)
     worker = vllm_fleet.VllmWorker("slow", vllm_fleet.EngineSpec(model), vllm_python(), tmp_path)
     group = worker._popen.pid
     try:
@@ -134,14 +139,10 @@ def test_a_worker_that_does_not_answer_in_time_is_stopped_with_its_children(
 
 @pytest.mark.vllm
 def test_a_killed_engine_leaves_no_shared_memory_behind(tmp_path: Path) -> None:
-    """vLLM's message queues are 160 MiB /dev/shm segments its resource tracker unlinks,
-    and a killed group kills the tracker too: the worker sweeps what its group mapped."""
-    model = tmp_path / "llama"
-    subprocess.run(
-        [str(vllm_python()), "-m", "kvxfer.cli.main", "tiny-model", "--family", "llama",
-         "--out", str(model)],
-        cwd=tmp_path, capture_output=True, timeout=300, check=True,
-    )  # fmt: skip
+    """vLLM's message queues are 160 MiB /dev/shm segments its resource tracker unlinks;
+    killed with the rest of the group, the tracker never would (this fails so): the
+    worker kills it last, and sweeps what the group mapped."""
+    model = _tiny_llama(tmp_path)
     worker = vllm_fleet.VllmWorker("killed", vllm_fleet.EngineSpec(model), vllm_python(), tmp_path)
     try:
         worker.wait_ready()
