@@ -3,6 +3,7 @@ prompts and comparison helpers, and how the fleet fails (bounded waits, nothing 
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -123,7 +124,8 @@ def test_a_worker_that_does_not_answer_in_time_is_stopped_with_its_children(
 ) -> None:
     # A real model: loading takes longer than the worker's stop timeout, so it is still
     # loading (deaf to "quit") when closed, and only the process-group kill stops it.
-    # A 1 s stop timeout keeps it so by a wider margin, and `close` waits 1 s, not 10.
+    # A 1 s stop timeout keeps it so by a wider margin, and `close` waits 1 s for the quit
+    # and 1 s after SIGTERM, not 10 each.
     monkeypatch.setattr(vllm_fleet, "STOP_TIMEOUT_S", 1.0)
     model = _tiny_llama(tmp_path)
     worker = vllm_fleet.VllmWorker("slow", vllm_fleet.EngineSpec(model), vllm_python(), tmp_path)
@@ -150,8 +152,10 @@ def test_a_killed_engine_leaves_no_shared_memory_behind(tmp_path: Path) -> None:
         assert any(name.startswith("psm_") for name in segments), segments
         assert all((Path("/dev/shm") / name).exists() for name in segments)
     finally:
-        worker.kill()
+        code = worker.kill()
     assert not [name for name in segments if (Path("/dev/shm") / name).exists()]
+    assert code == -signal.SIGKILL
+    assert worker.close() == code  # stopped: nothing signalled or swept again
 
 
 def test_side_channel_ports_are_outside_the_ephemeral_range_and_never_repeat() -> None:

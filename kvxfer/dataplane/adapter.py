@@ -372,7 +372,9 @@ class NixlAgent:
         for peer, messages in notifs.items():
             for message in messages:
                 if loop is not None and callback is not None:
-                    loop.call_soon_threadsafe(callback, peer, bytes(message))
+                    # A closed loop has nobody to tell; this thread goes on regardless.
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(callback, peer, bytes(message))
 
     def _shutdown(self, state: _State) -> None:
         pending, state.inflight = state.inflight, []

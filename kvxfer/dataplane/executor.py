@@ -13,6 +13,7 @@ which also carries the outcome).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import itertools
 import logging
@@ -166,7 +167,9 @@ def _first_post(future: asyncio.Future[None]) -> Callable[[], None]:
 
     def on_post() -> None:
         if next(calls) == 0:  # count() steps atomically under the GIL
-            loop.call_soon_threadsafe(settle)
+            # A closed loop awaits nothing: the chunk is posted regardless.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle)
 
     return on_post
 

@@ -15,10 +15,13 @@ the group's processes had mapped once none of them is left.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 PROC = Path("/proc")
 SHM_DIR = Path("/dev/shm")
@@ -27,6 +30,7 @@ SHM_DIR = Path("/dev/shm")
 SWEPT_PREFIXES = ("psm_", "sem.mp-")
 TRACKER = b"multiprocessing.resource_tracker"  # in its command line
 DELETED = " (deleted)"  # how /proc/<pid>/maps marks a mapped file that was unlinked
+POLL_S = 0.05  # a scan of /proc takes a few ms here
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -72,10 +76,10 @@ def wait_group_gone(pgid: int, timeout_s: float) -> bool:
             return True
         if time.monotonic() >= deadline:
             return False
-        time.sleep(0.05)
+        time.sleep(POLL_S)
 
 
-def kill_group(pgid: int, tracker_s: float = 5.0) -> bool:
+def kill_group(pgid: int, tracker_s: float = 2.0) -> bool:
     """SIGKILL the group, its resource tracker last: killed first, the others leave the
     tracker to unlink what they registered, which it does within `tracker_s` (it exits
     once their ends of its pipe are closed). True once no process of it is left."""
@@ -86,12 +90,12 @@ def kill_group(pgid: int, tracker_s: float = 5.0) -> bool:
                 os.kill(pid, signal.SIGKILL)
         if time.monotonic() >= deadline:
             break
-        time.sleep(0.01)
+        time.sleep(POLL_S)
     if wait_group_gone(pgid, max(deadline - time.monotonic(), 0.0)):
         return True
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    return wait_group_gone(pgid, 10.0)
+    return wait_group_gone(pgid, 5.0)
 
 
 def sweep(names: set[str]) -> list[str]:
@@ -99,9 +103,14 @@ def sweep(names: set[str]) -> list[str]:
     the ones unlinked, the rest were already."""
     swept = []
     for name in sorted(names):
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(SHM_DIR / name)
-            swept.append(name)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:  # another user's, say: /dev/shm is sticky
+            log.warning("cannot remove /dev/shm/%s: %s", name, exc)
+            continue
+        swept.append(name)
     return swept
 
 

@@ -270,7 +270,9 @@ class VllmWorker:
                 cwd=workdir, env=spec.environ(), start_new_session=True,
             )  # fmt: skip
         self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, name=f"{name}-stdout", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name=f"{name}-stdout", daemon=True)
+        self._reader.start()
+        self._stopped: int | None = None  # its exit code, once stopped and swept
         self._metrics: dict[str, float] = {}
         self.ready: dict[str, Any] = {}
         self.peak_rss_bytes = 0
@@ -379,17 +381,20 @@ class VllmWorker:
         """SIGKILL the engine's whole process group at once (a crashed pod) and reap it;
         its resource tracker goes last, so the shared memory vLLM registered with it is
         unlinked as it would be with the pod (a machine's /dev/shm outlives a process)."""
+        if self._stopped is not None:
+            return self._stopped
         self._note_segments()
         process_groups.kill_group(self.pid)
-        code = self._popen.wait()
-        self._close_pipes()
-        self._sweep()
-        return code
+        return self._stop(self._popen.wait())
 
     def close(self) -> int:
         """Ask the worker to quit and let its group finish cleaning up; SIGTERM the group
         if the worker will not quit, then SIGKILL whatever of it is left (the resource
-        tracker last), and sweep what it left in /dev/shm."""
+        tracker last), and sweep what it left in /dev/shm. Once stopped (closed or
+        killed), it returns the exit code and touches nothing: its pid, reaped, may be
+        another process's by then."""
+        if self._stopped is not None:
+            return self._stopped
         self._note_segments()
         self.request_quit()
         try:
@@ -404,16 +409,19 @@ class VllmWorker:
         # a clean quit they and the resource tracker may still be unlinking their memory.
         if code is None or not process_groups.wait_group_gone(self.pid, GROUP_DRAIN_S):
             process_groups.kill_group(self.pid)
-        self._close_pipes()
-        code = self._popen.wait()
-        self._sweep()
-        return code
+        return self._stop(self._popen.wait())
 
-    def _close_pipes(self) -> None:
+    def _stop(self, code: int) -> int:
+        """With the group gone: close the pipes (once the reader saw their end: closing
+        under its read would raise in its thread) and sweep /dev/shm."""
+        self._reader.join(STOP_TIMEOUT_S)
         for pipe in (self._popen.stdin, self._popen.stdout):
             with contextlib.suppress(OSError):  # stdin: a flush into a dead reader
                 if pipe is not None:
                     pipe.close()
+        self._sweep()
+        self._stopped = code
+        return code
 
     def __enter__(self) -> VllmWorker:
         return self
