@@ -61,6 +61,27 @@ def test_summary_pairs_raw_and_kvxfer_round_by_round() -> None:
     assert rounds == {"min": 0.75, "median": 0.9, "max": 1.2}
 
 
+def test_the_bare_hand_offs_are_reported_beside_the_overhead() -> None:
+    times = {
+        "memcpy": [0.5],
+        "per_block": [1.0],
+        "raw": [0.9],
+        "kvxfer": [1.0],
+        "engine_call": [0.0004, 0.0006, 0.0005],
+        "nixl_thread": [0.0002, 0.0001, 0.0003],
+    }
+    summary = summarize(times, nbytes=10**9)
+    assert summary["engine_call_ms_p50"] == pytest.approx(0.5)
+    assert summary["nixl_thread_ms_p50"] == pytest.approx(0.2)
+    assert summary["hops_ms_p50"] == pytest.approx(0.7)
+    del times["engine_call"]  # a run without them (the pairings' rounds) reports none
+    assert "hops_ms_p50" not in summarize(times, nbytes=10**9)
+    case = {"model": "m", "tokens": 1024, "full_attention_bytes": 10**9, **summary}
+    report = {"memcpy_gbps": 5.0, "cases": [case], "handshakes": [], "skipped": []}
+    (row,) = [line for line in report_text(report).splitlines() if line.startswith("m ")]
+    assert row.split()[-3:-1] == ["+100.00ms", "0.70ms"]  # overhead, then the hops
+
+
 def test_concurrency_levels_are_validated_naming_the_option() -> None:
     assert concurrency_levels("1,8,64,256,1024") == (1, 8, 64, 256, 1024)
     for bad, message in [("1,x", "comma-separated"), ("0,8", "1..65536"), ("8,8", "repeats")]:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer._exceptions import KvxferError
+from kvxfer._exceptions import KvxferError, NotFoundError
 from kvxfer.cli.admin import fetch_hello
 from kvxfer.cli.bench_concurrency import (
     DEFAULT_MAX_GIB,
@@ -134,6 +134,24 @@ def summarize(times: dict[str, list[float]], nbytes: int) -> dict[str, Any]:
         "raw_ms_p50": round(med["raw"] * 1e3, 3),
         "kvxfer_ms_p50": round(med["kvxfer"] * 1e3, 3),
         "overhead_ms_p50": round((med["kvxfer"] - med["raw"]) * 1e3, 3),
+        **_hops(med),
+    }
+
+
+def _hops(med: dict[str, float]) -> dict[str, Any]:
+    """The bare hand-offs on a pull's critical path, timed in the same rounds with no
+    pull behind them: an engine call the decode sidecar refuses at once (engine ->
+    sidecar -> engine, over the bench's engine transport) and a NIXL-thread command
+    that does nothing (loop -> thread -> loop). A pull crosses each once: the Pull
+    call there, its PullDone back; its chunks to the NIXL thread, their outcome back.
+    Their sum is what it pays for crossing processes and threads before any work."""
+    if "engine_call" not in med or "nixl_thread" not in med:
+        return {}
+    call, thread = med["engine_call"] * 1e3, med["nixl_thread"] * 1e3
+    return {
+        "engine_call_ms_p50": round(call, 3),
+        "nixl_thread_ms_p50": round(thread, 3),
+        "hops_ms_p50": round(call + thread, 3),
     }
 
 
@@ -422,11 +440,16 @@ class _Case:
         local = bind(self.local)
         remote, mine, sizes = whole_descriptors(whole, self.hello.buffers, local)
         block_remote, block_local = split_per_block(remote, mine, sizes)
+        # Rounds rotate this order, so each method always follows the same one. The
+        # bare hand-offs follow raw: after kvxfer they would share the sidecars with
+        # the pull's EndRead, which goes on after its PullDone.
         methods: dict[str, Method] = {
             "memcpy": lambda: asyncio.to_thread(
                 memcpy_round, whole, self.pe.view, self.writable.__getitem__
             ),
             "raw": lambda: self.agent.run_on_agent(lambda a: raw_read(a, self.peer, mine, remote)),
+            "engine_call": self._engine_call,
+            "nixl_thread": self._nixl_thread,
             "per_block": lambda: self.agent.run_on_agent(
                 lambda a: per_block_read(a, self.peer, block_local, block_remote)
             ),
@@ -447,6 +470,22 @@ class _Case:
         (pull,) = await self._published(tokens, spans, nbytes, 1)
         start = time.perf_counter()
         await pull()
+        return time.perf_counter() - start
+
+    async def _engine_call(self) -> float:
+        """Seconds of an Abort of a request the decode sidecar never saw, refused at
+        once (NotFound): a round trip over the engine's transport with as little work at
+        the sidecar as any call."""
+        start = time.perf_counter()
+        with contextlib.suppress(NotFoundError):
+            await self.d_client.abort("bench-hop")
+        return time.perf_counter() - start
+
+    async def _nixl_thread(self) -> float:
+        """Seconds of a command that does nothing, from this loop through an agent's
+        NIXL thread and back: the hand-offs a chunk makes to be posted and reported."""
+        start = time.perf_counter()
+        await self.agent.run_on_agent(lambda _agent: None)
         return time.perf_counter() - start
 
     async def _published(

@@ -14,6 +14,10 @@ def rounds_text(case: dict[str, Any]) -> str:
     return f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}ms"
+
+
 def _right(*names: str) -> list[Column]:
     return [Column(name, "right") for name in names]
 
@@ -21,7 +25,7 @@ def _right(*names: str) -> list[Column]:
 _CASE_COLUMNS = [
     Column("model"),
     *_right("tokens", "MiB", "memcpy", "raw", "per-blk", "kvxfer", "kvx/raw"),
-    *_right("per round (min-max)", "overhead", "vs full attn"),
+    *_right("per round (min-max)", "overhead", "hops", "vs full attn"),
 ]
 
 _PAIRING_COLUMNS = [
@@ -46,14 +50,15 @@ def report_text(report: dict[str, Any]) -> str:
             c["model"], str(c["tokens"]), f"{c['bytes'] / 2**20:.1f}",
             f"{c['memcpy_gbps']:.2f}", f"{c['raw_nixl_gbps']:.2f}", f"{c['per_block_gbps']:.2f}",
             f"{c['kvxfer_gbps']:.2f}", f"{c['kvxfer_vs_raw']:.3f}", rounds_text(c),
-            f"{c['overhead_ms_p50']:+.2f}ms", f"{saved:.1%}",
+            f"{c['overhead_ms_p50']:+.2f}ms", _ms(c.get("hops_ms_p50")), f"{saved:.1%}",
         ])  # fmt: skip
     lines = [
         f"host memcpy {report['memcpy_gbps']:.2f} GB/s (one core, 256 MiB)",
         "",
         table(_CASE_COLUMNS, rows),
         "(GB/s of planned bytes over wall time; kvx/raw of the medians, and per round: "
-        "median (min-max); overhead = kvxfer p50 - raw p50)",
+        "median (min-max); overhead = kvxfer p50 - raw p50; hops = p50 of an engine "
+        "call plus a NIXL-thread round trip, no work behind either)",
     ]
     for h in report["handshakes"]:
         lines.append(
