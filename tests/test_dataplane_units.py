@@ -56,6 +56,36 @@ def test_region_past_the_buffer_is_refused() -> None:
         chunk_arrays(plan.chunks[0], tiny, tiny)
 
 
+def test_binding_reads_the_buffers_every_time_and_keeps_only_the_layouts_geometry() -> None:
+    base = layout_for_model("gpt-oss-20b", block_size=16)
+    src, dst = bind(base, 80, "p"), bind(base, 80, "d")
+    spans = spans_for(src, 1024, 80, random.Random(1), 0.2)
+    plan = plan_transfer(src, dst, spans, spans, 1024, 0)
+    size = 1 << 30
+    # The same chunks bound to buffers at other addresses (the peer registered again,
+    # say): each binding reads where every buffer is now, buffer by buffer.
+    for at in (1 << 40, 1 << 44):
+        peer = {f"p{g}": BoundBuffer(at + (g << 34), size, 0, MemoryKind.DRAM) for g in (0, 1)}
+        mine = {f"d{g}": BoundBuffer(at + (g << 35), size, 2, MemoryKind.DRAM) for g in (0, 1)}
+        for chunk in plan.chunks:
+            s, d = chunk_arrays(chunk, peer, mine)
+            want = list(chunk.descriptors())
+            assert [int(x) for x in s[:, 0]] == [
+                peer[w.src_buffer].address + w.src_offset for w in want
+            ]
+            assert [int(x) for x in d[:, 0]] == [
+                mine[w.dst_buffer].address + w.dst_offset for w in want
+            ]
+            assert [int(x) for x in d[:, 1]] == [w.length for w in want]
+            assert set(d[:, 2].tolist()) == {2} and set(s[:, 2].tolist()) == {0}
+    # A buffer that shrank, or is gone, is refused naming a region, geometry known or not.
+    small = {f"d{g}": BoundBuffer(1 << 40, 4096, 0, MemoryKind.DRAM) for g in (0, 1)}
+    with pytest.raises(PlanError, match=r"region '.*': ends at byte \d+, past buffer 'd0'"):
+        chunk_arrays(plan.chunks[0], peer, small)
+    with pytest.raises(PlanError, match=r"buffer 'd1' is not bound"):
+        chunk_arrays(plan.chunks[1], peer, {"d0": mine["d0"]})
+
+
 def test_buffer_handle_validation() -> None:
     with pytest.raises(LayoutError, match=r"buffer 'b'.shm_name: must be 1-200 characters"):
         BufferHandle("b", MemoryKind.DRAM, 10, shm_name="../etc/passwd")

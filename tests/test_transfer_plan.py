@@ -126,6 +126,28 @@ def test_consecutive_ids_give_one_descriptor_per_region_per_chunk() -> None:
         assert {d.length for d in descriptors} == {32 * 16 * 8 * 128 * 2}
 
 
+def test_plans_between_the_same_layouts_share_their_checked_region_pairs() -> None:
+    base = layout_for_model("gpt-oss-20b", block_size=16)
+    src, dst = bind(base, 80, "p"), bind(base, 80, "d")
+    spans = spans_for(src, 1024, 80, random.Random(0), 0)
+    first = plan_transfer(src, dst, spans, spans, 1024, 0)
+    again = plan_transfer(src, dst, spans, spans, 1024, 0)
+    assert len(first.chunks) == len(again.chunks) == 2
+    for a, b in zip(first.chunks, again.chunks, strict=True):
+        assert a.regions is b.regions  # found again, not rebuilt
+    # A layout equal to dst but another object is checked and paired on its own.
+    twin = bind(base, 80, "d")
+    assert twin == dst and twin is not dst
+    other = plan_transfer(src, twin, spans, spans, 1024, 0)
+    for a, b in zip(first.chunks, other.chunks, strict=True):
+        assert a.regions == b.regions and a.regions is not b.regions
+    # A pair that does not match is refused every time, never remembered as checked.
+    wrong = bind(layout_for_model("llama-3.1-8b", block_size=16), 80, "d")
+    for _ in range(2):
+        with pytest.raises(PlanError, match="src has 2 groups, dst has 1"):
+            plan_transfer(src, wrong, spans, spans, 1024, 0)
+
+
 def test_out_of_range_id_is_rejected_naming_the_region() -> None:
     base = layout_for_model("llama-3.1-8b", block_size=16)
     src, dst = bind(base, 8, "p"), bind(base, 8, "d")

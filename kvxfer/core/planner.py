@@ -335,15 +335,44 @@ def plan_transfer(
     source spans are in the source's own blocks, which may be sized differently."""
     if chunk_blocks < 1:
         raise PlanError("chunk_blocks", f"must be at least 1, got {chunk_blocks}")
-    _check_same_shape(src, dst)
+    pairs = _layout_pairs(src, dst)
     groups = plan_between(src, dst, num_tokens, computed_tokens)
     src_by_group = _spans_by_group(src_spans, "src_spans", len(src.groups))
     dst_by_group = _spans_by_group(dst_spans, "dst_spans", len(dst.groups))
     chunks: list[Chunk] = []
     for group_plan in groups:
         if group_plan.blocks:
-            chunks += _group_chunks(src, dst, group_plan, src_by_group, dst_by_group, chunk_blocks)
+            chunks += _group_chunks(
+                src, dst, group_plan, pairs[group_plan.group.group_id],
+                src_by_group, dst_by_group, chunk_blocks,
+            )  # fmt: skip
     return TransferPlan(num_tokens, computed_tokens, groups, tuple(chunks))
+
+
+# Per pair of layouts: both checked to have the same shape, and every group's region
+# pairs. Layouts are immutable (frozen, hashable all the way down), and a link plans
+# every pull between the same two objects; hashing them would cost as much as the
+# check, so an entry is found by the objects' identity, and holds them so that no other
+# object can take their ids while it stands.
+_PAIRS: dict[
+    tuple[int, int], tuple[EngineLayout, EngineLayout, tuple[tuple[RegionPair, ...], ...]]
+] = {}
+_PAIRS_MAX = 256  # layout pairs a process plans between; past it the memo starts over
+
+
+def _layout_pairs(src: EngineLayout, dst: EngineLayout) -> tuple[tuple[RegionPair, ...], ...]:
+    """Every group's region pairs, by group id, once `_check_same_shape` passed (a pair
+    that fails is checked, and fails, every time)."""
+    key = (id(src), id(dst))
+    known = _PAIRS.get(key)
+    if known is not None and known[0] is src and known[1] is dst:
+        return known[2]
+    _check_same_shape(src, dst)
+    pairs = tuple(_region_pairs(src, dst, group) for group in dst.groups)
+    if len(_PAIRS) >= _PAIRS_MAX:
+        _PAIRS.clear()
+    _PAIRS[key] = (src, dst, pairs)
+    return pairs
 
 
 def plan_between(
@@ -396,6 +425,7 @@ def _group_chunks(
     src: EngineLayout,
     dst: EngineLayout,
     plan: GroupPlan,
+    pairs: tuple[RegionPair, ...],
     src_by_group: Mapping[int, BlockSpan],
     dst_by_group: Mapping[int, BlockSpan],
     chunk_blocks: int,
@@ -408,7 +438,6 @@ def _group_chunks(
         src_blocks = range(tokens.start // src_size, -(-tokens.stop // src_size))
     src_span = _covering_span(src_by_group, gid, src_blocks, "src_spans")
     dst_span = _covering_span(dst_by_group, gid, plan.blocks, "dst_spans")
-    pairs = _region_pairs(src, dst, plan.group)
     _check_ids(src_span, src_blocks, [p.src for p in pairs], "src_spans")
     _check_ids(dst_span, plan.blocks, [p.dst for p in pairs], "dst_spans")
     chunks = []

@@ -8,6 +8,7 @@ request costs microseconds, not a Python loop per block.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -15,7 +16,7 @@ import numpy.typing as npt
 from kvxfer._exceptions import PlanError
 from kvxfer.core.buffers import BoundBuffer
 from kvxfer.core.layout import Region
-from kvxfer.core.planner import Chunk
+from kvxfer.core.planner import Chunk, RegionPair
 
 DescArray = npt.NDArray[np.uint64]
 
@@ -29,12 +30,13 @@ def chunk_arrays(
     src_block = np.fromiter((r.src_block for r in chunk.runs), dtype=np.uint64)
     dst_block = np.fromiter((r.dst_block for r in chunk.runs), dtype=np.uint64)
     count = np.fromiter((r.count for r in chunk.runs), dtype=np.uint64)
-    if all(pair.coalescable for pair in chunk.regions):
+    geometry = _geometry(chunk.regions)
+    if geometry is not None:
         # The common case: every region is one contiguous array of blocks, so all
         # regions' descriptors come from one broadcast (a loop costs ~40 us a region).
         return (
-            _broadcast([p.src for p in chunk.regions], src, src_block, count),
-            _broadcast([p.dst for p in chunk.regions], dst, dst_block, count),
+            _broadcast(geometry[0], src, src_block, count),
+            _broadcast(geometry[1], dst, dst_block, count),
         )
     src_parts, dst_parts = [], []
     for pair in chunk.regions:
@@ -47,20 +49,77 @@ def chunk_arrays(
     return np.concatenate(src_parts), np.concatenate(dst_parts)
 
 
+@dataclass(frozen=True)
+class _Side:
+    """One side's regions of a chunk as arrays: which buffer each is in, where it starts
+    in it, its stride, block bytes and end (what binding needs besides the buffers)."""
+
+    regions: tuple[Region, ...]
+    buffers: tuple[str, ...]  # distinct, in order of first use
+    index: npt.NDArray[np.intp]  # region -> position in `buffers`
+    offsets: DescArray
+    strides: DescArray
+    sizes: DescArray
+    ends: DescArray
+
+
+def _side_arrays(regions: tuple[Region, ...]) -> _Side:
+    buffers = tuple(dict.fromkeys(r.buffer for r in regions))
+    position = {name: i for i, name in enumerate(buffers)}
+
+    def column(values: list[int]) -> DescArray:
+        return np.array(values, dtype=np.uint64)
+
+    return _Side(
+        regions,
+        buffers,
+        np.array([position[r.buffer] for r in regions], dtype=np.intp),
+        column([r.offset_bytes for r in regions]),
+        column([r.stride_bytes for r in regions]),
+        column([r.block_bytes for r in regions]),
+        column([r.end_bytes for r in regions]),
+    )
+
+
+# A chunk's region pairs are the planner's per layout pair (planner._layout_pairs), the
+# same tuple for every pull between two layouts: their arrays are kept by its identity,
+# with the tuple held so that no other object can take its id while the entry stands.
+_GEOMETRY: dict[int, tuple[tuple[RegionPair, ...], tuple[_Side, _Side]]] = {}
+_GEOMETRY_MAX = 1024
+
+
+def _geometry(pairs: tuple[RegionPair, ...]) -> tuple[_Side, _Side] | None:
+    """Both sides' arrays when every pair is coalescable, else None."""
+    known = _GEOMETRY.get(id(pairs))
+    if known is not None and known[0] is pairs:
+        return known[1]
+    if not all(pair.coalescable for pair in pairs):
+        return None
+    sides = (_side_arrays(tuple(p.src for p in pairs)), _side_arrays(tuple(p.dst for p in pairs)))
+    if len(_GEOMETRY) >= _GEOMETRY_MAX:
+        _GEOMETRY.clear()
+    _GEOMETRY[id(pairs)] = (pairs, sides)
+    return sides
+
+
 def _broadcast(
-    regions: list[Region], buffers: Mapping[str, BoundBuffer], blocks: DescArray, count: DescArray
+    side: _Side, buffers: Mapping[str, BoundBuffer], blocks: DescArray, count: DescArray
 ) -> DescArray:
-    bases = np.empty(len(regions), dtype=np.uint64)
-    strides = np.empty(len(regions), dtype=np.uint64)
-    sizes = np.empty(len(regions), dtype=np.uint64)
-    devices = np.empty(len(regions), dtype=np.uint64)
-    for i, region in enumerate(regions):
-        buffer = _bound(region, buffers)
-        bases[i] = buffer.address + region.offset_bytes
-        strides[i], sizes[i], devices[i] = region.stride_bytes, region.block_bytes, buffer.device_id
-    out = np.empty((len(regions), len(blocks), 3), dtype=np.uint64)
-    out[:, :, 0] = bases[:, None] + blocks[None, :] * strides[:, None]
-    out[:, :, 1] = count[None, :] * sizes[:, None]
+    bound = [buffers.get(name) for name in side.buffers]
+    if any(b is None for b in bound):  # PlanError naming a region of the missing buffer
+        for region in side.regions:
+            _bound(region, buffers)
+    found = [b for b in bound if b is not None]
+    addresses = np.array([b.address for b in found], dtype=np.uint64)[side.index]
+    limits = np.array([b.size_bytes for b in found], dtype=np.uint64)[side.index]
+    devices = np.array([b.device_id for b in found], dtype=np.uint64)[side.index]
+    if (side.ends > limits).any():  # PlanError naming the first region past its buffer
+        for region in side.regions:
+            _bound(region, buffers)
+    bases = addresses + side.offsets
+    out = np.empty((len(side.regions), len(blocks), 3), dtype=np.uint64)
+    out[:, :, 0] = bases[:, None] + blocks[None, :] * side.strides[:, None]
+    out[:, :, 1] = count[None, :] * side.sizes[:, None]
     out[:, :, 2] = devices[:, None]
     return out.reshape(-1, 3)
 
