@@ -35,7 +35,13 @@ POLL_S = 0.05  # a scan of /proc takes a few ms here
 
 def group_pids(pgid: int) -> list[int]:
     """The live processes of process group `pgid` (zombies included until reaped)."""
-    pids = []
+    return list(_states(pgid))
+
+
+def _states(pgid: int) -> dict[int, str]:
+    """Each process of group `pgid` and its state letter (Z: a zombie), from one read
+    of its /proc/<pid>/stat."""
+    states = {}
     for stat in PROC.glob("[0-9]*/stat"):
         try:
             # The command name is in parentheses and may hold spaces: fields after it
@@ -44,8 +50,8 @@ def group_pids(pgid: int) -> list[int]:
         except (OSError, IndexError):
             continue
         if len(fields) > 2 and fields[2] == str(pgid):
-            pids.append(int(stat.parent.name))
-    return pids
+            states[int(stat.parent.name)] = fields[0]
+    return states
 
 
 def shm_mapped_by(pids: list[int]) -> set[str]:
@@ -115,7 +121,7 @@ def sweep(names: set[str]) -> list[str]:
 
 
 def _live(pgid: int) -> list[int]:
-    return [pid for pid in group_pids(pgid) if not _zombie(pid)]
+    return [pid for pid, state in _states(pgid).items() if state != "Z"]
 
 
 def _tracker(pid: int) -> bool:
@@ -123,10 +129,3 @@ def _tracker(pid: int) -> bool:
         return TRACKER in (PROC / str(pid) / "cmdline").read_bytes()
     except OSError:
         return False
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
