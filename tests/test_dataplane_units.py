@@ -16,8 +16,10 @@ from kvxfer._exceptions import LayoutError, PlanError, RegistrationError
 from kvxfer.client.cuda_ipc import buffer_from_ipc
 from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.buffers import BufferHandle, MemoryKind
-from kvxfer.core.planner import plan_transfer
+from kvxfer.core.layout import BlockId, BlockSpan, GroupId
+from kvxfer.core.planner import kept_pairs, plan_transfer
 from kvxfer.core.profiles import layout_for_model
+from kvxfer.dataplane import descriptors
 from kvxfer.dataplane.descriptors import BoundBuffer, chunk_arrays
 from kvxfer.dataplane.memory import open_buffer
 
@@ -84,6 +86,28 @@ def test_binding_reads_the_buffers_every_time_and_keeps_only_the_layouts_geometr
         chunk_arrays(plan.chunks[0], peer, small)
     with pytest.raises(PlanError, match=r"buffer 'd1' is not bound"):
         chunk_arrays(plan.chunks[1], peer, {"d0": mine["d0"]})
+
+
+def test_pairs_built_for_one_plan_are_bound_without_being_kept() -> None:
+    """Pairs cut by tokens (block sizes differ) are new in every plan: keeping their
+    arrays would only grow the memo and push out the links' own."""
+    src = bind(layout_for_model("llama-3.1-8b", block_size=16), 64, "p")
+    dst = bind(layout_for_model("llama-3.1-8b", block_size=32), 32, "d")
+    src_spans = [BlockSpan(GroupId(0), 0, tuple(BlockId(b) for b in range(64)))]
+    dst_spans = [BlockSpan(GroupId(0), 0, tuple(BlockId(b) for b in range(32)))]
+    size = 1 << 30
+    peer = {"p0": BoundBuffer(1 << 40, size, 0, MemoryKind.DRAM)}
+    mine = {"d0": BoundBuffer(1 << 41, size, 0, MemoryKind.DRAM)}
+    kept = len(descriptors._GEOMETRY)
+    for _ in range(3):
+        plan = plan_transfer(src, dst, src_spans, dst_spans, 1000, 0)
+        assert not kept_pairs(plan.chunks[0].regions)
+        for chunk in plan.chunks:
+            s, d = chunk_arrays(chunk, peer, mine)
+            want = list(chunk.descriptors())
+            assert [int(x) for x in d[:, 0]] == [(1 << 41) + w.dst_offset for w in want]
+            assert [int(x) for x in s[:, 0]] == [(1 << 40) + w.src_offset for w in want]
+    assert len(descriptors._GEOMETRY) == kept
 
 
 def test_buffer_handle_validation() -> None:

@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 from strategies import PROFILES
 
-from kvxfer._exceptions import LayoutError
+from kvxfer._exceptions import InvalidInputError, LayoutError
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId, Region
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.v1 import layout_pb2 as pb
+from kvxfer.v1 import sidecar_pb2
 from kvxfer.wire.layout import layout_from_proto, layout_to_proto, span_to_proto, spans_from_proto
+from kvxfer.wire.sidecar import bound_from_proto
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -158,3 +160,18 @@ def test_state_cuts_round_trip_are_optional_and_validated_by_name() -> None:
         LayoutError, match=r"groups\[0\].tensors\['layer.0.k'\].shard: must be unset"
     ):
         layout_from_proto(message)
+
+
+def test_a_peer_buffer_must_fit_in_the_address_space() -> None:
+    """Descriptors are uint64 sums of a buffer's address and offsets inside it: a buffer
+    running past 2**64 would wrap them to low addresses, so the handshake refuses it."""
+
+    def buffer(address: int, size: int) -> sidecar_pb2.RegisteredBuffer:
+        return sidecar_pb2.RegisteredBuffer(
+            name="g0", kind=sidecar_pb2.MEMORY_KIND_DRAM, address=address, size_bytes=size
+        )
+
+    top = (1 << 64) - 4096
+    assert bound_from_proto([buffer(top, 4096)])["g0"].address == top  # ends exactly at 2**64
+    with pytest.raises(InvalidInputError, match=r"^buffers\[0\]: address \+ size_bytes runs past"):
+        bound_from_proto([buffer(top, 4097)])

@@ -358,6 +358,7 @@ _PAIRS: dict[
     tuple[int, int], tuple[EngineLayout, EngineLayout, tuple[tuple[RegionPair, ...], ...]]
 ] = {}
 _PAIRS_MAX = 256  # layout pairs a process plans between; past it the memo starts over
+_KEPT: dict[int, tuple[RegionPair, ...]] = {}  # every kept group's pairs, by identity
 
 
 def _layout_pairs(src: EngineLayout, dst: EngineLayout) -> tuple[tuple[RegionPair, ...], ...]:
@@ -371,8 +372,17 @@ def _layout_pairs(src: EngineLayout, dst: EngineLayout) -> tuple[tuple[RegionPai
     pairs = tuple(_region_pairs(src, dst, group) for group in dst.groups)
     if len(_PAIRS) >= _PAIRS_MAX:
         _PAIRS.clear()
+        _KEPT.clear()
     _PAIRS[key] = (src, dst, pairs)
+    _KEPT.update((id(group_pairs), group_pairs) for group_pairs in pairs)
     return pairs
+
+
+def kept_pairs(pairs: tuple[RegionPair, ...]) -> bool:
+    """Whether a chunk's `regions` are a group's pairs as kept for its layout pair, the
+    same object in every plan between those layouts (region pairs cut by tokens or
+    heads, or split by state, are built for each plan)."""
+    return _KEPT.get(id(pairs)) is pairs
 
 
 def plan_between(

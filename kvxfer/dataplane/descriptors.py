@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NoReturn, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -16,9 +17,10 @@ import numpy.typing as npt
 from kvxfer._exceptions import PlanError
 from kvxfer.core.buffers import BoundBuffer
 from kvxfer.core.layout import Region
-from kvxfer.core.planner import Chunk, RegionPair
+from kvxfer.core.planner import Chunk, RegionPair, kept_pairs
 
 DescArray = npt.NDArray[np.uint64]
+G = TypeVar("G", bound=np.generic)
 
 __all__ = ["BoundBuffer", "DescArray", "chunk_arrays"]
 
@@ -68,12 +70,12 @@ def _side_arrays(regions: tuple[Region, ...]) -> _Side:
     position = {name: i for i, name in enumerate(buffers)}
 
     def column(values: list[int]) -> DescArray:
-        return np.array(values, dtype=np.uint64)
+        return _frozen(np.array(values, dtype=np.uint64))
 
     return _Side(
         regions,
         buffers,
-        np.array([position[r.buffer] for r in regions], dtype=np.intp),
+        _frozen(np.array([position[r.buffer] for r in regions], dtype=np.intp)),
         column([r.offset_bytes for r in regions]),
         column([r.stride_bytes for r in regions]),
         column([r.block_bytes for r in regions]),
@@ -81,9 +83,15 @@ def _side_arrays(regions: tuple[Region, ...]) -> _Side:
     )
 
 
-# A chunk's region pairs are the planner's per layout pair (planner._layout_pairs), the
-# same tuple for every pull between two layouts: their arrays are kept by its identity,
-# with the tuple held so that no other object can take its id while the entry stands.
+def _frozen(array: npt.NDArray[G]) -> npt.NDArray[G]:
+    array.flags.writeable = False  # kept, and shared by every binding of its pairs
+    return array
+
+
+# The region pairs the planner keeps per layout pair (`planner.kept_pairs`) are the same
+# tuple in every pull between two layouts: their arrays are kept by its identity, with
+# the tuple held so that no other object can take its id while the entry stands. Pairs
+# built for one plan are bound from arrays made for that binding alone.
 _GEOMETRY: dict[int, tuple[tuple[RegionPair, ...], tuple[_Side, _Side]]] = {}
 _GEOMETRY_MAX = 1024
 
@@ -96,9 +104,10 @@ def _geometry(pairs: tuple[RegionPair, ...]) -> tuple[_Side, _Side] | None:
     if not all(pair.coalescable for pair in pairs):
         return None
     sides = (_side_arrays(tuple(p.src for p in pairs)), _side_arrays(tuple(p.dst for p in pairs)))
-    if len(_GEOMETRY) >= _GEOMETRY_MAX:
-        _GEOMETRY.clear()
-    _GEOMETRY[id(pairs)] = (pairs, sides)
+    if kept_pairs(pairs):
+        if len(_GEOMETRY) >= _GEOMETRY_MAX:
+            _GEOMETRY.clear()
+        _GEOMETRY[id(pairs)] = (pairs, sides)
     return sides
 
 
@@ -106,22 +115,27 @@ def _broadcast(
     side: _Side, buffers: Mapping[str, BoundBuffer], blocks: DescArray, count: DescArray
 ) -> DescArray:
     bound = [buffers.get(name) for name in side.buffers]
-    if any(b is None for b in bound):  # PlanError naming a region of the missing buffer
-        for region in side.regions:
-            _bound(region, buffers)
     found = [b for b in bound if b is not None]
+    if len(found) < len(bound):
+        _refuse(side, buffers)
     addresses = np.array([b.address for b in found], dtype=np.uint64)[side.index]
     limits = np.array([b.size_bytes for b in found], dtype=np.uint64)[side.index]
     devices = np.array([b.device_id for b in found], dtype=np.uint64)[side.index]
-    if (side.ends > limits).any():  # PlanError naming the first region past its buffer
-        for region in side.regions:
-            _bound(region, buffers)
+    if (side.ends > limits).any():
+        _refuse(side, buffers)
     bases = addresses + side.offsets
     out = np.empty((len(side.regions), len(blocks), 3), dtype=np.uint64)
     out[:, :, 0] = bases[:, None] + blocks[None, :] * side.strides[:, None]
     out[:, :, 1] = count[None, :] * side.sizes[:, None]
     out[:, :, 2] = devices[:, None]
     return out.reshape(-1, 3)
+
+
+def _refuse(side: _Side, buffers: Mapping[str, BoundBuffer]) -> NoReturn:
+    """The PlanError of the first region whose buffer is missing or too small."""
+    for region in side.regions:
+        _bound(region, buffers)
+    raise PlanError("buffers", "changed while a chunk was being bound")  # not reached
 
 
 def _bound(region: Region, buffers: Mapping[str, BoundBuffer]) -> BoundBuffer:

@@ -138,6 +138,10 @@ def bound_from_proto(
             raise InvalidInputError(f"{where}.name", f"empty or repeated name {message.name!r}")
         if message.address == 0 or message.size_bytes == 0:
             raise InvalidInputError(where, "address and size_bytes must be non-zero")
+        if message.address + message.size_bytes > 1 << 64:
+            raise InvalidInputError(
+                where, "address + size_bytes runs past the end of a 64-bit address space"
+            )
         bound[message.name] = BoundBuffer(
             address=message.address,
             size_bytes=message.size_bytes,
