@@ -37,6 +37,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvxfer._exceptions import LayoutError, PlanError
+from kvxfer.core.identity import IdentityMemo
 from kvxfer.core.layout import (
     BlockSpan,
     EngineLayout,
@@ -349,40 +350,33 @@ def plan_transfer(
     return TransferPlan(num_tokens, computed_tokens, groups, tuple(chunks))
 
 
-# Per pair of layouts: both checked to have the same shape, and every group's region
-# pairs. Layouts are immutable (frozen, hashable all the way down), and a link plans
-# every pull between the same two objects; hashing them would cost as much as the
-# check, so an entry is found by the objects' identity, and holds them so that no other
-# object can take their ids while it stands.
-_PAIRS: dict[
-    tuple[int, int], tuple[EngineLayout, EngineLayout, tuple[tuple[RegionPair, ...], ...]]
-] = {}
-_PAIRS_MAX = 256  # layout pairs a process plans between; past it the memo starts over
-_KEPT: dict[int, tuple[RegionPair, ...]] = {}  # every kept group's pairs, by identity
+# Per pair of layouts (by identity, `IdentityMemo`): both checked to have the same
+# shape, and every group's region pairs. Each group's pairs are also known by their
+# own identity, for binding (`kept_pairs`); both memos start over together.
+_PAIRS: IdentityMemo[tuple[tuple[RegionPair, ...], ...]] = IdentityMemo(256)
+_KEPT: IdentityMemo[bool] = IdentityMemo(None)  # bounded by _PAIRS: cleared with it
 
 
 def _layout_pairs(src: EngineLayout, dst: EngineLayout) -> tuple[tuple[RegionPair, ...], ...]:
     """Every group's region pairs, by group id, once `_check_same_shape` passed (a pair
     that fails is checked, and fails, every time)."""
-    key = (id(src), id(dst))
-    known = _PAIRS.get(key)
-    if known is not None and known[0] is src and known[1] is dst:
-        return known[2]
+    known = _PAIRS.get(src, dst)
+    if known is not None:
+        return known
     _check_same_shape(src, dst)
     pairs = tuple(_region_pairs(src, dst, group) for group in dst.groups)
-    if len(_PAIRS) >= _PAIRS_MAX:
-        _PAIRS.clear()
-        _KEPT.clear()
-    _PAIRS[key] = (src, dst, pairs)
-    _KEPT.update((id(group_pairs), group_pairs) for group_pairs in pairs)
-    return pairs
+    if _PAIRS.full:
+        _KEPT.clear()  # _PAIRS starts over with this put
+    for group_pairs in pairs:
+        _KEPT.put(True, group_pairs)
+    return _PAIRS.put(pairs, src, dst)
 
 
 def kept_pairs(pairs: tuple[RegionPair, ...]) -> bool:
     """Whether a chunk's `regions` are a group's pairs as kept for its layout pair, the
     same object in every plan between those layouts (region pairs cut by tokens or
     heads, or split by state, are built for each plan)."""
-    return _KEPT.get(id(pairs)) is pairs
+    return _KEPT.get(pairs) is not None
 
 
 def plan_between(

@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from kvxfer._exceptions import PlanError
 from kvxfer.core.buffers import BoundBuffer
+from kvxfer.core.identity import IdentityMemo
 from kvxfer.core.layout import Region
 from kvxfer.core.planner import Chunk, RegionPair, kept_pairs
 
@@ -89,26 +90,20 @@ def _frozen(array: npt.NDArray[G]) -> npt.NDArray[G]:
 
 
 # The region pairs the planner keeps per layout pair (`planner.kept_pairs`) are the same
-# tuple in every pull between two layouts: their arrays are kept by its identity, with
-# the tuple held so that no other object can take its id while the entry stands. Pairs
+# tuple in every pull between two layouts: their arrays are kept by its identity. Pairs
 # built for one plan are bound from arrays made for that binding alone.
-_GEOMETRY: dict[int, tuple[tuple[RegionPair, ...], tuple[_Side, _Side]]] = {}
-_GEOMETRY_MAX = 1024
+_GEOMETRY: IdentityMemo[tuple[_Side, _Side]] = IdentityMemo(1024)
 
 
 def _geometry(pairs: tuple[RegionPair, ...]) -> tuple[_Side, _Side] | None:
     """Both sides' arrays when every pair is coalescable, else None."""
-    known = _GEOMETRY.get(id(pairs))
-    if known is not None and known[0] is pairs:
-        return known[1]
+    known = _GEOMETRY.get(pairs)
+    if known is not None:
+        return known
     if not all(pair.coalescable for pair in pairs):
         return None
     sides = (_side_arrays(tuple(p.src for p in pairs)), _side_arrays(tuple(p.dst for p in pairs)))
-    if kept_pairs(pairs):
-        if len(_GEOMETRY) >= _GEOMETRY_MAX:
-            _GEOMETRY.clear()
-        _GEOMETRY[id(pairs)] = (pairs, sides)
-    return sides
+    return _GEOMETRY.put(sides, pairs) if kept_pairs(pairs) else sides
 
 
 def _broadcast(
