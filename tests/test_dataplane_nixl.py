@@ -9,6 +9,7 @@ expected state is computed from the token-level oracle, not from the planner.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupK
 from kvxfer.core.planner import plan_transfer
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.dataplane.adapter import TransferStatus
-from kvxfer.dataplane.executor import ExecOptions, RequestStatus, execute_plan
+from kvxfer.dataplane.executor import ExecOptions, RequestStatus, chunk_job, execute_plan
 from kvxfer.dataplane.faults import FaultInjectingBackend, fail_chunks
 
 pytestmark = pytest.mark.nixl
@@ -408,3 +409,45 @@ async def test_a_read_given_up_on_mid_copy_leaves_the_agent_serving() -> None:
         peer_proc.stop()
         src.close()
         dst.close()
+
+
+async def test_a_batch_reports_each_chunk_in_order_and_a_closed_agent_posts_none() -> None:
+    """`post_all`, the one hand-off of a pull's chunks: each chunk's status comes back
+    in the order the chunks went in. A chunk NIXL will not create (a remote range the
+    peer never registered) fails alone, nothing of it posted, so the agent is not
+    severed and its neighbours land; on a closed agent every chunk ends CANCELLED."""
+    p = Pair("gpt-oss-20b")
+    try:
+        src_spans = spans(p.src.layout, random.Random(4), 1000)
+        plan = plan_transfer(p.src.layout, p.dst.layout, src_spans, src_spans, 1000, 0, 8)
+        async with LocalSide(p.dst.buffers) as local:
+            peer = await local.backend.add_peer(p.peer.metadata)
+            jobs = [
+                chunk_job(c, peer, local.buffers, p.peer.buffers, ExecOptions())
+                for c in plan.chunks
+            ]
+            assert len(jobs) >= 4
+            bad = 2
+            remote = jobs[bad].remote.copy()
+            remote[:, 0] += np.uint64(1 << 40)  # nowhere the peer registered
+            jobs[bad] = dataclasses.replace(jobs[bad], remote=remote)
+            fill(p.dst, seed=9)
+            before = {h.name: p.dst.view(h.name).copy() for h in p.dst.buffers}
+
+            statuses = await local.backend.post_all(jobs)
+
+            want = [TransferStatus.DONE] * len(jobs)
+            want[bad] = TransferStatus.FAILED
+            assert statuses == want
+            assert not local.backend.closed and not local.backend.abandoned
+            assert await local.backend.post_all([]) == []
+            good = chunk_job(plan.chunks[0], peer, local.buffers, p.peer.buffers, ExecOptions())
+            await local.backend.close()
+            assert await local.backend.post_all([good, good]) == [TransferStatus.CANCELLED] * 2
+        for index, chunk in enumerate(plan.chunks):  # the failed chunk's bytes untouched
+            for d in chunk.descriptors():
+                got = p.dst.view(d.dst_buffer)[d.dst_offset : d.dst_offset + d.length]
+                was = before[d.dst_buffer][d.dst_offset : d.dst_offset + d.length]
+                assert np.array_equal(got, was) == (index == bad), (index, d)
+    finally:
+        p.close()

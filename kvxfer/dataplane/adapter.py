@@ -119,6 +119,12 @@ class TransferBackend(Protocol):
 
     async def read(self, job: ChunkJob) -> TransferStatus: ...
 
+    def post_all(self, jobs: Sequence[ChunkJob]) -> asyncio.Future[list[TransferStatus]]:
+        """Post every job now, in order; the future ends once each has (their statuses in
+        the same order). One hand-off to the NIXL thread and one back for all of them,
+        where `read` costs one each way per chunk."""
+        ...
+
     async def notify(self, peer: str, message: bytes) -> None: ...
 
     def on_notification(self, callback: Callable[[str, bytes], None]) -> None: ...
@@ -148,7 +154,41 @@ class TransferBackend(Protocol):
 class _InFlight:
     handle: Any
     deadline: float
-    future: concurrent.futures.Future[TransferStatus]
+    end: Callable[[TransferStatus], None]  # how it ended, told on the NIXL thread
+
+
+class _Batch:
+    """The chunks of one `post_all`: each ends on its own, and the loop hears once, when
+    the last has (on the NIXL thread, like every chunk's end)."""
+
+    def __init__(self, count: int) -> None:
+        self.statuses: list[TransferStatus | None] = [None] * count
+        self.left = count
+        self.outcome: concurrent.futures.Future[list[TransferStatus]] = concurrent.futures.Future()
+        if not count:
+            self.outcome.set_result([])
+
+    def ender(self, index: int) -> Callable[[TransferStatus], None]:
+        def end(status: TransferStatus) -> None:
+            self.statuses[index] = status
+            self.left -= 1
+            if not self.left:
+                # Every entry is set once `left` reaches 0.
+                _settle(self.outcome, [s or TransferStatus.CANCELLED for s in self.statuses])
+
+        return end
+
+    def unrun(self, command: concurrent.futures.Future[None], closed: bool) -> None:
+        """The posting command raised instead of posting: the agent was closed or severed
+        before it ran (every chunk CANCELLED, none posted), or a bug (passed on)."""
+        exc = command.exception()
+        if exc is None:
+            return
+        if isinstance(exc, DataPlaneError) and closed and self.left == len(self.statuses):
+            _settle(self.outcome, [TransferStatus.CANCELLED] * len(self.statuses))
+        else:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                self.outcome.set_exception(exc)
 
 
 @dataclass
@@ -180,18 +220,7 @@ def _logs_to_stderr() -> None:
             handler.setStream(sys.stderr)
 
 
-def _pass_failure(
-    command: concurrent.futures.Future[None], outcome: concurrent.futures.Future[TransferStatus]
-) -> None:
-    """A chunk's command that raised instead of settling its outcome: the outcome
-    raises that."""
-    exc = command.exception()
-    if exc is not None:
-        with contextlib.suppress(concurrent.futures.InvalidStateError):
-            outcome.set_exception(exc)
-
-
-def _settle(outcome: concurrent.futures.Future[TransferStatus], status: TransferStatus) -> None:
+def _settle(outcome: concurrent.futures.Future[T], status: T) -> None:
     """Tell a chunk's outcome, unless its waiter gave up on it: cancelling the task that
     awaits a chunk cancels its future, and `set_result` on that would raise here and end
     this agent's thread, leaving every later call unanswered. The chunk itself stays
@@ -308,7 +337,7 @@ class NixlAgent:
             if status is None:
                 still.append(item)
             elif status is TransferStatus.DONE:
-                _settle(item.future, status)  # the bytes are in: tell the loop first
+                item.end(status)  # the bytes are in: tell the loop first
                 self._release(state, item.handle)
             else:
                 failed.append((item, status))
@@ -358,7 +387,7 @@ class NixlAgent:
         self._destroy(state, [item.handle for item, _ in outcomes])
         # Only now, with the backend's workers gone, may anyone hear that these failed.
         for item, status in outcomes:
-            _settle(item.future, status)
+            item.end(status)
 
     def _poll_notifications(self, state: _State) -> None:
         if state.agent is None:  # severed
@@ -381,7 +410,7 @@ class NixlAgent:
         self._abandoned = self._abandoned or bool(pending)
         self._destroy(state, [item.handle for item in pending])
         for item in pending:  # reported only once nothing can write for them any more
-            _settle(item.future, TransferStatus.CANCELLED)
+            item.end(TransferStatus.CANCELLED)
 
     @staticmethod
     def _destroy(state: _State, handles: list[Any]) -> None:
@@ -500,37 +529,47 @@ class NixlAgent:
 
     async def read(self, job: ChunkJob) -> TransferStatus:
         """Post one chunk and wait for it: DONE, or why not. Never raises for the
-        transfer itself; raises TransferError only for malformed descriptors."""
-        outcome: concurrent.futures.Future[TransferStatus] = concurrent.futures.Future()
+        transfer itself."""
+        (status,) = await self.post_all([job])
+        return status
+
+    def post_all(self, jobs: Sequence[ChunkJob]) -> asyncio.Future[list[TransferStatus]]:
+        batch = _Batch(len(jobs))
+        if not jobs:
+            return asyncio.wrap_future(batch.outcome)
 
         def command(state: _State) -> None:
-            try:
-                handle = self._create(state, job)
-            except PeerDisconnectedError:
-                _settle(outcome, TransferStatus.DISCONNECTED)
-                return
-            except TransferError as exc:  # nothing was posted: nothing to sever
-                log.warning("chunk to %s not created: %s", job.peer, exc)
-                _settle(outcome, TransferStatus.FAILED)
-                return
-            item = _InFlight(handle, time.monotonic() + job.deadline_s, outcome)
-            if job.on_post is not None:
-                job.on_post()
-            status = self._start(state, item, job.peer)
-            if status is None:
-                state.inflight.append(item)
-            else:  # part of the handle may have been posted before NIXL gave up
-                self._sever(state, [(item, status)])
+            for index, job in enumerate(jobs):
+                self._post(state, job, batch.ender(index))
 
-        # One hand-off back to the loop per chunk: its outcome, or why its command
-        # did not run (closed or severed before it was posted: CANCELLED).
-        self._submit(command).add_done_callback(lambda posted: _pass_failure(posted, outcome))
+        # One hand-off back to the loop for the whole batch: its chunks' outcomes, or
+        # why its command did not run (closed or severed before any was posted).
+        self._submit(command).add_done_callback(lambda c: batch.unrun(c, self.closed))
+        return asyncio.wrap_future(batch.outcome)
+
+    def _post(self, state: _State, job: ChunkJob, end: Callable[[TransferStatus], None]) -> None:
+        """Create and post one chunk's handle (on the NIXL thread); `end` hears how it
+        ended. A chunk after one whose failure severed the agent is not posted."""
+        if state.agent is None:
+            end(TransferStatus.CANCELLED)
+            return
         try:
-            return await asyncio.wrap_future(outcome)
-        except DataPlaneError:
-            if not self.closed:
-                raise
-            return TransferStatus.CANCELLED
+            handle = self._create(state, job)
+        except PeerDisconnectedError:
+            end(TransferStatus.DISCONNECTED)
+            return
+        except TransferError as exc:  # nothing was posted: nothing to sever
+            log.warning("chunk to %s not created: %s", job.peer, exc)
+            end(TransferStatus.FAILED)
+            return
+        item = _InFlight(handle, time.monotonic() + job.deadline_s, end)
+        if job.on_post is not None:
+            job.on_post()
+        status = self._start(state, item, job.peer)
+        if status is None:
+            state.inflight.append(item)
+        else:  # part of the handle may have been posted before NIXL gave up
+            self._sever(state, [(item, status)])
 
     @staticmethod
     def _create(state: _State, job: ChunkJob) -> Any:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvxfer._exceptions import DataPlaneError
@@ -70,10 +71,10 @@ def execute_plan(
     posted: asyncio.Future[None] | None = None,
 ) -> asyncio.Task[TransferResult]:
     """Pull `plan` from `peer` (src = remote, dst = local), begun now: every chunk is
-    bound and its task created before this returns (a bad address raises here), so the
-    chunks reach the backend on the loop's next turn; await the task for the outcome.
-    Once `cancel` is set, chunks not yet posted end CANCELLED; posted ones finish or
-    fail by their deadline.
+    bound before this returns (a bad address raises here) and handed to the backend,
+    all of them at once as one batch when they fit in `max_inflight`, else each as an
+    earlier one ends; await the task for the outcome. Once `cancel` is set, chunks not
+    yet posted end CANCELLED; posted ones finish or fail by their deadline.
 
     `posted` is settled once the NIXL thread is about to post the first chunk (or a
     chunk ended without being posted): until then that thread needs the GIL to build
@@ -84,17 +85,39 @@ def execute_plan(
     cannot be told (gone, say) leaves `notified` False; the result stands."""
     options = options or ExecOptions()
     start = time.perf_counter()
-    posting = ChunkPoster(backend, peer, local, remote, options, cancel=cancel, posted=posted)
-    posting.post(plan.chunks)  # binds every chunk before posting any
+    ending: Callable[[], Awaitable[Mapping[Chunk, TransferStatus]]]
+    if len(plan.chunks) > options.max_inflight:  # each posted as an earlier one ends
+        posting = ChunkPoster(backend, peer, local, remote, options, cancel=cancel, posted=posted)
+        posting.post(plan.chunks)  # binds every chunk before posting any
+        ending, bind_s, descriptors = posting.wait, posting.bind_s, posting.descriptors
+    else:  # all at once: one hand-off to the NIXL thread and one back for them all
+        first = None if posted is None else _first_post(posted)
+        jobs = [chunk_job(c, peer, local, remote, options, on_post=first) for c in plan.chunks]
+        bind_s, descriptors = time.perf_counter() - start, sum(len(j.local) for j in jobs)
+        # Handed to the NIXL thread before this returns (none once `cancel` is set).
+        batch = None if cancel is not None and cancel.is_set() else backend.post_all(jobs)
+        ending = functools.partial(_at_once, plan.chunks, batch, posted)
 
     async def finish() -> TransferResult:
-        statuses = await posting.wait()
+        statuses = await ending()
         notified = notify is not None and await _notify(backend, peer, notify)
-        return summarize(
-            plan, statuses, block_size, start, posting.bind_s, posting.descriptors, notified
-        )
+        return summarize(plan, statuses, block_size, start, bind_s, descriptors, notified)
 
     return asyncio.create_task(finish())
+
+
+async def _at_once(
+    chunks: Sequence[Chunk],
+    batch: asyncio.Future[list[TransferStatus]] | None,
+    posted: asyncio.Future[None] | None,
+) -> dict[Chunk, TransferStatus]:
+    """The chunks' statuses once their batch has ended (None: never posted, CANCELLED)."""
+    try:
+        statuses = [TransferStatus.CANCELLED] * len(chunks) if batch is None else await batch
+    finally:  # none was posted, or this was cancelled: nobody is to wait for a post
+        if posted is not None and not posted.done():
+            posted.set_result(None)
+    return dict(zip(chunks, statuses, strict=True))
 
 
 class ChunkPoster:
@@ -128,7 +151,12 @@ class ChunkPoster:
         start = time.perf_counter()
         first = None if self._posted is None else _first_post(self._posted)
         jobs = [
-            (c, _job(c, self._peer, self._local, self._remote, self._options, self._write, first))
+            (
+                c,
+                chunk_job(
+                    c, self._peer, self._local, self._remote, self._options, self._write, first
+                ),
+            )
             for c in chunks
         ]
         self.bind_s += time.perf_counter() - start
@@ -224,7 +252,7 @@ async def _notify(backend: TransferBackend, peer: str, message: bytes) -> bool:
     return True
 
 
-def _job(
+def chunk_job(
     chunk: Chunk,
     peer: str,
     local: Mapping[str, BoundBuffer],

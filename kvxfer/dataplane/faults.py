@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Sequence
 from kvxfer.dataplane.adapter import ChunkJob, TransferBackend, TransferStatus
 from kvxfer.dataplane.memory import MappedBuffer
 
+_HUNG = TransferStatus.TIMED_OUT
 ChunkRule = Callable[[int, ChunkJob], TransferStatus | None]
 """Given the chunk's sequence number and job: FAILED, TIMED_OUT (stall) or None (pass)."""
 
@@ -84,14 +85,33 @@ class FaultInjectingBackend:
         await self._inner.remove_peer(peer)
 
     async def read(self, job: ChunkJob) -> TransferStatus:
+        (status,) = await self.post_all([job])
+        return status
+
+    def post_all(self, jobs: Sequence[ChunkJob]) -> asyncio.Future[list[TransferStatus]]:
+        """The chunks the rule passes go to the real backend as one batch, now; the
+        others fail at once or stall until their deadline."""
+        verdicts = [self._verdict(job) for job in jobs]
+        passing = [job for job, verdict in zip(jobs, verdicts, strict=True) if verdict is None]
+        real = self._inner.post_all(passing) if passing else None
+        loop = asyncio.get_running_loop()
+        hung = [j.deadline_s for j, v in zip(jobs, verdicts, strict=True) if v is _HUNG]
+        hung_until = loop.time() + max(hung, default=0.0)
+
+        async def ended() -> list[TransferStatus]:
+            passed = iter(await real if real is not None else ())
+            if hung:  # a hung chunk: only its deadline ends it
+                await asyncio.sleep(max(0.0, hung_until - loop.time()))
+            return [next(passed) if verdict is None else verdict for verdict in verdicts]
+
+        return asyncio.ensure_future(ended())
+
+    def _verdict(self, job: ChunkJob) -> TransferStatus | None:
         index = self._posted
         self._posted += 1
         verdict = self._rule(index, job)
-        if verdict is None:
-            return await self._inner.read(job)
-        self.injected.append((index, verdict))
-        if verdict is TransferStatus.TIMED_OUT:
-            await asyncio.sleep(job.deadline_s)  # a hung chunk: only its deadline ends it
+        if verdict is not None:
+            self.injected.append((index, verdict))
         return verdict
 
     async def notify(self, peer: str, message: bytes) -> None:
