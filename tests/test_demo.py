@@ -202,25 +202,38 @@ def test_a_killed_engine_fails_the_demo_with_a_clear_message(demos: Demos) -> No
     assert "engine-sim decode" in stderr and "exited unexpectedly" in stderr, stderr[-2000:]
 
 
-@pytest.mark.parametrize("to", ["group", "demo"])
-def test_ctrl_c_stops_everything_with_one_line(demos: Demos, to: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("to", "sig", "code", "said"),
+    [
+        ("group", signal.SIGINT, 130, "interrupted"),
+        ("demo", signal.SIGINT, 130, "interrupted"),
+        ("demo", signal.SIGTERM, 143, "terminated"),
+    ],
+)
+def test_ctrl_c_or_kill_stops_everything_with_one_line(
+    demos: Demos, to: str, sig: int, code: int, said: str, tmp_path: Path
+) -> None:
     """SIGINT to the demo's process group (Ctrl-C in a terminal: sidecars and engines get
-    it too) or to the demo alone: exit 130, one line, nothing left running or on disk."""
+    it too) or to the demo alone, or SIGTERM to the demo alone (`kill`, a job's timeout):
+    one line, its exit code, nothing left running or on disk. (SIGTERM's default would
+    end the demo at once and leave its sidecars and engines running with their memory.)"""
     demo = demos.start("--requests", "4000", "--tokens", "4000", env={"TMPDIR": str(tmp_path)})
     try:
         _wait_until_running(demo, 4000)
-        assert list(tmp_path.glob("kvxfer-demo-*")), "the demo's directory is not in TMPDIR"
+        (workdir,) = tmp_path.glob("kvxfer-demo-*")  # the demo's directory is in TMPDIR
+        assert _processes_mentioning(str(workdir)), "no sidecar or engine runs in it"
         if to == "group":
-            os.killpg(demo.pid, signal.SIGINT)
+            os.killpg(demo.pid, sig)
         else:
-            os.kill(demo.pid, signal.SIGINT)
+            os.kill(demo.pid, sig)
         _, rest = demo.communicate(timeout=90)
     finally:
         _kill(demo)
-    assert demo.returncode == 130, rest[-3000:]
+    assert demo.returncode == code, rest[-3000:]
     after = [line for line in rest.splitlines() if not line.startswith("demo: ")]  # progress
-    assert after == ["kvxfer-cli: interrupted"], rest[-3000:]
-    assert not list(tmp_path.glob("kvxfer-demo-*")), "the demo's directory was left behind"
+    assert after == [f"kvxfer-cli: {said}"], rest[-3000:]
+    assert not workdir.exists(), "the demo's directory was left behind"
+    assert not _processes_mentioning(str(workdir)), "a sidecar or engine was left running"
 
 
 def test_bench_reports_every_method_side_by_side() -> None:

@@ -7,8 +7,9 @@ and unlinks any shared-memory segment an engine left behind. `EngineView`
 maps an engine's segments read-only so a driver can check bytes.
 
 `local_fleet` gives a Fleet its own /tmp directory and cleans both up, also on
-Ctrl-C; `run_until_interrupted` is asyncio.run where Ctrl-C cancels the run and
-surfaces as one KeyboardInterrupt (the CLI prints one line and exits 130).
+Ctrl-C or SIGTERM; `run_until_interrupted` is asyncio.run where either cancels
+the run and surfaces as one KeyboardInterrupt (`Terminated` for SIGTERM: the
+CLI prints one line and exits 130, or 143).
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ import urllib.request
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxfer._exceptions import KvxferError
+from kvxfer.cli.main import Terminated
 from kvxfer.client.patterns import pattern, salt_for
 from kvxfer.client.shm import segment_creator
 from kvxfer.core.layout import EngineLayout, Region
@@ -360,10 +362,10 @@ class Fleet:
 @contextlib.contextmanager
 def local_fleet(prefix: str, label: str, make: Callable[[Path], Fleet] = Fleet) -> Iterator[Fleet]:
     """A Fleet (`make(workdir)`) in a fresh /tmp/PREFIX* directory. On the way out every
-    process is stopped (SIGINT is ignored meanwhile: a second Ctrl-C cannot cut the
-    cleanup short) and the directory removed, unless the run failed (an error, or
-    `fleet.keep_logs` set): then its logs are kept and `label` names where. Ctrl-C is
-    not a failure."""
+    process is stopped (SIGINT and SIGTERM are ignored meanwhile: a second Ctrl-C or
+    kill cannot cut the cleanup short) and the directory removed, unless the run failed
+    (an error, or `fleet.keep_logs` set): then its logs are kept and `label` names
+    where. Ctrl-C (or SIGTERM) is not a failure."""
     fleet = make(Path(tempfile.mkdtemp(prefix=prefix)))
     failed = interrupted = False
     try:
@@ -375,7 +377,7 @@ def local_fleet(prefix: str, label: str, make: Callable[[Path], Fleet] = Fleet) 
         failed = True
         raise
     finally:
-        with _sigint_ignored():
+        with _stops_ignored():
             leftovers = fleet.close()
             if leftovers and not interrupted:
                 print(f"{label}: removed leftover shared memory {leftovers}", file=sys.stderr)
@@ -385,57 +387,72 @@ def local_fleet(prefix: str, label: str, make: Callable[[Path], Fleet] = Fleet) 
                 shutil.rmtree(fleet.workdir, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def sigint_raises() -> Iterator[None]:
-    """Ctrl-C raises KeyboardInterrupt inside, even when SIGINT came in ignored (a
-    non-interactive shell starts background jobs that way, and Python then leaves it
-    ignored): a synchronous command stops what it started, as the asyncio ones do
-    (`run_until_interrupted`), instead of running on while its sidecars, which got the
-    same SIGINT, shut down under it."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+STOPS = (signal.SIGINT, signal.SIGTERM)  # what stops a command and everything it started
+
+
+def _stopped(sig: int) -> KeyboardInterrupt:
+    return Terminated() if sig == signal.SIGTERM else KeyboardInterrupt()
 
 
 @contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+def stops_raise() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt inside, and SIGTERM `Terminated`, even when
+    SIGINT came in ignored (a non-interactive shell starts background jobs that way, and
+    Python then leaves it ignored): a synchronous command stops what it started, as the
+    asyncio ones do (`run_until_interrupted`), instead of running on while its sidecars,
+    which got the same SIGINT, shut down under it, or dying on SIGTERM and leaving them
+    running."""
+
+    def raise_stopped(sig: int, _frame: object) -> NoReturn:
+        raise _stopped(sig)
+
+    previous = {sig: signal.signal(sig, raise_stopped) for sig in STOPS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _stops_ignored() -> Iterator[None]:
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOPS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_until_interrupted(main: Coroutine[Any, Any, T]) -> T:
     """asyncio.run(main) on kvxfer's loop (`loops.DEFAULT_EVENT_LOOP`: the bench's and
-    demo's engines run on what `SyncEngineClient` gives a real engine), where SIGINT
-    cancels `main` and, once it has unwound, raises
-    KeyboardInterrupt whatever error the cancellation caused on the way (on a terminal
-    the fleet's sidecars get the same SIGINT and may refuse requests before `main` hears
-    of it)."""
-    interrupted = False
+    demo's engines run on what `SyncEngineClient` gives a real engine), where SIGINT or
+    SIGTERM cancels `main` and, once it has unwound, raises KeyboardInterrupt (SIGTERM:
+    `Terminated`) whatever error the cancellation caused on the way (on a terminal the
+    fleet's sidecars get the same SIGINT and may refuse requests before `main` hears of
+    it)."""
+    stopped_by: list[int] = []
 
     async def interruptible() -> T:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
 
-        def on_sigint() -> None:
-            nonlocal interrupted
-            interrupted = True
+        def on_stop(sig: int) -> None:
+            stopped_by.append(sig)
             task.cancel()
 
-        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        for sig in STOPS:
+            loop.add_signal_handler(sig, on_stop, sig)
         try:
             return await main
         finally:
-            loop.remove_signal_handler(signal.SIGINT)
+            for sig in STOPS:
+                loop.remove_signal_handler(sig)
 
     try:
         return run_on(interruptible(), DEFAULT_EVENT_LOOP)
     except BaseException:
-        if interrupted:
-            raise KeyboardInterrupt from None
+        if stopped_by:
+            raise _stopped(stopped_by[0]) from None
         raise

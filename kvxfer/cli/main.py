@@ -28,6 +28,7 @@ EXIT_FAILED = 1  # it ran and the answer is no: incompatible, refused, a check f
 EXIT_USAGE = 2  # bad arguments or input: nothing was tried
 EXIT_UNREACHABLE = 3  # a sidecar or peer did not answer (unreachable, or timed out)
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+EXIT_TERMINATED = 143  # SIGTERM (128 + SIGTERM)
 
 EPILOG = """\
 exit codes:
@@ -569,10 +570,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.run(args)
     except KvxferError as exc:
         return report_error(exc, as_json)
+    except Terminated:
+        print("kvxfer-cli: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("kvxfer-cli: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     return code
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a job's timeout, a CI cancel): the command stops what it started
+    exactly as on Ctrl-C, and says which it was."""
 
 
 if __name__ == "__main__":

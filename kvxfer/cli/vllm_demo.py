@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Any
 
-from kvxfer.cli.fleet import local_fleet, sigint_raises
+from kvxfer.cli.fleet import local_fleet, stops_raise
 from kvxfer.cli.main import EXIT_FAILED, EXIT_OK
 from kvxfer.integrations.vllm_demo import DemoOptions, run_vllm_demo
 
@@ -31,7 +31,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         prefill_block_size=args.prefill_block_size,
         decode_block_size=args.decode_block_size,
     )
-    with sigint_raises(), local_fleet("kvxfer-demo-vllm-", "kvxfer-cli demo") as fleet:
+    with stops_raise(), local_fleet("kvxfer-demo-vllm-", "kvxfer-cli demo") as fleet:
         # Synchronous: Ctrl-C raises KeyboardInterrupt here, and the vLLM workers (in
         # sessions of their own, out of the terminal's reach) are closed as it unwinds.
         report = run_vllm_demo(options, fleet.workdir, fleet)
