@@ -8,18 +8,21 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from kvxfer._exceptions import KvxferError
-from kvxfer.cli.bench import Method, run_rounds, summarize
+from kvxfer.cli.bench import Method, pull_cpu, run_rounds, summarize
 from kvxfer.cli.bench_concurrency import (
     Burst,
     PullOnce,
     measure_levels,
     percentile,
     summarize_bursts,
+    threads_cpu_ns,
     timed_burst,
 )
 from kvxfer.cli.bench_table import report_text
@@ -80,6 +83,63 @@ def test_the_bare_hand_offs_are_reported_beside_the_overhead() -> None:
     report = {"memcpy_gbps": 5.0, "cases": [case], "handshakes": [], "skipped": []}
     (row,) = [line for line in report_text(report).splitlines() if line.startswith("m ")]
     assert row.split()[-3:-1] == ["+100.00ms", "0.70ms"]  # overhead, then the hops
+
+
+def test_a_pulls_cpu_is_reported_per_place_beside_its_time() -> None:
+    cpu = {
+        "engine_loop": [0.3, 0.5, 0.4],
+        "decode_sidecar": [7.0, 9.0, 8.0],
+        "decode_nixl_threads": [5.0, 6.0, 5.5],
+        "prefill_sidecar": [1.0, 2.0, 1.5],
+        "unmeasured": [],
+    }
+    p50 = pull_cpu(cpu)
+    assert p50 == {
+        "engine_loop": 0.4,
+        "decode_sidecar": 8.0,
+        "decode_nixl_threads": 5.5,
+        "prefill_sidecar": 1.5,
+    }
+    times = {"memcpy": [0.5], "per_block": [1.0], "raw": [0.9], "kvxfer": [1.0]}
+    case = {"model": "m", "tokens": 1024, "full_attention_bytes": 10**9}
+    case |= summarize(times, nbytes=10**9) | {"cpu_ms_per_pull_p50": p50}
+    report = {"memcpy_gbps": 5.0, "cases": [case], "handshakes": [], "skipped": []}
+    (line,) = [x for x in report_text(report).splitlines() if x.startswith("m 1024: CPU")]
+    assert "decode sidecar 8.00 ms (its NIXL threads, which copy, 5.50)" in line
+    assert "prefill sidecar 1.50 ms, engine loop 0.40 ms; the pull took 1000.00 ms" in line
+
+
+def test_threads_cpu_counts_every_thread_and_the_named_ones_apart() -> None:
+    """The scheduler's exact run time of a process's threads, and of those whose OS name
+    starts with a prefix (NIXL agents name theirs): a thread that burns CPU here is
+    counted in both, and only in the total when named otherwise."""
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    burnt, done = threading.Barrier(3), threading.Event()
+
+    def named(name: str) -> None:
+        Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(name)
+        burn(0.05)
+        burnt.wait()
+        done.wait()  # a thread's count leaves /proc with it
+
+    threads = [threading.Thread(target=named, args=(n,)) for n in ("burner-1", "other")]
+    before = threads_cpu_ns([os.getpid()], "burner-")
+    for thread in threads:
+        thread.start()
+    burnt.wait()
+    after = threads_cpu_ns([os.getpid()], "burner-")
+    done.set()
+    for thread in threads:
+        thread.join()
+    total, burners = after[0] - before[0], after[1] - before[1]
+    assert 0.05e9 <= burners < 0.08e9, burners  # the named thread's 50 ms, not the other's
+    assert total >= 0.1e9, total  # both threads' 50 ms
+    assert threads_cpu_ns([2**22 + 1], "x") == (0, 0)  # no such process: nothing, no error
 
 
 def test_concurrency_levels_are_validated_naming_the_option() -> None:

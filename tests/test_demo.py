@@ -259,6 +259,12 @@ def test_bench_reports_every_method_side_by_side() -> None:
     )
     rounds = case["kvxfer_vs_raw_rounds"]
     assert 0 < rounds["min"] <= rounds["median"] <= rounds["max"]
+    # Each pull's CPU, where it ran: the copy is the decode sidecar's NIXL threads' (the
+    # OS knows them by name), part of that sidecar's; the prefill sidecar answered its
+    # BeginRead; the engine's loop made the call and heard PullDone.
+    cpu = case["cpu_ms_per_pull_p50"]
+    assert 0 < cpu["decode_nixl_threads"] < cpu["decode_sidecar"], cpu
+    assert cpu["prefill_sidecar"] > 0 and cpu["engine_loop"] > 0, cpu
     (handshake,) = report["handshakes"]  # the decode sidecar met the prefill engine once
     assert handshake["handshakes"] == 1 and handshake["handshake_ms"] > 0
     assert [level["concurrency"] for level in report["concurrency"]] == [1, 4]

@@ -42,6 +42,8 @@ from kvxfer.cli.bench_concurrency import (
     PullOnce,
     measure_levels,
     raw_burst,
+    threads_cpu_ns,
+    tree,
 )
 from kvxfer.cli.bench_raw import per_block_read, raw_read, split_per_block, whole_descriptors
 from kvxfer.cli.bench_table import report_text
@@ -69,7 +71,7 @@ from kvxfer.core.planner import (
 )
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
-from kvxfer.dataplane.adapter import NixlAgent
+from kvxfer.dataplane.adapter import THREAD_PREFIX, NixlAgent
 from kvxfer.dataplane.descriptors import DescArray
 from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
 from kvxfer.wire.loops import within
@@ -136,6 +138,14 @@ def summarize(times: dict[str, list[float]], nbytes: int) -> dict[str, Any]:
         "overhead_ms_p50": round((med["kvxfer"] - med["raw"]) * 1e3, 3),
         **_hops(med),
     }
+
+
+def pull_cpu(cpu: dict[str, list[float]]) -> dict[str, float]:
+    """p50 of the CPU each place spent between a pull's call and its PullDone, in ms: on
+    a host with few cores, work beside the copy (BeginRead at both sidecars, the
+    engine's own) waits for the core the copy leaves, so it counts as much as the
+    hand-offs before and after it."""
+    return {where: round(statistics.median(ms), 3) for where, ms in cpu.items() if ms}
 
 
 def _hops(med: dict[str, float]) -> dict[str, Any]:
@@ -368,6 +378,8 @@ class _Case:
         self.d_client = EngineClient(d.ready["engine_address"], engine_id=de.engine_id, lane=lane)
         self.waiting: dict[str, asyncio.Future[PullDone]] = {}
         self.pump: asyncio.Task[None] | None = None
+        self.usage: dict[str, list[int]] = {}  # processes whose CPU a pull is charged
+        self.cpu: dict[str, list[float]] = {}  # ms of CPU per pull, by where it ran
 
     @classmethod
     def open(
@@ -455,11 +467,14 @@ class _Case:
             ),
             "kvxfer": lambda: self._kvxfer(tokens, spans, whole.nbytes),
         }
+        self.usage = {"decode": tree(self.d.pid), "prefill": tree(self.p.pid)}
+        self.cpu = {}
         times = await run_rounds(methods, repeat)
         return {
             "model": self.pe.ready["model"],
             "tokens": tokens,
             **summarize(times, whole.nbytes),
+            "cpu_ms_per_pull_p50": pull_cpu({k: v[1:] for k, v in self.cpu.items()}),
             "full_attention_bytes": full_attention_bytes(src_layout, tokens, 0),
             "descriptors_raw": len(mine),
             "descriptors_per_block": len(block_local),
@@ -468,9 +483,27 @@ class _Case:
     async def _kvxfer(self, tokens: int, spans: list[BlockSpan], nbytes: int) -> float:
         """Seconds from the decode engine's Pull call to its PullDone event."""
         (pull,) = await self._published(tokens, spans, nbytes, 1)
+        sidecars = self._sidecars_cpu_ns()
+        engine = time.thread_time_ns()  # this loop's thread: the engine's calls and events
         start = time.perf_counter()
         await pull()
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        used = {"engine_loop": time.thread_time_ns() - engine}
+        used |= {k: ns - sidecars[k] for k, ns in self._sidecars_cpu_ns().items()}
+        for where, ns in used.items():  # the warm-up round's too, dropped later
+            self.cpu.setdefault(where, []).append(ns / 1e6)
+        return elapsed
+
+    def _sidecars_cpu_ns(self) -> dict[str, int]:
+        """CPU nanoseconds so far of each sidecar, and of the decode sidecar's NIXL
+        threads (where a read on one host copies)."""
+        decode, copying = threads_cpu_ns(self.usage["decode"], THREAD_PREFIX)
+        prefill, _ = threads_cpu_ns(self.usage["prefill"], THREAD_PREFIX)
+        return {
+            "decode_sidecar": decode,
+            "decode_nixl_threads": copying,
+            "prefill_sidecar": prefill,
+        }
 
     async def _engine_call(self) -> float:
         """Seconds of an Abort of a request the decode sidecar never saw, refused at

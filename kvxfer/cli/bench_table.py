@@ -14,6 +14,17 @@ def rounds_text(case: dict[str, Any]) -> str:
     return f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
 
 
+def cpu_text(case: dict[str, Any]) -> str:
+    """Where a pull's CPU went, from its Pull call to its PullDone (p50 of each)."""
+    cpu = case["cpu_ms_per_pull_p50"]
+    return (
+        f"{case['model']} {case['tokens']}: CPU per pull, p50: decode sidecar "
+        f"{cpu['decode_sidecar']:.2f} ms (its NIXL threads, which copy, "
+        f"{cpu['decode_nixl_threads']:.2f}), prefill sidecar {cpu['prefill_sidecar']:.2f} ms, "
+        f"engine loop {cpu['engine_loop']:.2f} ms; the pull took {case['kvxfer_ms_p50']:.2f} ms"
+    )
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}ms"
 
@@ -60,6 +71,7 @@ def report_text(report: dict[str, Any]) -> str:
         "median (min-max); overhead = kvxfer p50 - raw p50; hops = p50 of an engine "
         "call plus a NIXL-thread round trip, no work behind either)",
     ]
+    lines += [cpu_text(c) for c in report["cases"] if c.get("cpu_ms_per_pull_p50")]
     for h in report["handshakes"]:
         lines.append(
             f"{h['model']}: handshake {h['handshake_ms']} ms; first pull {h['first_pull_ms']} ms, "
