@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import random
 import time
 from collections.abc import Iterator
@@ -176,7 +177,10 @@ async def test_consumed_request_notifies_the_remote_agent() -> None:
 @pytest.mark.parametrize(
     "model", ["gpt-oss-20b", "qwen3-next-80b-a3b", "gemma-3-4b-it", "jamba-mini-1.5"]
 )
-async def test_injected_chunk_failures_match_the_recompute_oracle(model: str) -> None:
+@pytest.mark.parametrize("max_inflight", [1, 64], ids=["one-at-a-time", "one-batch"])
+async def test_injected_chunk_failures_match_the_recompute_oracle(
+    model: str, max_inflight: int
+) -> None:
     p = Pair(model)
     try:
         rng = random.Random(11)
@@ -209,8 +213,9 @@ async def test_injected_chunk_failures_match_the_recompute_oracle(model: str) ->
                     local=local.buffers,
                     remote=p.peer.buffers,
                     block_size=BLOCK,
-                    options=ExecOptions(max_inflight=1),
+                    options=ExecOptions(max_inflight=max_inflight),
                 )
+            assert (len(plan.chunks) <= max_inflight) == (max_inflight > 1), "the other path"
             assert {g: set(b) for g, b in result.failed_blocks.items()} == lost
             assert result.valid_tokens == oracle_valid_tokens(
                 p.src.layout.groups, num_tokens, computed, BLOCK, lost
@@ -315,7 +320,10 @@ async def test_posted_settles_as_the_first_chunk_is_posted_and_never_hangs() -> 
         p.close()
 
 
-async def test_killed_peer_fails_pending_chunks_and_severs_only_its_agent() -> None:
+@pytest.mark.parametrize("max_inflight", [4, 256], ids=["windowed", "one-batch"])
+async def test_killed_peer_fails_pending_chunks_and_severs_only_its_agent(
+    max_inflight: int,
+) -> None:
     """Kill the source during a large pull: every chunk ends (done or failed) within the
     deadline, failed blocks and valid_tokens follow the rule, the agent that read from
     it is severed (closed: nothing it posted can land any more), and a fresh agent on
@@ -341,7 +349,7 @@ async def test_killed_peer_fails_pending_chunks_and_severs_only_its_agent() -> N
                 local=local.buffers,
                 remote=peer_proc.buffers,
                 block_size=BLOCK,
-                options=ExecOptions(stall_deadline_s=deadline, max_inflight=4),
+                options=ExecOptions(stall_deadline_s=deadline, max_inflight=max_inflight),
                 notify=b"consumed",
             )
             await asyncio.sleep(0.3)
@@ -361,6 +369,15 @@ async def test_killed_peer_fails_pending_chunks_and_severs_only_its_agent() -> N
             )
             assert local.backend.closed
             assert not local.backend.alive
+            if max_inflight >= len(plan.chunks):
+                # One batch: the kill failed a chunk, and once that severed the agent no
+                # later chunk was posted (CANCELLED, every one after the first).
+                statuses = list(result.chunk_statuses)
+                failing = {TransferStatus.DISCONNECTED, TransferStatus.FAILED}
+                assert failing & set(statuses), statuses
+                cancelled = TransferStatus.CANCELLED
+                unposted = statuses.index(cancelled) if cancelled in statuses else len(statuses)
+                assert set(statuses[unposted:]) <= {cancelled}, statuses
             # A fresh agent on the same buffers reads from another peer.
             async with LocalSide(other.dst.buffers) as fresh:
                 other_peer = await fresh.backend.add_peer(other.peer.metadata)
@@ -449,5 +466,42 @@ async def test_a_batch_reports_each_chunk_in_order_and_a_closed_agent_posts_none
                 got = p.dst.view(d.dst_buffer)[d.dst_offset : d.dst_offset + d.length]
                 was = before[d.dst_buffer][d.dst_offset : d.dst_offset + d.length]
                 assert np.array_equal(got, was) == (index == bad), (index, d)
+    finally:
+        p.close()
+
+
+async def test_a_bug_mid_batch_severs_the_agent_before_the_batch_is_reported() -> None:
+    """An exception while a batch is being posted (a bug; here the second chunk's
+    `on_post` raises) neither escapes the NIXL thread nor ends the batch while chunks
+    posted before it could still land: the agent is severed first. The chunk ends
+    FAILED, the ones after it CANCELLED, unposted, and the one before it DONE or, if
+    NIXL had not seen it complete yet, SEVERED."""
+    p = Pair("gpt-oss-20b")
+    try:
+        src_spans = spans(p.src.layout, random.Random(4), 1000)
+        plan = plan_transfer(p.src.layout, p.dst.layout, src_spans, src_spans, 1000, 0, 8)
+        async with LocalSide(p.dst.buffers) as local:
+            peer = await local.backend.add_peer(p.peer.metadata)
+            posts = itertools.count()
+
+            def on_post() -> None:
+                if next(posts) == 1:
+                    raise RuntimeError("a bug in a post's callback")
+
+            jobs = [
+                chunk_job(c, peer, local.buffers, p.peer.buffers, ExecOptions(), on_post=on_post)
+                for c in plan.chunks
+            ]
+            assert len(jobs) >= 3
+            statuses = await asyncio.wait_for(local.backend.post_all(jobs), 10)
+            assert statuses[0] in (TransferStatus.DONE, TransferStatus.SEVERED)
+            assert statuses[1] is TransferStatus.FAILED
+            assert set(statuses[2:]) == {TransferStatus.CANCELLED}
+            assert local.backend.closed and local.backend.abandoned
+            for _ in range(100):  # the severed agent's thread ends on its own
+                if not local.backend.alive:
+                    break
+                await asyncio.sleep(0.05)
+            assert not local.backend.alive
     finally:
         p.close()

@@ -253,6 +253,10 @@ class NixlAgent:
             tuple[Callable[[_State], Any], concurrent.futures.Future[Any]]
         ] = queue.SimpleQueue()
         self._stopping = threading.Event()
+        # Held while a command is queued and while the thread takes its last commands:
+        # a command queued once the thread is done would never be answered.
+        self._queueing = threading.RLock()
+        self._exited = False
         self._abandoned = False  # set on the NIXL thread, read after its chunks ended
         self._notify_callback: Callable[[str, bytes], None] | None = None
         self._notify_loop: asyncio.AbstractEventLoop | None = None
@@ -422,6 +426,9 @@ class NixlAgent:
         self._destroy(state, [item.handle for item in pending])
         for item in pending:  # reported only once nothing can write for them any more
             item.end(TransferStatus.CANCELLED)
+        with self._queueing:  # a command queued since the loop last looked fails now
+            self._exited = True
+            self._run_commands(state, None)
 
     @staticmethod
     def _destroy(state: _State, handles: list[Any]) -> None:
@@ -464,16 +471,17 @@ class NixlAgent:
 
     def _submit(self, command: Callable[[_State], T]) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if self._stopping.is_set():
-            future.set_exception(DataPlaneError(f"NIXL agent {self._name} is closed"))
-            return future
 
         def guarded(state: _State) -> T:
             if state.agent is None:  # severed after this command was queued
                 raise DataPlaneError(f"NIXL agent {self._name} is closed")
             return command(state)
 
-        self._commands.put((guarded, future))
+        with self._queueing:
+            if self._stopping.is_set() or self._exited:
+                future.set_exception(DataPlaneError(f"NIXL agent {self._name} is closed"))
+            else:
+                self._commands.put((guarded, future))
         return future
 
     async def _call(self, command: Callable[[_State], T]) -> T:
@@ -551,7 +559,15 @@ class NixlAgent:
 
         def command(state: _State) -> None:
             for index, job in enumerate(jobs):
-                self._post(state, job, batch.ender(index))
+                end = batch.ender(index)
+                try:
+                    self._post(state, job, end)
+                except Exception:  # a bug: chunks of this batch may be in flight
+                    log.exception("posting a chunk to %s failed; severing the agent", job.peer)
+                    # Nothing is reported before what was posted can no longer land; the
+                    # rest of the batch then ends CANCELLED, unposted.
+                    self._sever(state, [])
+                    end(TransferStatus.FAILED)
 
         # One hand-off back to the loop for the whole batch: its chunks' outcomes, or
         # why its command did not run (closed or severed before any was posted).
@@ -578,7 +594,14 @@ class NixlAgent:
             job.on_post()
         status = self._start(state, item, job.peer)
         if status is None:
+            # Where the post copies (one host: CMA) the chunk is done already; said now,
+            # a later chunk of its batch that fails cannot take it down with it (SEVERED).
+            status = self._check(state, item.handle)
+        if status is None:
             state.inflight.append(item)
+        elif status is TransferStatus.DONE:
+            item.end(status)
+            self._release(state, item.handle)
         else:  # part of the handle may have been posted before NIXL gave up
             self._sever(state, [(item, status)])
 

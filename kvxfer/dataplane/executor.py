@@ -74,11 +74,13 @@ def execute_plan(
     bound before this returns (a bad address raises here) and handed to the backend,
     all of them at once as one batch when they fit in `max_inflight`, else each as an
     earlier one ends; await the task for the outcome. Once `cancel` is set, chunks not
-    yet posted end CANCELLED; posted ones finish or fail by their deadline.
+    yet handed to the backend end CANCELLED (a batch is handed over here, at once);
+    posted ones finish or fail by their deadline.
 
-    `posted` is settled once the NIXL thread is about to post the first chunk (or a
-    chunk ended without being posted): until then that thread needs the GIL to build
-    the handle, and a caller can hold back GIL-heavy work.
+    `posted` is settled once the NIXL thread is about to post the first chunk, or, when
+    none is posted, once the chunks have ended (one at a time: once one has): until then
+    that thread needs the GIL to build the handle, and a caller can hold back GIL-heavy
+    work.
 
     With `notify`, once every chunk has ended (done or failed: nothing more will be
     read either way) the message goes to `peer` as a NIXL notification. A peer that
