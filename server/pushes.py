@@ -40,7 +40,7 @@ from kvxfer.core.requests import (
     TransferParams,
 )
 from kvxfer.dataplane.adapter import TransferStatus
-from kvxfer.dataplane.executor import ChunkPoster, ExecOptions, summarize
+from kvxfer.dataplane.executor import ChunkPoster, ExecOptions, in_plan_order, summarize
 from kvxfer.dataplane.readers import Readers
 from kvxfer.server.destinations import check_push_accepted
 from kvxfer.server.engines import Engine
@@ -316,7 +316,7 @@ class Pushes:
             push.settled = not writer.backend.abandoned
         result = summarize(
             push.plan,
-            statuses,
+            in_plan_order(push.plan, statuses),
             push.link.layout.block_size,
             start,
             poster.bind_s,

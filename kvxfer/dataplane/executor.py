@@ -87,18 +87,22 @@ def execute_plan(
     cannot be told (gone, say) leaves `notified` False; the result stands."""
     options = options or ExecOptions()
     start = time.perf_counter()
-    ending: Callable[[], Awaitable[Mapping[Chunk, TransferStatus]]]
+    ending: Callable[[], Awaitable[Sequence[TransferStatus]]]
     if len(plan.chunks) > options.max_inflight:  # each posted as an earlier one ends
         posting = ChunkPoster(backend, peer, local, remote, options, cancel=cancel, posted=posted)
         posting.post(plan.chunks)  # binds every chunk before posting any
-        ending, bind_s, descriptors = posting.wait, posting.bind_s, posting.descriptors
+        bind_s, descriptors = posting.bind_s, posting.descriptors
+
+        async def ending() -> Sequence[TransferStatus]:
+            return in_plan_order(plan, await posting.wait())
+
     else:  # all at once: one hand-off to the NIXL thread and one back for them all
         first = None if posted is None else _first_post(posted)
         jobs = [chunk_job(c, peer, local, remote, options, on_post=first) for c in plan.chunks]
         bind_s, descriptors = time.perf_counter() - start, sum(len(j.local) for j in jobs)
         # Handed to the NIXL thread before this returns (none once `cancel` is set).
         batch = None if cancel is not None and cancel.is_set() else backend.post_all(jobs)
-        ending = functools.partial(_at_once, plan.chunks, batch, posted)
+        ending = functools.partial(_at_once, len(jobs), batch, posted)
 
     async def finish() -> TransferResult:
         statuses = await ending()
@@ -109,17 +113,16 @@ def execute_plan(
 
 
 async def _at_once(
-    chunks: Sequence[Chunk],
+    count: int,
     batch: asyncio.Future[list[TransferStatus]] | None,
     posted: asyncio.Future[None] | None,
-) -> dict[Chunk, TransferStatus]:
+) -> list[TransferStatus]:
     """The chunks' statuses once their batch has ended (None: never posted, CANCELLED)."""
     try:
-        statuses = [TransferStatus.CANCELLED] * len(chunks) if batch is None else await batch
+        return [TransferStatus.CANCELLED] * count if batch is None else await batch
     finally:  # none was posted, or this was cancelled: nobody is to wait for a post
         if posted is not None and not posted.done():
             posted.set_result(None)
-    return dict(zip(chunks, statuses, strict=True))
 
 
 class ChunkPoster:
@@ -204,20 +207,26 @@ def _first_post(future: asyncio.Future[None]) -> Callable[[], None]:
     return on_post
 
 
+def in_plan_order(
+    plan: TransferPlan, statuses: Mapping[Chunk, TransferStatus]
+) -> list[TransferStatus]:
+    """Each chunk's status in the plan's order; a chunk never posted is CANCELLED."""
+    return [statuses.get(chunk, TransferStatus.CANCELLED) for chunk in plan.chunks]
+
+
 def summarize(
     plan: TransferPlan,
-    statuses: Mapping[Chunk, TransferStatus],
+    ordered: Sequence[TransferStatus],
     block_size: int,
     start: float,
     bind_s: float = 0.0,
     descriptors: int = 0,
     notified: bool = False,
 ) -> TransferResult:
-    """The outcome of `plan` from its chunks' statuses; a chunk of the plan never posted
-    counts as CANCELLED (failed)."""
+    """The outcome of `plan` from its chunks' statuses, in the plan's order (a chunk is
+    found by its place: hashing one hashes every run and region of it)."""
     failed: dict[int, list[int]] = {}
     moved = 0
-    ordered = [statuses.get(chunk, TransferStatus.CANCELLED) for chunk in plan.chunks]
     for chunk, status in zip(plan.chunks, ordered, strict=True):
         if status is TransferStatus.DONE:
             moved += chunk.nbytes
