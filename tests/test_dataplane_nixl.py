@@ -9,11 +9,12 @@ expected state is computed from the token-level oracle, not from the planner.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
 from kvxfer.core.planner import plan_transfer
 from kvxfer.core.profiles import layout_for_model
-from kvxfer.dataplane.adapter import TransferStatus
+from kvxfer.dataplane.adapter import ChunkJob, TransferStatus
 from kvxfer.dataplane.executor import ExecOptions, RequestStatus, chunk_job, execute_plan
 from kvxfer.dataplane.faults import FaultInjectingBackend, fail_chunks
 
@@ -428,11 +429,12 @@ async def test_a_read_given_up_on_mid_copy_leaves_the_agent_serving() -> None:
         dst.close()
 
 
-async def test_a_batch_reports_each_chunk_in_order_and_a_closed_agent_posts_none() -> None:
-    """`post_all`, the one hand-off of a pull's chunks: each chunk's status comes back
-    in the order the chunks went in. A chunk NIXL will not create (a remote range the
-    peer never registered) fails alone, nothing of it posted, so the agent is not
-    severed and its neighbours land; on a closed agent every chunk ends CANCELLED."""
+@contextlib.asynccontextmanager
+async def _batch_of_gpt_oss(
+    **job: Any,
+) -> AsyncIterator[tuple[Pair, list[ChunkJob], LocalSide]]:
+    """A gpt-oss-20b pair, the jobs of a 1000-token plan of 8-block chunks between it
+    (`job`: more ChunkJob fields), and the reading side they are for."""
     p = Pair("gpt-oss-20b")
     try:
         src_spans = spans(p.src.layout, random.Random(4), 1000)
@@ -440,34 +442,46 @@ async def test_a_batch_reports_each_chunk_in_order_and_a_closed_agent_posts_none
         async with LocalSide(p.dst.buffers) as local:
             peer = await local.backend.add_peer(p.peer.metadata)
             jobs = [
-                chunk_job(c, peer, local.buffers, p.peer.buffers, ExecOptions())
+                chunk_job(c, peer, local.buffers, p.peer.buffers, ExecOptions(), **job)
                 for c in plan.chunks
             ]
             assert len(jobs) >= 4
-            bad = 2
-            remote = jobs[bad].remote.copy()
-            remote[:, 0] += np.uint64(1 << 40)  # nowhere the peer registered
-            jobs[bad] = dataclasses.replace(jobs[bad], remote=remote)
-            fill(p.dst, seed=9)
-            before = {h.name: p.dst.view(h.name).copy() for h in p.dst.buffers}
-
-            statuses = await local.backend.post_all(jobs)
-
-            want = [TransferStatus.DONE] * len(jobs)
-            want[bad] = TransferStatus.FAILED
-            assert statuses == want
-            assert not local.backend.closed and not local.backend.abandoned
-            assert await local.backend.post_all([]) == []
-            good = chunk_job(plan.chunks[0], peer, local.buffers, p.peer.buffers, ExecOptions())
-            await local.backend.close()
-            assert await local.backend.post_all([good, good]) == [TransferStatus.CANCELLED] * 2
-        for index, chunk in enumerate(plan.chunks):  # the failed chunk's bytes untouched
-            for d in chunk.descriptors():
-                got = p.dst.view(d.dst_buffer)[d.dst_offset : d.dst_offset + d.length]
-                was = before[d.dst_buffer][d.dst_offset : d.dst_offset + d.length]
-                assert np.array_equal(got, was) == (index == bad), (index, d)
+            yield p, jobs, local
     finally:
         p.close()
+
+
+async def test_a_batch_reports_each_chunk_in_order_and_a_closed_agent_posts_none() -> None:
+    """`post_all`, the one hand-off of a pull's chunks: each chunk's status comes back
+    in the order the chunks went in. A chunk NIXL will not create (a remote range the
+    peer never registered) fails alone, nothing of it posted, so the agent is not
+    severed and its neighbours land; on a closed agent every chunk ends CANCELLED."""
+    async with _batch_of_gpt_oss() as (p, jobs, local):
+        good, bad = jobs[0], 2
+        local_ranges = [job.local for job in jobs]
+        remote = jobs[bad].remote.copy()
+        remote[:, 0] += np.uint64(1 << 40)  # nowhere the peer registered
+        jobs[bad] = dataclasses.replace(jobs[bad], remote=remote)
+        fill(p.dst, seed=9)
+        before = {h.name: p.dst.view(h.name).copy() for h in p.dst.buffers}
+
+        statuses = await local.backend.post_all(jobs)
+
+        want = [TransferStatus.DONE] * len(jobs)
+        want[bad] = TransferStatus.FAILED
+        assert statuses == want
+        assert not local.backend.closed and not local.backend.abandoned
+        assert await local.backend.post_all([]) == []
+        await local.backend.close()
+        assert await local.backend.post_all([good, good]) == [TransferStatus.CANCELLED] * 2
+        views = {int(local.buffers[h.name].address): h.name for h in p.dst.buffers}
+        for index, ranges in enumerate(local_ranges):  # the failed chunk's bytes untouched
+            for address, length, _ in ranges.tolist():
+                base = max(a for a in views if a <= address)
+                at = slice(address - base, address - base + length)
+                name = views[base]
+                same = np.array_equal(p.dst.view(name)[at], before[name][at])
+                assert same == (index == bad), (index, name, at)
 
 
 async def test_a_bug_mid_batch_severs_the_agent_before_the_batch_is_reported() -> None:
@@ -476,32 +490,20 @@ async def test_a_bug_mid_batch_severs_the_agent_before_the_batch_is_reported() -
     posted before it could still land: the agent is severed first. The chunk ends
     FAILED, the ones after it CANCELLED, unposted, and the one before it DONE or, if
     NIXL had not seen it complete yet, SEVERED."""
-    p = Pair("gpt-oss-20b")
-    try:
-        src_spans = spans(p.src.layout, random.Random(4), 1000)
-        plan = plan_transfer(p.src.layout, p.dst.layout, src_spans, src_spans, 1000, 0, 8)
-        async with LocalSide(p.dst.buffers) as local:
-            peer = await local.backend.add_peer(p.peer.metadata)
-            posts = itertools.count()
+    posts = itertools.count()
 
-            def on_post() -> None:
-                if next(posts) == 1:
-                    raise RuntimeError("a bug in a post's callback")
+    def on_post() -> None:
+        if next(posts) == 1:
+            raise RuntimeError("a bug in a post's callback")
 
-            jobs = [
-                chunk_job(c, peer, local.buffers, p.peer.buffers, ExecOptions(), on_post=on_post)
-                for c in plan.chunks
-            ]
-            assert len(jobs) >= 3
-            statuses = await asyncio.wait_for(local.backend.post_all(jobs), 10)
-            assert statuses[0] in (TransferStatus.DONE, TransferStatus.SEVERED)
-            assert statuses[1] is TransferStatus.FAILED
-            assert set(statuses[2:]) == {TransferStatus.CANCELLED}
-            assert local.backend.closed and local.backend.abandoned
-            for _ in range(100):  # the severed agent's thread ends on its own
-                if not local.backend.alive:
-                    break
-                await asyncio.sleep(0.05)
-            assert not local.backend.alive
-    finally:
-        p.close()
+    async with _batch_of_gpt_oss(on_post=on_post) as (_, jobs, local):
+        statuses = await asyncio.wait_for(local.backend.post_all(jobs), 10)
+        assert statuses[0] in (TransferStatus.DONE, TransferStatus.SEVERED)
+        assert statuses[1] is TransferStatus.FAILED
+        assert set(statuses[2:]) == {TransferStatus.CANCELLED}
+        assert local.backend.closed and local.backend.abandoned
+        for _ in range(100):  # the severed agent's thread ends on its own
+            if not local.backend.alive:
+                break
+            await asyncio.sleep(0.05)
+        assert not local.backend.alive
