@@ -26,7 +26,7 @@ from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
 from kvxfer.core.planner import plan_transfer
 from kvxfer.core.profiles import layout_for_model
-from kvxfer.dataplane.adapter import ChunkJob, TransferStatus
+from kvxfer.dataplane.adapter import ChunkJob, TransferBackend, TransferStatus
 from kvxfer.dataplane.executor import ExecOptions, RequestStatus, chunk_job, execute_plan
 from kvxfer.dataplane.faults import FaultInjectingBackend, fail_chunks
 
@@ -369,7 +369,7 @@ async def test_killed_peer_fails_pending_chunks_and_severs_only_its_agent(
                 result.bytes_moved == plan.nbytes - len(failed) * layout.groups[0].bytes_per_block
             )
             assert local.backend.closed
-            assert not local.backend.alive
+            assert await _thread_ended(local.backend)
             if max_inflight >= len(plan.chunks):
                 # One batch: the kill failed a chunk, and once that severed the agent no
                 # later chunk was posted (CANCELLED, every one after the first).
@@ -427,6 +427,17 @@ async def test_a_read_given_up_on_mid_copy_leaves_the_agent_serving() -> None:
         peer_proc.stop()
         src.close()
         dst.close()
+
+
+async def _thread_ended(backend: TransferBackend) -> bool:
+    """A severed agent's thread ends on its own, just after it has reported its chunks
+    (their memory was deregistered before that: `alive` says when nothing at all of it
+    runs any more)."""
+    for _ in range(100):
+        if not backend.alive:
+            return True
+        await asyncio.sleep(0.05)
+    return False
 
 
 @contextlib.asynccontextmanager
@@ -502,8 +513,4 @@ async def test_a_bug_mid_batch_severs_the_agent_before_the_batch_is_reported() -
         assert statuses[1] is TransferStatus.FAILED
         assert set(statuses[2:]) == {TransferStatus.CANCELLED}
         assert local.backend.closed and local.backend.abandoned
-        for _ in range(100):  # the severed agent's thread ends on its own
-            if not local.backend.alive:
-                break
-            await asyncio.sleep(0.05)
-        assert not local.backend.alive
+        assert await _thread_ended(local.backend)
