@@ -184,7 +184,7 @@ def tree_cpu_s(pid: int) -> float:
     """User + system CPU seconds of `pid` and its live children (the NIXL agent child)."""
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0
-    for candidate in [pid, *_children(pid)]:
+    for candidate in tree(pid):
         try:
             fields = _stat_fields(candidate)
         except OSError:  # ended meanwhile
@@ -237,7 +237,7 @@ def _children(pid: int) -> list[int]:
 def tree_rss_mib(pid: int) -> float:
     """Resident memory of `pid` and its live children, the engines' shared memory excluded."""
     total = 0
-    for candidate in [pid, *_children(pid)]:
+    for candidate in tree(pid):
         try:
             total += rss_excluding_shm_bytes(candidate)
         except OSError:

@@ -394,8 +394,7 @@ def _stopped(sig: int) -> KeyboardInterrupt:
     return Terminated() if sig == signal.SIGTERM else KeyboardInterrupt()
 
 
-@contextlib.contextmanager
-def stops_raise() -> Iterator[None]:
+def stops_raise() -> contextlib.AbstractContextManager[None]:
     """Ctrl-C raises KeyboardInterrupt inside, and SIGTERM `Terminated`, even when
     SIGINT came in ignored (a non-interactive shell starts background jobs that way, and
     Python then leaves it ignored): a synchronous command stops what it started, as the
@@ -406,22 +405,22 @@ def stops_raise() -> Iterator[None]:
     def raise_stopped(sig: int, _frame: object) -> NoReturn:
         raise _stopped(sig)
 
-    previous = {sig: signal.signal(sig, raise_stopped) for sig in STOPS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return _stops_handled(raise_stopped)
+
+
+def _stops_ignored() -> contextlib.AbstractContextManager[None]:
+    return _stops_handled(signal.SIG_IGN)
 
 
 @contextlib.contextmanager
-def _stops_ignored() -> Iterator[None]:
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOPS}
+def _stops_handled(handler: Callable[[int, Any], object] | signal.Handlers) -> Iterator[None]:
+    """`handler` for every signal of STOPS inside; the previous handlers after."""
+    previous = {sig: signal.signal(sig, handler) for sig in STOPS}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, was in previous.items():
+            signal.signal(sig, was)
 
 
 def run_until_interrupted(main: Coroutine[Any, Any, T]) -> T:
