@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvxfer._exceptions import KvxferError
-from kvxfer.cli.bench import Method, pull_cpu, run_rounds, summarize
+from kvxfer.cli.bench import Method, pull_cpu, rounds_per_size, run_rounds, summarize
 from kvxfer.cli.bench_concurrency import (
     Burst,
     PullOnce,
@@ -82,7 +82,38 @@ def test_the_bare_hand_offs_are_reported_beside_the_overhead() -> None:
     case = {"model": "m", "tokens": 1024, "full_attention_bytes": 10**9, **summary}
     report = {"memcpy_gbps": 5.0, "cases": [case], "handshakes": [], "skipped": []}
     (row,) = [line for line in report_text(report).splitlines() if line.startswith("m ")]
-    assert row.split()[-3:-1] == ["+100.00ms", "0.70ms"]  # overhead, then the hops
+    assert row.split()[-4:-1] == ["+100.00ms", "+100.00ms", "0.70ms"]  # p50, p99, hops
+
+
+def test_the_overhead_p99_is_the_99th_of_100_rounds_not_the_worst() -> None:
+    # 100 rounds: raw is 1.0 s but for one 5.0 s round; kvxfer is 1.2 s but for a 3.0 s
+    # and a 9.0 s round. Nearest rank, p99 is the 99th value of each, sorted.
+    times = {
+        "memcpy": [0.5] * 100,
+        "per_block": [1.0] * 100,
+        "raw": [1.0] * 50 + [5.0] + [1.0] * 49,
+        "kvxfer": [9.0] + [1.2] * 98 + [3.0],
+    }
+    summary = summarize(times, nbytes=10**9)
+    assert summary["rounds"] == 100
+    assert summary["raw_ms_p99"] == pytest.approx(1000.0)
+    assert summary["kvxfer_ms_p99"] == pytest.approx(3000.0)
+    assert summary["overhead_ms_p99"] == pytest.approx(2000.0)
+    assert summary["overhead_ms_p50"] == pytest.approx(200.0)
+    case = {"model": "m", "tokens": 1024, "full_attention_bytes": 10**9, **summary}
+    report = {"memcpy_gbps": 5.0, "cases": [case], "handshakes": [], "skipped": []}
+    (row,) = [line for line in report_text(report).splitlines() if line.startswith("m ")]
+    assert row.split()[-4:-2] == ["+200.00ms", "+2000.00ms"]
+
+
+def test_small_requests_get_enough_rounds_for_a_p99_unless_told() -> None:
+    assert rounds_per_size(["1k", "16k", "128k"], None, quick=False) == {
+        "1k": 100,
+        "16k": 5,
+        "128k": 5,
+    }
+    assert rounds_per_size(["1k", "16k"], None, quick=True) == {"1k": 100, "16k": 2}
+    assert rounds_per_size(["1k", "16k"], 3, quick=True) == {"1k": 3, "16k": 3}
 
 
 def test_a_pulls_cpu_is_reported_per_place_beside_its_time() -> None:

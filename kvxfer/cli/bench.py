@@ -26,8 +26,8 @@ import mmap
 import os
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from kvxfer.cli.bench_concurrency import (
     Burst,
     PullOnce,
     measure_levels,
+    percentile,
     raw_burst,
     threads_cpu_ns,
     tree,
@@ -79,6 +80,10 @@ from kvxfer.wire.sidecar import PeerHello
 
 MODELS = ("gpt-oss-20b", "gemma-3-4b-it", "llama-3.1-8b", "qwen3-next-80b-a3b")
 SIZES = {"1k": 1024, "16k": 16384, "128k": 131072}
+# Rounds per case when --repeat is not given. A 1k round takes a few tens of ms, and
+# its overhead is judged at p50 and p99: 100 rounds make a p99 (the 99th of 100)
+# instead of the largest of a handful. Larger sizes run a few long rounds.
+SMALL_ROUNDS = {"1k": 100}
 BLOCK = 16
 SHM_BUDGET = 0.6  # of MemAvailable, for both engines of a model together
 
@@ -116,8 +121,10 @@ async def run_rounds(methods: dict[str, Method], repeat: int) -> dict[str, list[
 def summarize(times: dict[str, list[float]], nbytes: int) -> dict[str, Any]:
     """GB/s of each method's median, and kvxfer against raw two ways: the ratio of the
     medians, and per round (raw and kvxfer ran back to back, so a round's ratio cancels
-    the drift of a shared machine): min, median, max."""
+    the drift of a shared machine): min, median, max. The overhead is kvxfer's p50
+    (p99) less raw's p50 (p99), each percentile over the rounds (nearest rank)."""
     med = {k: statistics.median(v) for k, v in times.items()}
+    p99 = {k: percentile(times[k], 99) for k in ("raw", "kvxfer")}
     gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
     rounds = [raw / kvx for raw, kvx in zip(times["raw"], times["kvxfer"], strict=True)]
     return {
@@ -136,6 +143,10 @@ def summarize(times: dict[str, list[float]], nbytes: int) -> dict[str, Any]:
         "raw_ms_p50": round(med["raw"] * 1e3, 3),
         "kvxfer_ms_p50": round(med["kvxfer"] * 1e3, 3),
         "overhead_ms_p50": round((med["kvxfer"] - med["raw"]) * 1e3, 3),
+        "rounds": len(rounds),
+        "raw_ms_p99": round(p99["raw"] * 1e3, 3),
+        "kvxfer_ms_p99": round(p99["kvxfer"] * 1e3, 3),
+        "overhead_ms_p99": round((p99["kvxfer"] - p99["raw"]) * 1e3, 3),
         **_hops(med),
     }
 
@@ -195,6 +206,7 @@ def run_bench(args: argparse.Namespace) -> int:
     options = _Options(
         sizes=sizes,
         repeat=repeat,
+        rounds=rounds_per_size(sizes, args.repeat, args.quick),
         show=not args.json,
         levels=tuple(args.concurrency or ()),
         level_sizes=args.concurrency_sizes or ["1k", "16k"],
@@ -227,11 +239,18 @@ def run_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def rounds_per_size(sizes: Sequence[str], repeat: int | None, quick: bool) -> dict[str, int]:
+    """Measured rounds of each size's case: `--repeat` for every size when given, else
+    `SMALL_ROUNDS` at the small sizes and 2 (`--quick`) or 5 rounds at the others."""
+    return {s: repeat or SMALL_ROUNDS.get(s, 2 if quick else 5) for s in sizes}
+
+
 @dataclass(frozen=True)
 class _Options:
     sizes: Sequence[str]
-    repeat: int
+    repeat: int  # rounds per case of the TP pairings, and of a size `rounds` leaves out
     show: bool
+    rounds: Mapping[str, int] = field(default_factory=dict)  # per size of `sizes`
     levels: tuple[int, ...] = ()  # concurrency levels, on the first model only
     level_sizes: Sequence[str] = ("1k",)
     level_rounds: int = 1
@@ -285,7 +304,8 @@ async def _measure(
                     for size in setup.sizes:
                         note = ""
                         if size in sizes:
-                            row = await case.measure(SIZES[size], repeat)
+                            rounds = options.rounds.get(size, repeat)
+                            row = await case.measure(SIZES[size], rounds)
                             report["cases"].append(row)
                             note = f"kvxfer/raw {row['kvxfer_vs_raw']:.3f}"
                         if "concurrency" in report and size in options.level_sizes:

@@ -177,8 +177,12 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument(
         "--sizes", nargs="+", choices=["1k", "16k", "128k"], help="request sizes (all three)"
     )
-    bench.add_argument("--repeat", type=positive_int, help="measured rounds per case (5)")
-    bench.add_argument("--quick", action="store_true", help="1k and 16k, 2 rounds: about a minute")
+    bench.add_argument(
+        "--repeat", type=positive_int, help="measured rounds per case (100 at 1k, else 5)"
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="1k (100 rounds) and 16k (2 rounds): about 2 minutes"
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument(
         "--concurrency",
