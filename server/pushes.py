@@ -179,6 +179,7 @@ class Pushes:
         self._options = ExecOptions(
             stall_deadline_s=settings.transfer.stall_deadline_s,
             max_inflight=settings.transfer.max_inflight_chunks,
+            handle_blocks=settings.transfer.chunk_blocks,
         )
 
     def __len__(self) -> int:

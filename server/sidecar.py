@@ -105,6 +105,7 @@ class Sidecar:
             options=ExecOptions(
                 stall_deadline_s=settings.transfer.stall_deadline_s,
                 max_inflight=settings.transfer.max_inflight_chunks,
+                handle_blocks=settings.transfer.chunk_blocks,
             ),
             reader_id=self.sidecar_id,
             end_read_patience_s=settings.transfer.end_read_patience_s,

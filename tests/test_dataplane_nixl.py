@@ -27,7 +27,13 @@ from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupK
 from kvxfer.core.planner import plan_transfer
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.dataplane.adapter import ChunkJob, TransferBackend, TransferStatus
-from kvxfer.dataplane.executor import ExecOptions, RequestStatus, chunk_job, execute_plan
+from kvxfer.dataplane.executor import (
+    ExecOptions,
+    RequestStatus,
+    chunk_job,
+    execute_plan,
+    handle_ranges,
+)
 from kvxfer.dataplane.faults import FaultInjectingBackend, fail_chunks
 
 pytestmark = pytest.mark.nixl
@@ -183,6 +189,7 @@ async def test_injected_chunk_failures_match_the_recompute_oracle(
     model: str, max_inflight: int
 ) -> None:
     p = Pair(model)
+    shared = 0  # handles carrying more than one chunk
     try:
         rng = random.Random(11)
         for failing in ({0}, {1, 3}, {2}, set(range(40))):
@@ -200,10 +207,14 @@ async def test_injected_chunk_failures_match_the_recompute_oracle(
                 computed,
                 chunk_blocks=16,
             )
+            # A failed handle loses the blocks of every chunk it carries: consecutive
+            # chunks (of one group or two) that fit in 32 blocks together share one.
+            handles = handle_ranges(plan.chunks, 32)
+            shared += sum(len(h) > 1 for h in handles)
             lost: dict[int, set[int]] = {}
-            for index in failing & set(range(len(plan.chunks))):
-                chunk = plan.chunks[index]
-                lost.setdefault(chunk.group_id, set()).update(chunk.blocks)
+            for index in failing & set(range(len(handles))):
+                for chunk in plan.chunks[handles[index].start : handles[index].stop]:
+                    lost.setdefault(chunk.group_id, set()).update(chunk.blocks)
             async with LocalSide(p.dst.buffers) as local:
                 backend = FaultInjectingBackend(local.backend, fail_chunks(failing))
                 peer = await backend.add_peer(p.peer.metadata)
@@ -214,7 +225,7 @@ async def test_injected_chunk_failures_match_the_recompute_oracle(
                     local=local.buffers,
                     remote=p.peer.buffers,
                     block_size=BLOCK,
-                    options=ExecOptions(max_inflight=max_inflight),
+                    options=ExecOptions(max_inflight=max_inflight, handle_blocks=32),
                 )
             assert (len(plan.chunks) <= max_inflight) == (max_inflight > 1), "the other path"
             assert {g: set(b) for g, b in result.failed_blocks.items()} == lost
@@ -226,6 +237,7 @@ async def test_injected_chunk_failures_match_the_recompute_oracle(
             )
             for name, view in want.items():
                 assert np.array_equal(p.dst.view(name), view), name
+        assert shared, "no handle carried two chunks"
     finally:
         p.close()
 
@@ -248,7 +260,7 @@ async def test_stalled_chunk_fails_at_its_deadline() -> None:
                 local=local.buffers,
                 remote=p.peer.buffers,
                 block_size=BLOCK,
-                options=ExecOptions(stall_deadline_s=0.5),
+                options=ExecOptions(stall_deadline_s=0.5, handle_blocks=16),
             )
             assert 0.5 <= time.monotonic() - start < 5
         assert result.chunk_statuses[2] is TransferStatus.TIMED_OUT
@@ -300,7 +312,7 @@ async def test_posted_settles_as_the_first_chunk_is_posted_and_never_hangs() -> 
                 return posted, task
 
             watching = _Watching(local.backend)
-            posted, task = read(watching, ExecOptions(max_inflight=1))
+            posted, task = read(watching, ExecOptions(max_inflight=1, handle_blocks=4))
             watching.posted = posted
             await asyncio.wait_for(posted, 10)
             assert not task.done()  # 15 more chunks to post, one at a time
@@ -308,7 +320,7 @@ async def test_posted_settles_as_the_first_chunk_is_posted_and_never_hangs() -> 
             assert watching.settled_by_then == [True] * len(plan.chunks)  # before any ended
 
             stalling = FaultInjectingBackend(local.backend, fail_chunks((), stalling={0}))
-            posted, task = read(stalling, ExecOptions(stall_deadline_s=5))
+            posted, task = read(stalling, ExecOptions(stall_deadline_s=5, handle_blocks=4))
             await asyncio.wait_for(posted, 2)  # chunk 1 posts; chunk 0 ends in 5 s
             assert (await task).chunk_statuses[0] is TransferStatus.TIMED_OUT
 
@@ -350,7 +362,9 @@ async def test_killed_peer_fails_pending_chunks_and_severs_only_its_agent(
                 local=local.buffers,
                 remote=peer_proc.buffers,
                 block_size=BLOCK,
-                options=ExecOptions(stall_deadline_s=deadline, max_inflight=max_inflight),
+                options=ExecOptions(
+                    stall_deadline_s=deadline, max_inflight=max_inflight, handle_blocks=8
+                ),
                 notify=b"consumed",
             )
             await asyncio.sleep(0.3)

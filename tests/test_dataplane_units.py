@@ -21,6 +21,7 @@ from kvxfer.core.planner import kept_pairs, plan_transfer
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.dataplane import descriptors
 from kvxfer.dataplane.descriptors import BoundBuffer, chunk_arrays
+from kvxfer.dataplane.executor import handle_ranges
 from kvxfer.dataplane.memory import open_buffer
 
 
@@ -108,6 +109,29 @@ def test_pairs_built_for_one_plan_are_bound_without_being_kept() -> None:
             assert [int(x) for x in d[:, 0]] == [(1 << 41) + w.dst_offset for w in want]
             assert [int(x) for x in s[:, 0]] == [(1 << 40) + w.src_offset for w in want]
     assert len(descriptors._GEOMETRY) == kept
+
+
+@pytest.mark.parametrize(("tokens", "handles"), [(1024, [2]), (16384, [1, 1])])
+def test_a_small_pulls_chunks_share_one_handle_and_a_full_chunk_keeps_its_own(
+    tokens: int, handles: list[int]
+) -> None:
+    """gpt-oss-20b, 1024-block chunks: at 1k its two groups' chunks (the window's few
+    blocks, the full group's 64) fit one handle together; at 16k the full group's chunk
+    is 1024 blocks alone and the window's chunk keeps a handle of its own."""
+    base = layout_for_model("gpt-oss-20b")
+    num_blocks = tokens // base.block_size
+    src, dst = bind(base, num_blocks, "p"), bind(base, num_blocks, "d")
+    span = spans_for(src, tokens, num_blocks, random.Random(0), 0)
+    plan = plan_transfer(src, dst, span, span, tokens, 0, 1024)
+    ranges = handle_ranges(plan.chunks, 1024)
+    assert [len(r) for r in ranges] == handles
+    assert [i for r in ranges for i in r] == list(range(len(plan.chunks)))  # in order, once
+    # Memory of another kind starts a handle of its own; a chunk past the limit is alone.
+    assert handle_ranges(plan.chunks, 1024, kinds=["dram", "vram"][: len(plan.chunks)]) == [
+        range(i, i + 1) for i in range(len(plan.chunks))
+    ]
+    assert handle_ranges(plan.chunks, 1) == [range(i, i + 1) for i in range(len(plan.chunks))]
+    assert handle_ranges((), 1024) == []
 
 
 def test_buffer_handle_validation() -> None:

@@ -1,8 +1,11 @@
 """Carry out a TransferPlan: post its chunks, await them, report what was lost.
 
-Each chunk (consecutive logical blocks of one group, all its regions) is one
-NIXL handle, so a failure is narrowed to its chunk's blocks. At most
-`max_inflight` chunks are posted at once. Every chunk ends DONE or failed by
+Each chunk (consecutive logical blocks of one group, all its regions) is
+posted as one NIXL handle, or, when chunks handed in together are small,
+consecutive ones share a handle while their blocks together fit in
+`handle_blocks` (a handle costs the NIXL thread the same to create, post and
+release whatever it carries). A failure is narrowed to its handle's chunks'
+blocks. At most `max_inflight` chunks are posted at once. Every chunk ends DONE or failed by
 its stall deadline; the result names the failed blocks per group and the
 `valid_tokens` the engine can resume from. With `notify`, the remote agent
 then gets that message as a NIXL notification: the request is consumed and
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import functools
 import itertools
@@ -22,8 +26,10 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvxfer._exceptions import DataPlaneError
-from kvxfer.core.planner import Chunk, TransferPlan
+from kvxfer.core.planner import DEFAULT_CHUNK_BLOCKS, Chunk, TransferPlan
 from kvxfer.core.recompute import valid_tokens
 from kvxfer.dataplane.adapter import ChunkJob, TransferBackend, TransferStatus
 from kvxfer.dataplane.descriptors import BoundBuffer, chunk_arrays
@@ -41,6 +47,9 @@ class RequestStatus(enum.StrEnum):
 class ExecOptions:
     stall_deadline_s: float = 10.0
     max_inflight: int = 32
+    # The most logical blocks one NIXL handle covers (the planner's `chunk_blocks`: a
+    # chunk never covers more); consecutive chunks that together fit share a handle.
+    handle_blocks: int = DEFAULT_CHUNK_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -98,11 +107,14 @@ def execute_plan(
 
     else:  # all at once: one hand-off to the NIXL thread and one back for them all
         first = None if posted is None else _first_post(posted)
-        jobs = [chunk_job(c, peer, local, remote, options, on_post=first) for c in plan.chunks]
-        bind_s, descriptors = time.perf_counter() - start, sum(len(j.local) for j in jobs)
+        handles = handle_jobs(plan.chunks, peer, local, remote, options, on_post=first)
+        bind_s = time.perf_counter() - start
+        descriptors = sum(len(job.local) for job, _ in handles)
+        jobs = [job for job, _ in handles]
         # Handed to the NIXL thread before this returns (none once `cancel` is set).
         batch = None if cancel is not None and cancel.is_set() else backend.post_all(jobs)
-        ending = functools.partial(_at_once, len(jobs), batch, posted)
+        counts = [count for _, count in handles]
+        ending = functools.partial(_at_once, counts, batch, posted)
 
     async def finish() -> TransferResult:
         statuses = await ending()
@@ -113,13 +125,17 @@ def execute_plan(
 
 
 async def _at_once(
-    count: int,
+    counts: Sequence[int],
     batch: asyncio.Future[list[TransferStatus]] | None,
     posted: asyncio.Future[None] | None,
 ) -> list[TransferStatus]:
-    """The chunks' statuses once their batch has ended (None: never posted, CANCELLED)."""
+    """The chunks' statuses once their batch has ended, each its handle's (`counts`:
+    chunks per handle; no batch: never posted, CANCELLED)."""
     try:
-        return [TransferStatus.CANCELLED] * count if batch is None else await batch
+        if batch is None:
+            return [TransferStatus.CANCELLED] * sum(counts)
+        statuses = await batch
+        return [s for s, count in zip(statuses, counts, strict=True) for _ in range(count)]
     finally:  # none was posted, or this was cancelled: nobody is to wait for a post
         if posted is not None and not posted.done():
             posted.set_result(None)
@@ -153,21 +169,21 @@ class ChunkPoster:
         self.descriptors = 0
 
     def post(self, chunks: Sequence[Chunk]) -> None:
+        """Bind `chunks` and post them: consecutive ones share a handle while they fit
+        (`handle_jobs`), and a chunk's status is its handle's."""
         start = time.perf_counter()
         first = None if self._posted is None else _first_post(self._posted)
-        jobs = [
-            (
-                c,
-                chunk_job(
-                    c, self._peer, self._local, self._remote, self._options, self._write, first
-                ),
-            )
-            for c in chunks
-        ]
+        opts = self._options
+        handles = handle_jobs(
+            chunks, self._peer, self._local, self._remote, opts, self._write, first
+        )
         self.bind_s += time.perf_counter() - start
-        for chunk, job in jobs:
+        ahead = iter(chunks)
+        for job, count in handles:
             self.descriptors += len(job.local)
-            self._tasks[chunk] = asyncio.create_task(self._run(job))
+            task = asyncio.create_task(self._run(job))
+            for chunk in itertools.islice(ahead, count):
+                self._tasks[chunk] = task
 
     async def _run(self, job: ChunkJob) -> TransferStatus:
         try:
@@ -282,6 +298,56 @@ def chunk_job(
     if write:
         return ChunkJob(peer, src, dst, src_kind, dst_kind, deadline, True, on_post)
     return ChunkJob(peer, dst, src, dst_kind, src_kind, deadline, on_post=on_post)
+
+
+def handle_jobs(
+    chunks: Sequence[Chunk],
+    peer: str,
+    local: Mapping[str, BoundBuffer],
+    remote: Mapping[str, BoundBuffer],
+    options: ExecOptions,
+    write: bool = False,
+    on_post: Callable[[], None] | None = None,
+) -> list[tuple[ChunkJob, int]]:
+    """`chunks`' jobs, consecutive ones joined into one handle while their blocks
+    together fit in `options.handle_blocks` and their memory kinds match: (job, how
+    many chunks it carries), in order. A pull of a few hundred blocks is then one
+    handle whatever its groups, where it was a handle per group."""
+    jobs = [chunk_job(c, peer, local, remote, options, write, on_post) for c in chunks]
+    kinds = [(job.local_kind, job.remote_kind) for job in jobs]
+    return [
+        (_joined(jobs[run.start : run.stop]), len(run))
+        for run in handle_ranges(chunks, options.handle_blocks, kinds)
+    ]
+
+
+def handle_ranges(
+    chunks: Sequence[Chunk], limit: int, kinds: Sequence[object] | None = None
+) -> list[range]:
+    """Which of `chunks` share a handle: runs of consecutive ones whose blocks together
+    fit in `limit` (a chunk larger alone is a run alone) and whose `kinds`, when
+    given, are equal."""
+    runs: list[range] = []
+    start, blocks = 0, 0
+    for i, chunk in enumerate(chunks):
+        size = len(chunk.blocks)
+        if i > start and (
+            blocks + size > limit or (kinds is not None and kinds[i] != kinds[start])
+        ):
+            runs.append(range(start, i))
+            start, blocks = i, 0
+        blocks += size
+    if chunks:
+        runs.append(range(start, len(chunks)))
+    return runs
+
+
+def _joined(jobs: Sequence[ChunkJob]) -> ChunkJob:
+    if len(jobs) == 1:
+        return jobs[0]
+    local = np.concatenate([job.local for job in jobs])
+    remote = np.concatenate([job.remote for job in jobs])
+    return dataclasses.replace(jobs[0], local=local, remote=remote)
 
 
 def _status(failed: Mapping[int, list[int]], resume: int, plan: TransferPlan) -> RequestStatus:

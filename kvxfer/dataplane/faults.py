@@ -1,6 +1,7 @@
 """A fault-injecting TransferBackend: the same interface as NixlAgent, wrapping one.
 
-Chosen chunks fail (reported FAILED without being posted) or stall (never
+Chosen jobs (handles: one chunk, or consecutive small chunks the executor
+joined) fail (reported FAILED without being posted) or stall (never
 complete, so their stall deadline fires, as a hung transfer's would); all
 others go to the real backend. Used by the tests and by the demo's
 `--fail-rate`.
@@ -17,7 +18,7 @@ from kvxfer.dataplane.memory import MappedBuffer
 
 _HUNG = TransferStatus.TIMED_OUT
 ChunkRule = Callable[[int, ChunkJob], TransferStatus | None]
-"""Given the chunk's sequence number and job: FAILED, TIMED_OUT (stall) or None (pass)."""
+"""Given the job's sequence number and the job: FAILED, TIMED_OUT (stall) or None (pass)."""
 
 
 def fail_rate(rate: float, seed: int = 0) -> ChunkRule:
@@ -46,7 +47,7 @@ def random_faults(fail: float, stall: float, seed: int = 0) -> ChunkRule:
 
 
 def fail_chunks(failing: Collection[int], stalling: Collection[int] = ()) -> ChunkRule:
-    """Fail or stall the chunks with these sequence numbers (0-based, in posting order)."""
+    """Fail or stall the jobs with these sequence numbers (0-based, in posting order)."""
 
     def rule(index: int, _: ChunkJob) -> TransferStatus | None:
         if index in failing:
