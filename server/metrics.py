@@ -172,7 +172,7 @@ class Metrics:
             "kvxfer_descriptors", "NIXL descriptors posted", ["peer"], registry=r
         )
         self.chunks = Counter(
-            "kvxfer_chunks", "NIXL handles (chunks)", ["peer", "result"], registry=r
+            "kvxfer_chunks", "chunks by how their NIXL handle ended", ["peer", "result"], registry=r
         )
         self.failed_blocks = Counter(
             "kvxfer_failed_blocks",

@@ -62,7 +62,7 @@ class TransferSettings(_Group):
         DEFAULT_CHUNK_BLOCKS, ge=1, le=1 << 20, description="logical blocks per NIXL handle"
     )
     max_inflight_chunks: int = Field(
-        32, ge=1, le=4096, description="chunks posted at once per pull"
+        32, ge=1, le=4096, description="NIXL handles posted at once per pull or push"
     )
     rpc_timeout_s: float = Field(5.0, gt=0, le=300, description="deadline of each peer RPC")
     modes: tuple[TransferMode, ...] = Field(
@@ -161,9 +161,9 @@ class FaultSettings(_Group):
     """Fault injection for tests and the demo: never set in production. A sidecar
     started with faults logs a warning and exports kvxfer_fault_injection 1."""
 
-    fail_rate: float = Field(0.0, ge=0, le=1, description="fail this fraction of chunks")
+    fail_rate: float = Field(0.0, ge=0, le=1, description="fail this fraction of NIXL handles")
     stall_rate: float = Field(
-        0.0, ge=0, le=1, description="stall this fraction of chunks until their deadline"
+        0.0, ge=0, le=1, description="stall this fraction of NIXL handles until their deadline"
     )
     seed: int = Field(0, ge=0, description="seed of the fault draws")
 

@@ -329,6 +329,13 @@ async def test_posted_settles_as_the_first_chunk_is_posted_and_never_hangs() -> 
             posted, task = read(local.backend, ExecOptions(), cancel=cancel)
             assert (await task).status is RequestStatus.FAILED
             assert posted.done()
+            # Windowed, two chunks to a handle: none is posted, every chunk CANCELLED.
+            one_by_one = ExecOptions(max_inflight=1, handle_blocks=8)
+            posted, task = read(local.backend, one_by_one, cancel=cancel)
+            result = await task
+            assert set(result.chunk_statuses) == {TransferStatus.CANCELLED}
+            assert len(result.chunk_statuses) == len(plan.chunks)
+            assert result.bytes_moved == 0 and posted.done()
     finally:
         p.close()
 
@@ -362,8 +369,9 @@ async def test_killed_peer_fails_pending_chunks_and_severs_only_its_agent(
                 local=local.buffers,
                 remote=peer_proc.buffers,
                 block_size=BLOCK,
+                # Two 8-block chunks to a handle: a failed handle fails both.
                 options=ExecOptions(
-                    stall_deadline_s=deadline, max_inflight=max_inflight, handle_blocks=8
+                    stall_deadline_s=deadline, max_inflight=max_inflight, handle_blocks=16
                 ),
                 notify=b"consumed",
             )
@@ -376,6 +384,9 @@ async def test_killed_peer_fails_pending_chunks_and_severs_only_its_agent(
             assert not result.notified  # nobody left to tell, and no exception either
             failed = set(result.failed_blocks.get(0, ()))
             assert failed, result.chunk_statuses
+            statuses = list(result.chunk_statuses)
+            assert statuses[0::2] == statuses[1::2]  # each handle's two chunks alike
+            assert all(b // 16 * 16 in failed and b // 16 * 16 + 15 in failed for b in failed)
             assert result.valid_tokens == oracle_valid_tokens(
                 layout.groups, num_tokens, 0, BLOCK, {0: failed}
             )
@@ -384,10 +395,9 @@ async def test_killed_peer_fails_pending_chunks_and_severs_only_its_agent(
             )
             assert local.backend.closed
             assert await _thread_ended(local.backend)
-            if max_inflight >= len(plan.chunks):
-                # One batch: the kill failed a chunk, and once that severed the agent no
-                # later chunk was posted (CANCELLED, every one after the first).
-                statuses = list(result.chunk_statuses)
+            if max_inflight >= len(plan.chunks) // 2:
+                # One batch: the kill failed a handle, and once that severed the agent no
+                # later one was posted (CANCELLED, every one after the first).
                 failing = {TransferStatus.DISCONNECTED, TransferStatus.FAILED}
                 assert failing & set(statuses), statuses
                 cancelled = TransferStatus.CANCELLED

@@ -17,7 +17,7 @@ from kvxfer.client.cuda_ipc import buffer_from_ipc
 from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId
-from kvxfer.core.planner import kept_pairs, plan_transfer
+from kvxfer.core.planner import Chunk, kept_pairs, plan_transfer
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.dataplane import descriptors
 from kvxfer.dataplane.descriptors import BoundBuffer, chunk_arrays
@@ -132,6 +132,30 @@ def test_a_small_pulls_chunks_share_one_handle_and_a_full_chunk_keeps_its_own(
     ]
     assert handle_ranges(plan.chunks, 1) == [range(i, i + 1) for i in range(len(plan.chunks))]
     assert handle_ranges((), 1024) == []
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 40), st.sampled_from("ab")), max_size=30),
+    st.integers(1, 64),
+)
+def test_handles_are_maximal_runs_of_chunks_that_fit(
+    chunks: list[tuple[int, str]], limit: int
+) -> None:
+    """Checked against the rule, not the code: the runs cover every chunk once in
+    order; a run of several fits in `limit` and has one kind; and no run could have
+    taken the next chunk too (greedy, so no more handles than needed)."""
+    fake = [
+        Chunk(GroupId(0), range(0, size), (), ()) for size, _ in chunks
+    ]  # only the blocks count
+    kinds = [kind for _, kind in chunks]
+    runs = handle_ranges(fake, limit, kinds)
+    assert [i for run in runs for i in run] == list(range(len(chunks)))
+    for run in runs:
+        blocks = sum(chunks[i][0] for i in run)
+        assert len(run) == 1 or (blocks <= limit and len({kinds[i] for i in run}) == 1)
+        if run.stop < len(chunks):
+            nxt = run.stop
+            assert blocks + chunks[nxt][0] > limit or kinds[nxt] != kinds[run.start]
 
 
 def test_buffer_handle_validation() -> None:

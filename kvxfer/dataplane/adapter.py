@@ -389,7 +389,7 @@ class NixlAgent:
         """A posted chunk failed: make every handle of this agent unable to write, then
         report. The failed chunks get their own status, the rest in flight SEVERED."""
         log.warning(
-            "NIXL agent %s: %d chunk(s) %s; severing it (%d more in flight)",
+            "NIXL agent %s: %d handle(s) %s; severing it (%d more in flight)",
             self._name,
             len(failed),
             "/".join(sorted({status.value for _, status in failed})),

@@ -5,7 +5,7 @@ posted as one NIXL handle, or, when chunks handed in together are small,
 consecutive ones share a handle while their blocks together fit in
 `handle_blocks` (a handle costs the NIXL thread the same to create, post and
 release whatever it carries). A failure is narrowed to its handle's chunks'
-blocks. At most `max_inflight` chunks are posted at once. Every chunk ends DONE or failed by
+blocks. At most `max_inflight` handles are posted at once. Every chunk ends DONE or failed by
 its stall deadline; the result names the failed blocks per group and the
 `valid_tokens` the engine can resume from. With `notify`, the remote agent
 then gets that message as a NIXL notification: the request is consumed and
@@ -81,10 +81,10 @@ def execute_plan(
 ) -> asyncio.Task[TransferResult]:
     """Pull `plan` from `peer` (src = remote, dst = local), begun now: every chunk is
     bound before this returns (a bad address raises here) and handed to the backend,
-    all of them at once as one batch when they fit in `max_inflight`, else each as an
-    earlier one ends; await the task for the outcome. Once `cancel` is set, chunks not
-    yet handed to the backend end CANCELLED (a batch is handed over here, at once);
-    posted ones finish or fail by their deadline.
+    all of them at once as one batch when their handles fit in `max_inflight`, else
+    each handle as an earlier one ends; await the task for the outcome. Once `cancel`
+    is set, chunks not yet handed to the backend end CANCELLED (a batch is handed over
+    here, at once); posted ones finish or fail by their deadline.
 
     `posted` is settled once the NIXL thread is about to post the first chunk, or, when
     none is posted, once the chunks have ended (one at a time: once one has): until then
@@ -97,19 +97,19 @@ def execute_plan(
     options = options or ExecOptions()
     start = time.perf_counter()
     ending: Callable[[], Awaitable[Sequence[TransferStatus]]]
-    if len(plan.chunks) > options.max_inflight:  # each posted as an earlier one ends
+    first = None if posted is None else _first_post(posted)
+    # Every chunk bound before any is posted: a bad address raises here.
+    handles = handle_jobs(plan.chunks, peer, local, remote, options, on_post=first)
+    bind_s = time.perf_counter() - start
+    descriptors = sum(len(job.local) for job, _ in handles)
+    if len(handles) > options.max_inflight:  # each posted as an earlier one ends
         posting = ChunkPoster(backend, peer, local, remote, options, cancel=cancel, posted=posted)
-        posting.post(plan.chunks)  # binds every chunk before posting any
-        bind_s, descriptors = posting.bind_s, posting.descriptors
+        posting.post_handles(plan.chunks, handles)
 
         async def ending() -> Sequence[TransferStatus]:
             return in_plan_order(plan, await posting.wait())
 
     else:  # all at once: one hand-off to the NIXL thread and one back for them all
-        first = None if posted is None else _first_post(posted)
-        handles = handle_jobs(plan.chunks, peer, local, remote, options, on_post=first)
-        bind_s = time.perf_counter() - start
-        descriptors = sum(len(job.local) for job, _ in handles)
         jobs = [job for job, _ in handles]
         # Handed to the NIXL thread before this returns (none once `cancel` is set).
         batch = None if cancel is not None and cancel.is_set() else backend.post_all(jobs)
@@ -142,7 +142,7 @@ async def _at_once(
 
 
 class ChunkPoster:
-    """Posts chunks, at most `max_inflight` at once, as they are handed in: all at once
+    """Posts chunks, at most `max_inflight` handles at once, as they are handed in: all at once
     for a pull, as the prefill computes them for a push (`write`: the local buffers are
     the source). A bad address fails the call that hands its chunk in, before any of
     that call's chunks is posted. `posted`: see `execute_plan`."""
@@ -178,6 +178,12 @@ class ChunkPoster:
             chunks, self._peer, self._local, self._remote, opts, self._write, first
         )
         self.bind_s += time.perf_counter() - start
+        self.post_handles(chunks, handles)
+
+    def post_handles(
+        self, chunks: Sequence[Chunk], handles: Sequence[tuple[ChunkJob, int]]
+    ) -> None:
+        """Post `chunks`, already bound as `handles` (`handle_jobs` of them, in order)."""
         ahead = iter(chunks)
         for job, count in handles:
             self.descriptors += len(job.local)
