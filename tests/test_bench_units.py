@@ -107,13 +107,13 @@ def test_the_overhead_p99_is_the_99th_of_100_rounds_not_the_worst() -> None:
 
 
 def test_small_requests_get_enough_rounds_for_a_p99_unless_told() -> None:
-    assert rounds_per_size(["1k", "16k", "128k"], None, quick=False) == {
+    assert rounds_per_size(["1k", "16k", "128k"], None, default=5) == {
         "1k": 100,
         "16k": 5,
         "128k": 5,
     }
-    assert rounds_per_size(["1k", "16k"], None, quick=True) == {"1k": 100, "16k": 2}
-    assert rounds_per_size(["1k", "16k"], 3, quick=True) == {"1k": 3, "16k": 3}
+    assert rounds_per_size(["1k", "16k"], None, default=2) == {"1k": 100, "16k": 2}
+    assert rounds_per_size(["1k", "16k"], 3, default=2) == {"1k": 3, "16k": 3}
 
 
 def test_a_pulls_cpu_is_reported_per_place_beside_its_time() -> None:

@@ -206,7 +206,7 @@ def run_bench(args: argparse.Namespace) -> int:
     options = _Options(
         sizes=sizes,
         repeat=repeat,
-        rounds=rounds_per_size(sizes, args.repeat, args.quick),
+        rounds=rounds_per_size(sizes, args.repeat, repeat),
         show=not args.json,
         levels=tuple(args.concurrency or ()),
         level_sizes=args.concurrency_sizes or ["1k", "16k"],
@@ -239,10 +239,11 @@ def run_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def rounds_per_size(sizes: Sequence[str], repeat: int | None, quick: bool) -> dict[str, int]:
+def rounds_per_size(sizes: Sequence[str], repeat: int | None, default: int) -> dict[str, int]:
     """Measured rounds of each size's case: `--repeat` for every size when given, else
-    `SMALL_ROUNDS` at the small sizes and 2 (`--quick`) or 5 rounds at the others."""
-    return {s: repeat or SMALL_ROUNDS.get(s, 2 if quick else 5) for s in sizes}
+    `SMALL_ROUNDS` at the small sizes and `default` (2 with `--quick`, else 5) at the
+    others."""
+    return {s: repeat or SMALL_ROUNDS.get(s, default) for s in sizes}
 
 
 @dataclass(frozen=True)

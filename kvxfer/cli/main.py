@@ -181,7 +181,7 @@ def _add_bench(commands: Any) -> None:
         "--repeat", type=positive_int, help="measured rounds per case (100 at 1k, else 5)"
     )
     bench.add_argument(
-        "--quick", action="store_true", help="1k (100 rounds) and 16k (2 rounds): about 2 minutes"
+        "--quick", action="store_true", help="1k (100 rounds) and 16k (2 rounds): about a minute"
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument(

@@ -5,8 +5,8 @@ posted as one NIXL handle, or, when chunks handed in together are small,
 consecutive ones share a handle while their blocks together fit in
 `handle_blocks` (a handle costs the NIXL thread the same to create, post and
 release whatever it carries). A failure is narrowed to its handle's chunks'
-blocks. At most `max_inflight` handles are posted at once. Every chunk ends DONE or failed by
-its stall deadline; the result names the failed blocks per group and the
+blocks. At most `max_inflight` handles are posted at once. Every chunk ends
+DONE or failed by its stall deadline; the result names the failed blocks per group and the
 `valid_tokens` the engine can resume from. With `notify`, the remote agent
 then gets that message as a NIXL notification: the request is consumed and
 its blocks can go (the sidecar says the same with its EndRead RPC instead,
