@@ -114,6 +114,7 @@ def test_small_requests_get_enough_rounds_for_a_p99_unless_told() -> None:
     }
     assert rounds_per_size(["1k", "16k"], None, default=2) == {"1k": 100, "16k": 2}
     assert rounds_per_size(["1k", "16k"], 3, default=2) == {"1k": 3, "16k": 3}
+    assert rounds_per_size(["16", "1k"], None, default=2) == {"16": 100, "1k": 100}
 
 
 def test_a_pulls_cpu_is_reported_per_place_beside_its_time() -> None:

@@ -175,10 +175,14 @@ def _add_bench(commands: Any) -> None:
         help="profiles (gpt-oss-20b gemma-3-4b-it llama-3.1-8b qwen3-next-80b-a3b)",
     )
     bench.add_argument(
-        "--sizes", nargs="+", choices=["1k", "16k", "128k"], help="request sizes (all three)"
+        "--sizes",
+        nargs="+",
+        choices=["16", "1k", "16k", "128k"],
+        help="request sizes in tokens (1k 16k 128k; 16, one block per group, the fixed cost "
+        "of a pull, only when named)",
     )
     bench.add_argument(
-        "--repeat", type=positive_int, help="measured rounds per case (100 at 1k, else 5)"
+        "--repeat", type=positive_int, help="measured rounds per case (100 at 16 and 1k, else 5)"
     )
     bench.add_argument(
         "--quick", action="store_true", help="1k (100 rounds) and 16k (2 rounds): about a minute"
