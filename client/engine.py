@@ -5,7 +5,7 @@ event-loop thread for engines that are not asyncio. Every call has a
 deadline, and failed RPCs raise the kvxfer error their status stands for
 (`NegotiationError` with its mismatches, `PeerUnavailableError` naming the
 address, ...). With a unix address, per-request calls (publish, pull, abort,
-...) and events take the engine lane beside the socket (`kvxfer.client.lane`:
+...) and events take the engine lane beside the socket (`kvxfer.wire.lane_client`:
 no gRPC on the request path); `lane=False` keeps them on gRPC.
 
 The first call waits for the sidecar: for a unix socket, until its file appears
@@ -35,7 +35,6 @@ import grpc.aio
 from google.protobuf.message import Message
 
 from kvxfer._exceptions import InvalidInputError, KvxferError, PeerUnavailableError
-from kvxfer.client.lane import Lane
 from kvxfer.core.buffers import BufferHandle
 from kvxfer.core.layout import BlockSpan, EngineLayout
 from kvxfer.core.requests import (
@@ -50,6 +49,7 @@ from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.errors import backstop_s, guarded, rpc_error
 from kvxfer.wire.lane import lane_path
+from kvxfer.wire.lane_client import Lane
 from kvxfer.wire.layout import layout_to_proto, span_to_proto
 from kvxfer.wire.loops import DEFAULT_EVENT_LOOP, EventLoop, loop_factory
 from kvxfer.wire.sidecar import (

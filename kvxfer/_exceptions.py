@@ -94,6 +94,10 @@ class PeerUnavailableError(KvxferError):
     """A peer sidecar (or this engine's sidecar) could not be reached over gRPC."""
 
 
+class LaneUnreachableError(PeerUnavailableError):
+    """A peer lane could not be connected to: nothing of the call was sent."""
+
+
 class ShuttingDownError(KvxferError):
     """The sidecar is shutting down and accepts no new work."""
 

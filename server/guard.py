@@ -96,26 +96,7 @@ class PeerPortGuard(grpc.aio.ServerInterceptor):
         deserialize = _checked_decoder(handler, method, MAX_REQUEST_BYTES[method])
 
         async def guarded(request: Any, context: Context) -> Any:
-            await self._refusals.check(request, method, context)
-            who = await self._authorize(context)
-            if who == ANONYMOUS:  # no certificate: count by the client's host instead
-                who = context.peer().rpartition(":")[0] or ANONYMOUS
-            if self._calls.get(who, 0) >= self._max_calls:
-                self._metrics.refusals.labels("too_many_calls").inc()
-                await abort_with(
-                    context,
-                    BusyError(
-                        f"limits.max_calls_per_peer: {self._max_calls} calls from {who} "
-                        "already running"
-                    ),
-                )
-            self._calls[who] = self._calls.get(who, 0) + 1
-            try:
-                return await behavior(request, context)
-            finally:
-                self._calls[who] -= 1
-                if not self._calls[who]:
-                    del self._calls[who]
+            return await self.run(method, request, context, behavior)
 
         wrapped: Any = guarded  # an async behavior: the stubs only know the sync signature
         return grpc.unary_unary_rpc_method_handler(
@@ -123,6 +104,37 @@ class PeerPortGuard(grpc.aio.ServerInterceptor):
             request_deserializer=deserialize,
             response_serializer=handler.response_serializer,
         )
+
+    async def run(
+        self,
+        method: str,
+        request: Any,
+        context: Context,
+        behavior: Callable[[Any, Context], Awaitable[Any]],
+        transport: str = "grpc",
+    ) -> Any:
+        """One call through the gate (the peer lane's calls too, `transport` lane):
+        `request` is the decoded message or what `checked_decode` refused."""
+        await self._refusals.check(request, method, context)
+        who = await self._authorize(context)
+        if who == ANONYMOUS:  # no certificate: count by the client's host instead
+            who = context.peer().rpartition(":")[0] or ANONYMOUS
+        if self._calls.get(who, 0) >= self._max_calls:
+            self._metrics.refusals.labels("too_many_calls").inc()
+            await abort_with(
+                context,
+                BusyError(
+                    f"limits.max_calls_per_peer: {self._max_calls} calls from {who} already running"
+                ),
+            )
+        self._calls[who] = self._calls.get(who, 0) + 1
+        self._metrics.peer_calls.labels(method.rpartition("/")[2], transport).inc()
+        try:
+            return await behavior(request, context)
+        finally:
+            self._calls[who] -= 1
+            if not self._calls[who]:
+                del self._calls[who]
 
     async def _authorize(self, context: Context) -> str:
         """With an allow-list, the client certificate's common name must be on it."""
@@ -195,18 +207,22 @@ def _checked_decoder(handler: Handler, method: str, limit: int | None) -> Callab
     """The handler's deserializer, handing on `Refused` for an oversized or undecodable
     body instead of raising (which gRPC would turn into UNKNOWN and a traceback)."""
     decode: Any = handler.request_deserializer
+    return lambda raw: checked_decode(decode, raw, method, limit)
 
-    def deserialize(raw: bytes) -> Any:
-        if limit is not None and len(raw) > limit:
-            return Refused(
-                "too_large", f"{len(raw)} bytes exceed the {limit} a {method} request may use"
-            )
-        try:
-            return decode(raw)
-        except (DecodeError, ValueError, RuntimeError) as exc:
-            return Refused("undecodable", f"undecodable request body ({type(exc).__name__})")
 
-    return deserialize
+def checked_decode(
+    decode: Callable[[bytes], Any], raw: bytes, method: str, limit: int | None
+) -> Any:
+    """`decode(raw)`, or `Refused` for a body over `limit` bytes or one that does not
+    decode."""
+    if limit is not None and len(raw) > limit:
+        return Refused(
+            "too_large", f"{len(raw)} bytes exceed the {limit} a {method} request may use"
+        )
+    try:
+        return decode(raw)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        return Refused("undecodable", f"undecodable request body ({type(exc).__name__})")
 
 
 class Refusals:

@@ -1,4 +1,6 @@
-"""The engine lane: EngineService's per-request calls over a plain unix socket.
+"""The lanes' serving end, and the engine lane: EngineService's per-request calls over
+a plain unix socket. (`LaneListener` and its connections serve the peer lane too:
+server/peer_lane.py.)
 
 Served beside the unix engine socket (its path plus `.lane`, created 0600 like
 it), with the framing of `kvxfer.wire.lane`. Every call goes to the same
@@ -21,21 +23,23 @@ import contextlib
 import logging
 import os
 import stat
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, NoReturn
 
 import grpc
 import grpc.aio
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 from google.rpc import status_pb2
 
 from kvxfer._exceptions import InvalidInputError
-from kvxfer.server.guard import Refusals, Refused
+from kvxfer.server.guard import LOG_EVERY_S, Refusals, checked_decode
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.servicers import EngineServicer
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.wire.errors import DETAILS_TRAILER
 from kvxfer.wire.lane import (
+    MAX_PAYLOAD_BYTES,
     Kind,
     LaneProtocolError,
     frame,
@@ -69,10 +73,22 @@ class _Aborted(grpc.aio.AbortError):
 
 
 class LaneContext:
-    """The part of `grpc.aio.ServicerContext` the engine servicer and `abort_with` use."""
+    """The part of `grpc.aio.ServicerContext` the servicers, the peer port's guard and
+    `abort_with` use: on the peer lane, the caller's certificate names and address as
+    gRPC would give them."""
+
+    def __init__(self, names: tuple[bytes, ...] = (), peer: str = "unix:") -> None:
+        self._auth = {"x509_common_name": list(names)} if names else {}
+        self._peer = peer
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return ()
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return self._auth
+
+    def peer(self) -> str:
+        return self._peer
 
     async def abort(
         self,
@@ -86,12 +102,76 @@ class LaneContext:
         raise _Aborted(status_pb2.Status(code=code.value[0], message=details))
 
 
-class EngineLane:
+class LaneListener:
+    """What serves one kind of lane: its listener, its connections and how a call runs
+    (the engine's lane and the peer lane differ only in those)."""
+
+    name = "lane"
+    max_frame_bytes = MAX_PAYLOAD_BYTES
+    # Calls one connection runs at once; beyond, it is not read until one ends. An
+    # engine's one connection carries all its pulls' calls (each answered at once).
+    max_calls_per_connection = 4096
+
+    def __init__(self) -> None:
+        self._server: asyncio.Server | None = None
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._last_log = -LOG_EVERY_S
+        self._unlogged = 0
+
+    def broken(self, exc: LaneProtocolError) -> None:
+        """A connection broke the framing and was closed: logged at most once per
+        LOG_EVERY_S (a client sending junk must not flood the log)."""
+        now = time.monotonic()
+        if now - self._last_log < LOG_EVERY_S:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more since the last line)" if self._unlogged else ""
+        log.warning("%s connection closed: %s%s", self.name, exc, more)
+        self._last_log, self._unlogged = now, 0
+
+    def context(self, writer: asyncio.StreamWriter) -> LaneContext:
+        return LaneContext()
+
+    async def decode(self, method: str, body: bytes, stream: bool) -> Any:
+        """The request of a call; raises `_Aborted` for a method not served here."""
+        raise unimplemented(self.name, method, ())
+
+    async def unary(self, method: str, request: Any, context: LaneContext) -> Message:
+        raise NotImplementedError
+
+    def stream(self, method: str, request: Any, context: LaneContext) -> AsyncIterator[Message]:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Stop listening and end every connection."""
+        if self._server is not None:
+            self._server.close()
+        for task, writer in list(self._connections.items()):
+            writer.transport.abort()  # no (TLS) goodbye: a client that stopped reading
+            task.cancel()  # would hold it for asyncio's 30 s TLS shutdown timeout
+        for task in list(self._connections):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections[task] = writer
+        try:
+            await _Connection(self, reader, writer).serve()
+        finally:
+            self._connections.pop(task, None)
+
+
+class EngineLane(LaneListener):
+    name = "engine lane"
+
     def __init__(self, servicer: EngineServicer, metrics: Metrics) -> None:
+        super().__init__()
         self._servicer = servicer
         self._refusals = Refusals(metrics)
-        self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task[None]] = set()
         self.path = ""
 
     async def start(self, path: str) -> None:
@@ -120,61 +200,57 @@ class EngineLane:
 
     async def close(self) -> None:
         """Stop listening and end every connection (the sidecar has shut down)."""
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._connections):
-            task.cancel()
-        for task in list(self._connections):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self._server is not None:
-            await self._server.wait_closed()
+        await super().close()
         with contextlib.suppress(FileNotFoundError):
             if self.path:
                 os.unlink(self.path)
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
-        try:
-            await _Connection(self, reader, writer).serve()
-        finally:
-            self._connections.discard(task)
+    async def decode(self, method: str, body: bytes, stream: bool) -> Any:
+        served = STREAM_REQUESTS if stream else UNARY_REQUESTS
+        cls = served.get(method)
+        if cls is None:
+            raise unimplemented(self.name, method, [*UNARY_REQUESTS, *STREAM_REQUESTS])
+        request = checked_decode(cls.FromString, body, f"lane {method}", None)
+        context: Any = LaneContext()  # the part of a gRPC context refusing needs
+        await self._refusals.check(request, f"lane {method}", context)  # aborts a Refused
+        return request
 
-    def unary(self, method: str) -> Unary:
+    async def unary(self, method: str, request: Any, context: LaneContext) -> Message:
         handler: Unary = getattr(self._servicer, method)
-        return handler
+        return await handler(request, context)
 
-    def stream(self, method: str) -> Streaming:
+    def stream(self, method: str, request: Any, context: LaneContext) -> AsyncIterator[Message]:
         handler: Streaming = getattr(self._servicer, method)
-        return handler
-
-    async def refuse(self, refused: Refused, method: str) -> NoReturn:
-        await self._refusals.check(refused, f"lane {method}", LaneContext())  # type: ignore[arg-type]
-        raise AssertionError("unreachable: a refusal always aborts")
+        return handler(request, context)
 
 
 class _Connection:
     def __init__(
-        self, lane: EngineLane, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, lane: LaneListener, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         self._lane, self._reader, self._writer = lane, reader, writer
+        self._context = lane.context(writer)
         self._calls: dict[int, asyncio.Task[None]] = {}
+        self._slot = asyncio.Event()  # set while fewer than max_calls_per_connection run
 
     async def serve(self) -> None:
         try:
-            while (got := await read_frame(self._reader)) is not None:
+            while (got := await read_frame(self._reader, self._lane.max_frame_bytes)) is not None:
                 self._dispatch(*got)
+                # Backpressure: a client that sends calls faster than it reads their
+                # answers stops being read (its calls wait for their answers to drain).
+                while len(self._calls) >= self._lane.max_calls_per_connection:
+                    self._slot.clear()
+                    await self._slot.wait()
         except LaneProtocolError as exc:
-            log.warning("engine lane connection closed: %s", exc)
-        except (ConnectionError, asyncio.CancelledError):
+            self._lane.broken(exc)
+        except (OSError, asyncio.CancelledError):  # the client went away (or broke TLS)
             pass
         finally:
             for task in list(self._calls.values()):
                 task.cancel()
             self._writer.close()
-            with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+            with contextlib.suppress(OSError, asyncio.CancelledError):
                 await self._writer.wait_closed()
 
     def _dispatch(self, call_id: int, kind: Kind, payload: bytes) -> None:
@@ -184,14 +260,18 @@ class _Connection:
                 task.cancel()
             return
         if kind not in (Kind.UNARY, Kind.STREAM):
-            raise LaneProtocolError(f"a {kind.name} frame from the engine")
+            raise LaneProtocolError(f"a {kind.name} frame from the client")
         if call_id in self._calls:
             raise LaneProtocolError(f"call id {call_id} is already in use")
         method, body = split_request(payload)
         run = self._unary if kind is Kind.UNARY else self._stream
         task = asyncio.create_task(run(call_id, method, body))
         self._calls[call_id] = task
-        task.add_done_callback(lambda _: self._calls.pop(call_id, None))
+        task.add_done_callback(lambda _: self._ended(call_id))
+
+    def _ended(self, call_id: int) -> None:
+        self._calls.pop(call_id, None)
+        self._slot.set()
 
     def _send(self, call_id: int, kind: Kind, payload: bytes = b"") -> None:
         if not self._writer.is_closing():
@@ -199,16 +279,16 @@ class _Connection:
 
     async def _unary(self, call_id: int, method: str, body: bytes) -> None:
         async def answer() -> None:
-            request = await self._decode(UNARY_REQUESTS, method, body)
-            reply = await self._lane.unary(method)(request, LaneContext())
+            request = await self._lane.decode(method, body, stream=False)
+            reply = await self._lane.unary(method, request, self._context)
             self._send(call_id, Kind.REPLY, reply.SerializeToString())
 
         await self._answered(call_id, method, answer())
 
     async def _stream(self, call_id: int, method: str, body: bytes) -> None:
         async def answer() -> None:
-            request = await self._decode(STREAM_REQUESTS, method, body)
-            async for item in self._lane.stream(method)(request, LaneContext()):
+            request = await self._lane.decode(method, body, stream=True)
+            async for item in self._lane.stream(method, request, self._context):
                 self._send(call_id, Kind.ITEM, item.SerializeToString())
                 await self._writer.drain()
             self._send(call_id, Kind.END)
@@ -225,31 +305,23 @@ class _Connection:
         except ConnectionError:
             pass
         except Exception:
-            log.exception("engine lane %s failed", method)
-            self._send(call_id, Kind.ERROR, _internal(method))
-
-    async def _decode(self, served: dict[str, type[Message]], method: str, body: bytes) -> Message:
-        cls = served.get(method)
-        if cls is None:
-            raise _unimplemented(method)
-        try:
-            return cls.FromString(body)
-        except (DecodeError, ValueError, RuntimeError) as exc:
-            reason = f"undecodable request body ({type(exc).__name__})"
-            await self._lane.refuse(Refused("undecodable", reason), method)
+            log.exception("%s %s failed", self._lane.name, method)
+            self._send(call_id, Kind.ERROR, _internal(self._lane.name, method))
+        # The call ends once its answer is on its way (see serve: backpressure).
+        with contextlib.suppress(OSError):
+            await self._writer.drain()
 
 
-def _unimplemented(method: str) -> _Aborted:
-    served = ", ".join(sorted(UNARY_REQUESTS) + sorted(STREAM_REQUESTS))
+def unimplemented(lane: str, method: str, served: Iterable[str]) -> _Aborted:
     return _Aborted(
         status_pb2.Status(
             code=grpc.StatusCode.UNIMPLEMENTED.value[0],
-            message=f"method: the engine lane serves {served}, not {method!r}",
+            message=f"method: the {lane} serves {', '.join(sorted(served))}, not {method!r}",
         )
     )
 
 
-def _internal(method: str) -> bytes:
-    message = f"internal error serving {method} on the engine lane; see the sidecar log"
+def _internal(lane: str, method: str) -> bytes:
+    message = f"internal error serving {method} on the {lane}; see the sidecar log"
     status = status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message=message)
     return status.SerializeToString()

@@ -39,6 +39,7 @@ from kvxfer.dataplane.serving import ServingAgent
 from kvxfer.server.guard import PEER_SERVER_MAX_RECEIVE_BYTES, EngineSocketGuard, PeerPortGuard
 from kvxfer.server.lane import EngineLane
 from kvxfer.server.metrics import Metrics
+from kvxfer.server.peer_lane import PeerLane
 from kvxfer.server.peers import server_options
 from kvxfer.server.reflection import enable_reflection
 from kvxfer.server.servicers import AdminServicer, EngineServicer, PeerServicer
@@ -73,36 +74,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def serve(settings: Settings) -> int:
-    nixl = settings.nixl
-    options = AgentOptions(
-        backends=nixl.backends,
-        num_threads=nixl.num_threads,
-        enable_prog_thread=nixl.enable_prog_thread,
-        backend_params=tuple(nixl.backend_params.items()),
-    )
-    # The serving agent runs in a child process (dataplane/serving.py); readers run here.
-    backend = ServingAgent("kvxfer-sidecar", options)
-    await backend.start()
     metrics = Metrics()
-    faults = settings.faults
-    rule = random_faults(faults.fail_rate, faults.stall_rate, faults.seed)
-    if faults.enabled:
-        log.warning("FAULT INJECTION ON: %s (testing only)", faults)
-        metrics.fault_injection.set(1)
-
-    def reader(prefix: str) -> TransferBackend:
-        agent = NixlAgent(prefix, options)
-        # Faults are injected on the reading side only, with one rule for all readers.
-        return FaultInjectingBackend(agent, rule) if faults.enabled else agent
-
-    sidecar = Sidecar(settings, backend, metrics, Readers(reader))
+    backend, readers = await _data_plane(settings, metrics)
+    sidecar = Sidecar(settings, backend, metrics, readers)
     flag_insecure_listeners(settings, metrics)
+    peer_servicer, guard = PeerServicer(sidecar), PeerPortGuard(settings, metrics)
     peer = _server(
         settings,
-        [("peer", PeerServicer(sidecar)), ("admin", AdminServicer(sidecar))],
+        [("peer", peer_servicer), ("admin", AdminServicer(sidecar))],
         max_receive_bytes=PEER_SERVER_MAX_RECEIVE_BYTES,
-        interceptors=[PeerPortGuard(settings, metrics)],
+        interceptors=[guard],
     )
+    # The per-request peer calls without gRPC, through the same gate (peer_lane.py).
+    peer_lane = PeerLane(peer_servicer, guard, settings)
     engine_servicer = EngineServicer(sidecar)
     engine = _server(
         settings,
@@ -111,6 +95,8 @@ async def serve(settings: Settings) -> int:
     )
     try:
         peer_port = _bind_peer(peer.server, settings, metrics)
+        if settings.lane.enabled:
+            sidecar.lane_port = await peer_lane.start(settings.peer_address.rpartition(":")[0])
         # gRPC creates the socket file at bind time (not at start): umask it there.
         with _private_umask(settings.engine_address):
             engine_address = _bind_engine(engine.server, settings.engine_address)
@@ -134,6 +120,7 @@ async def serve(settings: Settings) -> int:
         "peer_address": sidecar.address,
         "engine_address": engine_address,
         "engine_lane": lane.path,
+        "peer_lane_port": sidecar.lane_port,
         "metrics_address": _with_port(settings.metrics_address, metrics_port),
         "epoch": sidecar.epoch,
         "sidecar_id": sidecar.sidecar_id,
@@ -149,12 +136,39 @@ async def serve(settings: Settings) -> int:
     await engine.drain()
     await sidecar.shutdown(settings.shutdown_grace_s)
     await lane.close()
+    await peer_lane.close()
     await engine.server.stop(1.0)
     await peer.server.stop(1.0)
     metrics_http.shutdown()
     await backend.close()
     log.info("stopped")
     return 0
+
+
+async def _data_plane(settings: Settings, metrics: Metrics) -> tuple[ServingAgent, Readers]:
+    """The serving agent (started, in a child process: dataplane/serving.py) and the
+    readers' agents (here), with faults injected on the reading side when configured."""
+    nixl = settings.nixl
+    options = AgentOptions(
+        backends=nixl.backends,
+        num_threads=nixl.num_threads,
+        enable_prog_thread=nixl.enable_prog_thread,
+        backend_params=tuple(nixl.backend_params.items()),
+    )
+    backend = ServingAgent("kvxfer-sidecar", options)
+    await backend.start()
+    faults = settings.faults
+    rule = random_faults(faults.fail_rate, faults.stall_rate, faults.seed)
+    if faults.enabled:
+        log.warning("FAULT INJECTION ON: %s (testing only)", faults)
+        metrics.fault_injection.set(1)
+
+    def reader(prefix: str) -> TransferBackend:
+        agent = NixlAgent(prefix, options)
+        # Faults are injected on the reading side only, with one rule for all readers.
+        return FaultInjectingBackend(agent, rule) if faults.enabled else agent
+
+    return backend, Readers(reader)
 
 
 def settle_heap() -> int:
@@ -233,7 +247,7 @@ def _bind_peer(server: grpc.aio.Server, settings: Settings, metrics: Metrics) ->
             metrics.insecure_listeners.labels("peer").set(int(insecure))
             if insecure:
                 log.warning(
-                    "INSECURE PEER PORT: PeerService on %s without mTLS "
+                    "INSECURE PEER PORT: PeerService (and its peer lane) on %s without mTLS "
                     "(--insecure-peer-port): any host that reaches it can read and write "
                     "registered KV memory; configure tls.* outside a trusted network",
                     settings.peer_address,

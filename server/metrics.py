@@ -56,6 +56,11 @@ HANDSHAKE_RESULTS = ("ok", "refused", "error")
 # Why a port guard refused a call (kvxfer.server.guard).
 REFUSAL_REASONS = ("too_large", "undecodable", "not_allowed", "too_many_calls")
 SERVICES = ("peer", "engine", "metrics")
+# What the peer port's guard passes (PeerService and AdminService calls on the peer port).
+PEER_METHODS = (
+    "Handshake", "BeginRead", "Heartbeat", "EndRead", "BeginWrite", "EndWrite",
+    "GetStatus", "ListPeers",
+)  # fmt: skip
 
 
 def build_labels() -> dict[str, str]:
@@ -258,6 +263,19 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.peer_calls = Counter(
+            "kvxfer_peer_calls",
+            "Peer calls this sidecar served past its port guard, by method and transport "
+            "(grpc, or lane: the peer lane)",
+            ["method", "transport"],
+            registry=r,
+        )
+        self.lane_unreachable = Counter(
+            "kvxfer_peer_lane_unreachable",
+            "Peer calls that went over gRPC because the peer lane their peer's handshake "
+            "named could not be connected to (a restarted peer, or a port not forwarded)",
+            registry=r,
+        )
         self.active = ActiveClock()
         r.register(self.active)
         for release in ReleaseReason:
@@ -266,6 +284,9 @@ class Metrics:
             self.refusals.labels(reason)
         for service in SERVICES:
             self.insecure_listeners.labels(service)
+        for method in PEER_METHODS:
+            for transport in ("grpc", "lane"):
+                self.peer_calls.labels(method, transport)
 
     def init_peer(self, peer: str) -> None:
         """Every series of a new `peer` label at zero, for each result it can have."""

@@ -21,11 +21,13 @@ from typing import TypeVar
 
 import grpc
 import grpc.aio
+from google.protobuf.message import Message
 
 from kvxfer._exceptions import (
     BusyError,
     InvalidInputError,
     KvxferError,
+    LaneUnreachableError,
     NegotiationError,
     PeerUnavailableError,
 )
@@ -33,14 +35,18 @@ from kvxfer.core.layout import EngineLayout
 from kvxfer.core.negotiation import PROTOCOL_VERSION, Agreement, negotiate
 from kvxfer.dataplane.serving import ServingBackend
 from kvxfer.server.metrics import Metrics
+from kvxfer.server.peer_tls import client_tls
 from kvxfer.server.settings import Settings
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.errors import guarded
+from kvxfer.wire.lane import keep_alive
+from kvxfer.wire.lane_client import Lane
 from kvxfer.wire.sidecar import PeerHello, hello_from_proto, hello_request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+R = TypeVar("R", bound=Message)
 _MAX_READ_TOKENS = 1 << 16
 # The refusals after which the same peer call may be made again (the peer could not be
 # reached, or ran too many of our calls to start this one): its read token is kept.
@@ -53,6 +59,7 @@ _MAX_LABEL_CHARS = 128  # a peer's identity as a label value: bounded like engin
 # KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS instead of at the next RPC's deadline, and
 # idle connections through NAT or load balancers stay open.
 KEEPALIVE_TIME_MS = 30_000
+LANE_RETRY_S = 5.0  # after a peer lane could not be connected to, gRPC only for this long
 KEEPALIVE_TIMEOUT_MS = 10_000
 
 
@@ -91,9 +98,13 @@ def server_options(settings: Settings) -> list[tuple[str, int]]:
 class Dialer:
     """gRPC channels to peer sidecars (mTLS when configured), and error translation."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
         self._settings = settings
+        self._metrics = metrics
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._lanes: dict[tuple[str, int], Lane] = {}  # (peer address, its lane's port)
+        self._lane_down: dict[tuple[str, int], float] = {}  # -> when to try it again
+        self._lane_tls = client_tls(settings)
         self._credentials: grpc.ChannelCredentials | None = None
         tls = settings.tls
         if tls.enabled:
@@ -121,17 +132,92 @@ class Dialer:
         deadline = self._settings.transfer.rpc_timeout_s
         return await guarded(f"{what} at peer {address}", rpc, deadline)
 
+    async def call_peer(
+        self,
+        link: PeerLink,
+        method: str,
+        request: Message,
+        reply: type[R],
+        grpc_method: Callable[..., Awaitable[R]],
+        what: str,
+    ) -> R:
+        """One per-request PeerService call: over the peer's lane when its handshake
+        named one (and `lane.enabled`), else over gRPC; the same errors either way.
+
+        A lane that cannot be connected to (nothing was sent) hands the call to gRPC,
+        the authoritative port, which answers for the peer as it is now (a restarted
+        peer's old lane port refuses, its peer port says it restarted); the lane is
+        then skipped for LANE_RETRY_S, with one warning per outage."""
+        timeout = self._settings.transfer.rpc_timeout_s
+        port = link.hello.lane_port
+        key = (link.address, port)
+        if port and self._settings.lane.enabled and time.monotonic() >= self._lane_down.get(key, 0):
+            lane = await self.lane(link.address, port)
+            try:
+                return await lane.call(
+                    method, request, reply, timeout, f"{what} at peer {link.address}"
+                )
+            except LaneUnreachableError as exc:
+                if key not in self._lane_down:
+                    log.warning("%s; its calls go over gRPC for now", exc)
+                self._lane_down[key] = time.monotonic() + LANE_RETRY_S
+                if self._metrics is not None:
+                    self._metrics.lane_unreachable.inc()
+            else:
+                self._lane_down.pop(key, None)
+        return await self.call(link.address, what, lambda: grpc_method(request, timeout=timeout))
+
+    async def lane(self, address: str, port: int) -> Lane:
+        """The lane to the peer at `address` whose handshake named `port` (mTLS when
+        configured, its certificate checked against the host of `address`)."""
+        lane = self._lanes.get((address, port))
+        if lane is None:
+            host = address.rpartition(":")[0]
+            where = f"{host}:{port}"
+            tls, timeout = self._lane_tls, self._settings.transfer.rpc_timeout_s
+
+            async def opener() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+                bare = host.strip("[]")
+                try:
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection(
+                            bare, port, ssl=tls, server_hostname=bare if tls else None
+                        ),
+                        timeout,
+                    )
+                    keep_alive(writer)
+                    return reader, writer
+                except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+                    raise LaneUnreachableError(
+                        f"cannot connect to the peer lane at {where} (the port its handshake "
+                        f"named): {exc or type(exc).__name__}"
+                    ) from None
+
+            lane = Lane(where, timeout, opener=opener, name=f"peer lane {where}")
+            self._lanes[(address, port)] = lane
+            # The peer restarted on another port: its old lane goes (once, whoever
+            # awaits here: it leaves the dict before the first close is awaited).
+            stale = [k for k in self._lanes if k[0] == address and k[1] != port]
+            for old in [self._lanes.pop(k) for k in stale]:
+                await old.close()
+        return lane
+
     async def forget(self, address: str) -> None:
         """Close the channel to a peer that has no link: params naming thousands of
         addresses that never answer must not leave a channel each behind."""
         channel = self._channels.pop(address, None)
         if channel is not None:
             await channel.close()
+        for key in [k for k in self._lanes if k[0] == address]:
+            await self._lanes.pop(key).close()
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()
+        lanes, self._lanes = self._lanes, {}
+        for lane in lanes.values():
+            await lane.close()
 
 
 @dataclass
@@ -353,7 +439,9 @@ class PeerLinks:
         request = pb.BeginReadRequest(
             epoch=link.epoch, tp_rank=link.tp_rank, request_id=request_id, reader_id=reader_id
         )
-        reply = await self._begin(link, "begin read", stub.BeginRead, request)
+        reply = await self._dialer.call_peer(
+            link, "BeginRead", request, pb.BeginReadResponse, stub.BeginRead, "begin read"
+        )
         self._keep_token(link, request_id, reply.read_token)
         return reply
 
@@ -366,15 +454,11 @@ class PeerLinks:
         request = pb.BeginWriteRequest(
             epoch=link.epoch, tp_rank=link.tp_rank, request_id=request_id, writer_id=writer_id
         )
-        reply = await self._begin(link, "begin write", stub.BeginWrite, request)
+        reply = await self._dialer.call_peer(
+            link, "BeginWrite", request, pb.BeginWriteResponse, stub.BeginWrite, "begin write"
+        )
         self._keep_token(link, request_id, reply.write_token)
         return reply
-
-    async def _begin(
-        self, link: PeerLink, what: str, method: Callable[..., Awaitable[T]], request: object
-    ) -> T:
-        timeout = self._settings.transfer.rpc_timeout_s
-        return await self._dialer.call(link.address, what, lambda: method(request, timeout=timeout))
 
     def _keep_token(self, link: PeerLink, request_id: str, token: str) -> None:
         if len(self._read_tokens) >= _MAX_READ_TOKENS:
@@ -387,9 +471,8 @@ class PeerLinks:
         request = pb.HeartbeatRequest(
             epoch=link.epoch, tp_rank=link.tp_rank, request_ids=[request_id], read_tokens=[token]
         )
-        timeout = self._settings.transfer.rpc_timeout_s
-        reply = await self._dialer.call(
-            link.address, "heartbeat", lambda: stub.Heartbeat(request, timeout=timeout)
+        reply = await self._dialer.call_peer(
+            link, "Heartbeat", request, pb.HeartbeatResponse, stub.Heartbeat, "heartbeat"
         )
         return reply.states[0] if reply.states else pb.LEASE_STATE_UNKNOWN
 
@@ -399,28 +482,28 @@ class PeerLinks:
         key = (link.address, link.tp_rank, request.request_id)
         request.read_token = self._read_tokens.get(key, "")
         stub = self._dialer.stub(link.address)
-        timeout = self._settings.transfer.rpc_timeout_s
-        await self._ending(link, key, "end read", lambda: stub.EndRead(request, timeout=timeout))
+        await self._ending(
+            key,
+            self._dialer.call_peer(
+                link, "EndRead", request, pb.EndReadResponse, stub.EndRead, "end read"
+            ),
+        )
 
     async def end_write(self, link: PeerLink, request: pb.EndWriteRequest) -> pb.EndWriteResponse:
         """End the write (push), as `end_read` ends a read."""
         key = (link.address, link.tp_rank, request.request_id)
         request.write_token = self._read_tokens.get(key, "")
         stub = self._dialer.stub(link.address)
-        timeout = self._settings.transfer.rpc_timeout_s
         return await self._ending(
-            link, key, "end write", lambda: stub.EndWrite(request, timeout=timeout)
+            key,
+            self._dialer.call_peer(
+                link, "EndWrite", request, pb.EndWriteResponse, stub.EndWrite, "end write"
+            ),
         )
 
-    async def _ending(
-        self,
-        link: PeerLink,
-        key: tuple[str, int, str],
-        what: str,
-        rpc: Callable[[], Awaitable[T]],
-    ) -> T:
+    async def _ending(self, key: tuple[str, int, str], call: Awaitable[T]) -> T:
         try:
-            reply = await self._dialer.call(link.address, what, rpc)
+            reply = await call
         except TRY_AGAIN:
             raise  # the call may be tried again: keep its token for it
         except KvxferError:

@@ -58,6 +58,7 @@ class ReadSide:
             lease_ttl_s=self._sidecar.settings.lease.ttl_s,
             registration_version=version,
             modes=frozenset(self._sidecar.settings.transfer.modes),
+            lane_port=self._sidecar.lane_port,
         )
 
     def begin_read(self, epoch: int, tp_rank: int, request_id: str, reader: str) -> Lease:

@@ -54,6 +54,24 @@ class LeaseSettings(_Group):
     sweep_s: float = Field(0.25, gt=0, le=60, description="how often expired leases are swept")
 
 
+class LaneSettings(_Group):
+    """The peer lane (server/peer_lane.py): a reader's per-request calls to this sidecar
+    over a framed TCP connection instead of gRPC."""
+
+    enabled: bool = Field(
+        True,
+        description="serve the peer lane beside the peer port and use peers' lanes; off: "
+        "every peer call goes over gRPC",
+    )
+    port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="its TCP port on the peer port's host (0: any free port); peers learn "
+        "it from the handshake, so it must be reachable wherever the peer port is",
+    )
+
+
 class TransferSettings(_Group):
     stall_deadline_s: float = Field(
         10.0, gt=0, le=600, description="a chunk not done by then fails and is released"
@@ -215,6 +233,7 @@ class Settings(BaseSettings):
         "anyone who reaches it can read and write registered KV memory",
     )
     lease: LeaseSettings = LeaseSettings()
+    lane: LaneSettings = LaneSettings()
     transfer: TransferSettings = TransferSettings()
     limits: LimitSettings = LimitSettings()
     nixl: NixlSettings = NixlSettings()
@@ -263,6 +282,17 @@ class Settings(BaseSettings):
                 "registered KV memory. Configure mTLS (tls.cert_file, tls.key_file, "
                 "tls.ca_file) or, on a network you trust, pass --insecure-peer-port "
                 "(KVXFER_INSECURE_PEER_PORT=true)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lane_reachable(self) -> Settings:
+        if self.advertise_address is not None and self.lane.enabled and not self.lane.port:
+            raise ValueError(
+                f"lane.port: peers dial the peer lane at the advertised host "
+                f"({self.advertise_address!r}) on the port the handshake names, and a port "
+                "taken at random is not one a Service or a firewall forwards: set lane.port "
+                "to a port forwarded like the peer port's, or lane.enabled false"
             )
         return self
 

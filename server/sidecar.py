@@ -74,6 +74,7 @@ class Sidecar:
         self.epoch = secrets.randbelow(MAX_EPOCH) + 1
         self.sidecar_id = settings.sidecar_id or f"{socket.gethostname()}-{os.getpid()}"
         self.address = settings.advertise_address or settings.peer_address
+        self.lane_port = 0  # the peer lane's port once it listens (server/peer_lane.py)
         self.started = time.monotonic()
         self.registration_version = 0
         # Serves peers' reads of our engines' memory (never reads itself), from a child
@@ -89,7 +90,7 @@ class Sidecar:
         self._gate = PullGate(
             settings.limits.max_inflight_pulls_per_peer, settings.limits.max_queued_pulls_per_peer
         )
-        self._dialer = Dialer(settings)
+        self._dialer = Dialer(settings, metrics)
         self.links = PeerLinks(
             settings=settings,
             backend=backend,

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from kvxfer.client.engine import EngineClient
-from kvxfer.client.lane import Lane
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.wire.lane import Kind
+from kvxfer.wire.lane_client import Lane
 
 
 class ReadyAtWord:

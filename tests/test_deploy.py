@@ -347,6 +347,9 @@ def test_manifests_configure_a_sidecar_the_server_accepts(
     assert settings.peer_address == "10.1.2.3:7500"  # the pod IP, never 0.0.0.0
     advertised = f"{role}-0.kvxfer-{role}.kvxfer.svc.cluster.local:7500"
     assert settings.advertise_address == advertised
+    # Peers dial the lane at the advertised name: a fixed port the pod declares.
+    assert settings.lane.enabled
+    assert {"name": "lane", "containerPort": settings.lane.port} in sidecar["ports"]
     assert settings.tls.allowed_peers == (f"kvxfer-{other}",)
 
     # The certificates cover the advertised name and carry the CN the other role allows.

@@ -21,9 +21,9 @@ from sidecars import scrape, start_sidecar
 from kvxfer._exceptions import InvalidInputError, NotFoundError, PeerUnavailableError
 from kvxfer.cli.fleet import ChildDiedError, Fleet, Proc, metric
 from kvxfer.client import EngineClient
-from kvxfer.client.lane import Lane
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.wire.lane import HEADER, Kind, frame, read_frame, request_payload
+from kvxfer.wire.lane_client import Lane
 
 pytestmark = pytest.mark.e2e
 

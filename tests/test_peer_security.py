@@ -6,6 +6,8 @@ AdminService, as an anonymous or rogue client would.
 
 from __future__ import annotations
 
+import asyncio
+import ssl
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,10 +18,14 @@ import pytest
 from sidecars import engine_link, scrape, spans, start_engine, start_sidecar
 from test_sidecar_tls import _config, _make_pki
 
-from kvxfer.cli.fleet import BIN, Proc
+from kvxfer._exceptions import NotFoundError, PeerUnavailableError, PermissionDeniedError
+from kvxfer.cli.fleet import BIN, Proc, metric
 from kvxfer.core.requests import TransferParams
+from kvxfer.server.peers import Dialer
+from kvxfer.server.settings import load_settings
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.lane_client import Lane
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -117,5 +123,63 @@ async def test_with_mtls_every_peer_port_call_checks_the_allow_list(tmp_path: Pa
                 }
             expected = grpc.StatusCode.OK if allowed else grpc.StatusCode.PERMISSION_DENIED
             assert codes == {expected}, name
+    finally:
+        p.stop()
+
+
+async def test_with_mtls_the_peer_lane_takes_only_an_allowed_certificate(tmp_path: Path) -> None:
+    _make_pki(tmp_path)
+    p = start_sidecar(tmp_path, "p", "--config", _config(tmp_path, "kvxfer-p", ["kvxfer-d"]))
+    request = pb.BeginReadRequest(epoch=p.ready["epoch"], request_id="nobody")
+    port = p.ready["peer_lane_port"]
+
+    async def begin(lane: Lane) -> None:
+        try:
+            await lane.call("BeginRead", request, pb.BeginReadResponse, 5, "begin read")
+        finally:
+            await lane.close()
+
+    def bare(tls: ssl.SSLContext | None) -> Lane:
+        """A lane client with `tls` as given, not the sidecar's own dialing."""
+
+        async def opener() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            try:
+                return await asyncio.open_connection(
+                    "127.0.0.1", port, ssl=tls, server_hostname="127.0.0.1" if tls else None
+                )
+            except OSError as exc:
+                raise PeerUnavailableError(f"peer lane: {exc}") from None
+
+        return Lane(f"127.0.0.1:{port}", 5, opener=opener, name="peer lane")
+
+    try:
+        with pytest.raises(PeerUnavailableError):  # plain frames to a TLS lane
+            await begin(bare(None))
+        no_certificate = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+        with pytest.raises(PeerUnavailableError):
+            await begin(bare(no_certificate))
+        # The allowed name, but signed by another CA: refused at the TLS handshake.
+        forged = tmp_path / "forged"
+        forged.mkdir()
+        _make_pki(forged)
+        other_ca = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+        other_ca.load_cert_chain(forged / "kvxfer-d.pem", forged / "kvxfer-d.key")
+        with pytest.raises(PeerUnavailableError):
+            await begin(bare(other_ca))
+        for name, expected in (
+            ("kvxfer-rogue", PermissionDeniedError),
+            ("kvxfer-d", NotFoundError),
+        ):
+            # The sidecars' own dialing: their certificate, the CA, the host name checked.
+            dialer = Dialer(load_settings(["--config", _config(tmp_path, name, [])]))
+            try:
+                with pytest.raises(expected, match=r"allowed_peers|no engine with tp_rank 0"):
+                    await begin(await dialer.lane(p.ready["peer_address"], port))
+            finally:
+                await dialer.close()
+        assert (
+            metric(scrape(p), "kvxfer_peer_calls_total", method="BeginRead", transport="lane") == 1
+        )
+        assert metric(scrape(p), "kvxfer_refusals_total", reason="not_allowed") == 1
     finally:
         p.stop()

@@ -61,6 +61,9 @@ async def test_prefill_restart_between_pulls(tmp_path: Path) -> None:
             stale = await d_events.next()
             assert isinstance(stale, PullDone) and stale.status is PullStatus.FAILED
             assert "restarted" in stale.reason
+            # Its old peer lane port refused; the call went to the peer port, which
+            # answers for the peer as it is now.
+            assert metric(scrape(d), "kvxfer_peer_lane_unreachable_total") == 1
             params = await pc.publish("after", 150, spans(first))
             dst = spans(blocks(40, 3))
             await dc.pull(params, dst, 0)

@@ -7,10 +7,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from sidecars import DecodeImage, engine_link, spans, start_engine, start_sidecar
+from sidecars import DecodeImage, engine_link, scrape, spans, start_engine, start_sidecar
 
 from kvxfer._exceptions import KvxferError
-from kvxfer.cli.fleet import BIN
+from kvxfer.cli.fleet import BIN, metric
 from kvxfer.core.requests import PullDone, PullStatus
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -62,6 +62,9 @@ async def test_mtls_allow_list(tmp_path: Path) -> None:
             done = await d_events.next()
             assert isinstance(done, PullDone) and done.status is PullStatus.OK, done.reason
             DecodeImage(de).expect_pull(pe, spans(blocks), spans(blocks), 100, 0, {})
+        # Its BeginRead took the peer lane, over the same mTLS.
+        begun = metric(scrape(p), "kvxfer_peer_calls_total", method="BeginRead", transport="lane")
+        assert begun == 1
         async with engine_link(p, pe) as (pc, _), engine_link(r, re) as (rc, _):
             params = await pc.publish("tls-rogue", 100, spans(blocks))
             with pytest.raises(KvxferError, match="allowed_peers"):

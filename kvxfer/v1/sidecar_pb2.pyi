@@ -927,6 +927,7 @@ class HandshakeResponse(_message.Message):
     SIDECAR_ID_FIELD_NUMBER: _builtins.int
     REGISTRATION_VERSION_FIELD_NUMBER: _builtins.int
     MODES_FIELD_NUMBER: _builtins.int
+    LANE_PORT_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     epoch: _builtins.int
     engine_id: _builtins.str
@@ -937,6 +938,12 @@ class HandshakeResponse(_message.Message):
     registration_version: _builtins.int
     """Bumped whenever the serving agent registers or drops memory: a reader whose
     cached metadata is older loads it again before reading.
+    """
+    lane_port: _builtins.int
+    """The peer lane: a TCP port on the host of the address the handshake was sent to
+    that serves BeginRead, Heartbeat, EndRead, BeginWrite and EndWrite with the same
+    messages, the same mTLS and the same guard as this port, without gRPC's per-call
+    cost. 0: none (a sidecar with lane.enabled off, or of before the lane).
     """
     @_builtins.property
     def layout(self) -> _layout_pb2.EngineLayout:
@@ -963,10 +970,11 @@ class HandshakeResponse(_message.Message):
         sidecar_id: _builtins.str = ...,
         registration_version: _builtins.int = ...,
         modes: _abc.Iterable[Global___TransferMode.ValueType] | None = ...,
+        lane_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "buffers", b"buffers", "engine_id", b"engine_id", "epoch", b"epoch", "layout", b"layout", "lease_ttl_ms", b"lease_ttl_ms", "modes", b"modes", "protocol_version", b"protocol_version", "registration_version", b"registration_version", "sidecar_id", b"sidecar_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "buffers", b"buffers", "engine_id", b"engine_id", "epoch", b"epoch", "lane_port", b"lane_port", "layout", b"layout", "lease_ttl_ms", b"lease_ttl_ms", "modes", b"modes", "protocol_version", b"protocol_version", "registration_version", b"registration_version", "sidecar_id", b"sidecar_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import socket
 import struct
 
 from kvxfer._exceptions import InvalidInputError
@@ -55,6 +56,24 @@ def lane_path(engine_address: str) -> str:
     return engine_address.removeprefix("unix:").removeprefix("//") + LANE_SUFFIX
 
 
+def keep_alive(writer: asyncio.StreamWriter, idle_s: int = 30, interval_s: int = 10) -> None:
+    """TCP keepalive on a lane's connection: a peer whose host vanished (no FIN, no RST)
+    or a connection a NAT dropped is noticed within about idle_s + 3 * interval_s, as
+    the gRPC channels' keepalive notices it, instead of after TCP's retransmissions
+    give up (about 15 minutes) with every call on it timing out meanwhile."""
+    sock = writer.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (
+        ("TCP_KEEPIDLE", idle_s),
+        ("TCP_KEEPINTVL", interval_s),
+        ("TCP_KEEPCNT", 3),
+    ):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
 def frame(call_id: int, kind: Kind, payload: bytes = b"") -> bytes:
     return HEADER.pack(len(payload), call_id, kind) + payload
 
@@ -76,8 +95,11 @@ def split_request(payload: bytes) -> tuple[str, bytes]:
     return method, payload[end:]
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[int, Kind, bytes] | None:
-    """The next frame, or None at a clean end of stream (between frames)."""
+async def read_frame(
+    reader: asyncio.StreamReader, limit: int = MAX_PAYLOAD_BYTES
+) -> tuple[int, Kind, bytes] | None:
+    """The next frame, or None at a clean end of stream (between frames); a payload
+    over `limit` bytes breaks the lane before it is read."""
     try:
         header = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as exc:
@@ -85,8 +107,8 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[int, Kind, bytes] | 
             return None
         raise LaneProtocolError("the connection ended inside a frame header") from None
     length, call_id, raw_kind = HEADER.unpack(header)
-    if length > MAX_PAYLOAD_BYTES:
-        raise LaneProtocolError(f"a {length}-byte frame exceeds {MAX_PAYLOAD_BYTES}")
+    if length > limit:
+        raise LaneProtocolError(f"a {length}-byte frame exceeds {limit}")
     try:
         kind = Kind(raw_kind)
     except ValueError:

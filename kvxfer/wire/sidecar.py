@@ -315,6 +315,8 @@ class PeerHello:
     # What the serving sidecar accepts as the passive side (its transfer.modes); a
     # sidecar of before push sends none: pull only.
     modes: frozenset[TransferMode] = frozenset({TransferMode.PULL})
+    # Its peer lane's TCP port on the host the handshake went to; 0: none, use gRPC.
+    lane_port: int = 0
 
 
 def hello_request(
@@ -351,6 +353,7 @@ def hello_to_proto(hello: PeerHello) -> pb.HandshakeResponse:
         sidecar_id=hello.sidecar_id,
         registration_version=hello.registration_version,
         modes=[_MODE_TO_PB[m] for m in sorted(hello.modes)],
+        lane_port=hello.lane_port,
     )
 
 
@@ -383,4 +386,11 @@ def hello_from_proto(message: pb.HandshakeResponse, dry_run: bool) -> PeerHello:
             mode_from_proto(m, f"handshake.modes[{i}]") for i, m in enumerate(message.modes)
         )
         or frozenset({TransferMode.PULL}),
+        lane_port=_lane_port(message.lane_port),
     )
+
+
+def _lane_port(port: int) -> int:
+    if port > 65535:
+        raise InvalidInputError("handshake.lane_port", f"{port} is not a TCP port")
+    return port

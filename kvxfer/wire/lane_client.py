@@ -1,8 +1,9 @@
-"""The engine's end of the engine lane (`kvxfer.wire.lane`): one unix connection to
-its sidecar carrying every per-request call and the event stream, multiplexed by
-call id. Registration stays on gRPC (`EngineClient.register`).
+"""The calling end of a lane (`kvxfer.wire.lane`): one connection carrying every call
+and stream, multiplexed by call id. An engine's lane to its sidecar (a unix socket;
+registration stays on gRPC, `EngineClient.register`) and a sidecar's peer lane to
+another (TCP, with the peer port's mTLS: server/peer_lane.py) are both this.
 
-A call that fails at the sidecar raises the same kvxfer error as over gRPC; a
+A call that fails at the far end raises the same kvxfer error as over gRPC; a
 call with no answer by its deadline raises `PeerUnavailableError` (and is
 cancelled at the sidecar); a lost connection fails every call on it, and the
 next call connects again.
@@ -12,8 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -32,14 +32,17 @@ from kvxfer.wire.loops import within
 
 R = TypeVar("R", bound=Message)
 _RETRY_S = 0.05
+MAX_CALL_ID = (1 << 32) - 1
 _Answer = tuple[Kind, bytes]
 
 
 class _Link:
     """One open connection and the calls waiting on it."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str
+    ) -> None:
+        self.reader, self.writer, self.name = reader, writer, name
         self.waiting: dict[int, asyncio.Future[_Answer]] = {}
         self.streams: dict[int, asyncio.Queue[_Answer | None]] = {}
         self.pump: asyncio.Task[None] | None = None
@@ -61,12 +64,12 @@ class _Link:
                         future.set_result((kind, payload))
                 else:
                     raise LaneProtocolError(f"a {kind.name} frame from the sidecar")
-            self.lost = "the sidecar closed the engine lane"
-        except (LaneProtocolError, ConnectionError) as exc:
-            self.lost = f"engine lane broken: {exc}"
+            self.lost = f"the sidecar closed the {self.name}"
+        except (LaneProtocolError, OSError) as exc:  # OSError: ssl.SSLError too
+            self.lost = f"{self.name} broken: {exc}"
         finally:
             if not self.lost:
-                self.lost = "the engine lane was closed"
+                self.lost = f"the {self.name} was closed"
             for future in self.waiting.values():
                 if not future.done():
                     future.set_exception(PeerUnavailableError(self.lost))
@@ -76,48 +79,89 @@ class _Link:
 
     def send(self, call_id: int, kind: Kind, payload: bytes = b"") -> None:
         if self.lost or self.writer.is_closing():
-            raise PeerUnavailableError(self.lost or "the engine lane was closed")
+            raise PeerUnavailableError(self.lost or f"the {self.name} was closed")
         self.writer.write(frame(call_id, kind, payload))
 
 
+Opener = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+
 class Lane:
-    def __init__(self, path: str, connect_timeout_s: float) -> None:
+    """The engine lane at `path`; or, given `opener`, a lane it connects (once a call:
+    it raises `PeerUnavailableError` when it cannot), named `name` in errors."""
+
+    def __init__(
+        self,
+        path: str,
+        connect_timeout_s: float,
+        *,
+        opener: Opener | None = None,
+        name: str = "engine lane",
+    ) -> None:
         self.path = path
+        self.name = name
+        self._opener = opener
         self._connect_timeout_s = connect_timeout_s
         self._link: _Link | None = None
         self._opening = asyncio.Lock()
-        self._ids = itertools.count(1)
+        self._last_id = 0
+        # Connect attempts that failed, and how the last did: callers that waited while
+        # an attempt failed fail with it, instead of each trying (and waiting) in turn.
+        self._failures = 0
+        self._failed: PeerUnavailableError | None = None
+
+    def _call_id(self, link: _Link) -> int:
+        """The next call id: 1 to 2**32 - 1 (a frame's u32), wrapping, never one in use."""
+        while True:
+            self._last_id = self._last_id % MAX_CALL_ID + 1
+            if self._last_id not in link.waiting and self._last_id not in link.streams:
+                return self._last_id
 
     async def _open(self) -> _Link:
         link = self._link
         if link is not None and not link.lost:
             return link
+        failures = self._failures
         async with self._opening:
             if self._link is not None and not self._link.lost:
                 return self._link
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self._connect_timeout_s
-            while True:
-                try:
-                    reader, writer = await asyncio.open_unix_connection(self.path)
-                    break
-                except (FileNotFoundError, ConnectionRefusedError) as exc:
-                    if loop.time() >= deadline:
-                        raise PeerUnavailableError(
-                            f"no engine lane at {self.path} within "
-                            f"{self._connect_timeout_s:g}s ({exc.strerror}): is kvxfer-server "
-                            "running with this unix engine socket? (lane=False uses gRPC only)"
-                        ) from None
-                    await asyncio.sleep(_RETRY_S)
-            self._link = link = _Link(reader, writer)
+            if self._failures != failures and self._failed is not None:
+                # An attempt failed while this call waited for it.
+                raise PeerUnavailableError(str(self._failed))
+            try:
+                if self._opener is not None:
+                    reader, writer = await self._opener()
+                else:
+                    reader, writer = await self._open_unix()
+            except PeerUnavailableError as exc:
+                self._failures += 1
+                self._failed = exc
+                raise
+            self._failed = None
+            self._link = link = _Link(reader, writer, self.name)
             link.pump = asyncio.create_task(link.run())
             return link
+
+    async def _open_unix(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._connect_timeout_s
+        while True:
+            try:
+                return await asyncio.open_unix_connection(self.path)
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                if loop.time() >= deadline:
+                    raise PeerUnavailableError(
+                        f"no engine lane at {self.path} within "
+                        f"{self._connect_timeout_s:g}s ({exc.strerror}): is kvxfer-server "
+                        "running with this unix engine socket? (lane=False uses gRPC only)"
+                    ) from None
+                await asyncio.sleep(_RETRY_S)
 
     async def call(
         self, method: str, request: Message, reply: type[R], timeout_s: float, what: str
     ) -> R:
         link = await self._open()
-        call_id = next(self._ids)
+        call_id = self._call_id(link)
         answer: asyncio.Future[_Answer] = asyncio.get_running_loop().create_future()
         link.waiting[call_id] = answer
         try:
@@ -139,7 +183,7 @@ class Lane:
         self, method: str, request: Message, item: type[R], what: str
     ) -> AsyncIterator[R]:
         link = await self._open()
-        call_id = next(self._ids)
+        call_id = self._call_id(link)
         queue: asyncio.Queue[_Answer | None] = asyncio.Queue()
         link.streams[call_id] = queue
         ended = False

@@ -1,0 +1,328 @@
+"""The peer lane (server/peer_lane.py): a reader's per-request calls over framed TCP
+instead of gRPC, through the peer port's gate, with the same errors.
+
+Real kvxfer-server processes: pulls between two of them (which transport their
+BeginRead and EndRead took, from the serving side's `kvxfer_peer_calls_total`),
+and raw lane clients speaking to one as an anonymous or junk-sending client would.
+The mTLS side is in test_peer_security.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc.aio
+import pytest
+from sidecars import DecodeImage, engine_link, pd_sidecars, scrape, spans
+
+from kvxfer._exceptions import (
+    InvalidInputError,
+    KvxferError,
+    NotFoundError,
+    PeerUnavailableError,
+    PermissionDeniedError,
+)
+from kvxfer.cli.fleet import ChildDiedError, Fleet, Proc, metric
+from kvxfer.core.profiles import layout_for_model
+from kvxfer.core.requests import PullDone, PullStatus, TransferParams
+from kvxfer.server.peer_lane import common_name
+from kvxfer.server.peers import Dialer
+from kvxfer.server.settings import load_settings
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.errors import guarded
+from kvxfer.wire.lane import HEADER, Kind, frame, read_frame, request_payload
+from kvxfer.wire.lane_client import MAX_CALL_ID, Lane
+from kvxfer.wire.layout import layout_to_proto
+from kvxfer.wire.sidecar import hello_from_proto, hello_to_proto
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+MODEL = "gemma-3-4b-it"
+BLOCKS = {0: list(range(8)), 1: list(range(8))}
+
+
+def _calls(sidecar: Proc, method: str, transport: str) -> float:
+    return metric(scrape(sidecar), "kvxfer_peer_calls_total", method=method, transport=transport)
+
+
+async def _settled(sidecar: Proc, method: str, transport: str, count: int) -> None:
+    """Wait until `sidecar` served `count` `method` calls over `transport` (EndRead goes
+    out after PullDone)."""
+    deadline = time.monotonic() + 10
+    while _calls(sidecar, method, transport) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert _calls(sidecar, method, transport) == count
+
+
+def _lane(sidecar: Proc) -> Lane:
+    """An anonymous client of `sidecar`'s peer lane (no TLS: it serves on loopback)."""
+    port = sidecar.ready["peer_lane_port"]
+
+    async def opener() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", port)
+
+    return Lane(f"127.0.0.1:{port}", 5, opener=opener, name="peer lane")
+
+
+@pytest.mark.parametrize(
+    ("p_args", "d_args", "transport"),
+    [
+        ((), (), "lane"),
+        (("--no-lane.enabled",), (), "grpc"),  # the publisher offers no lane
+        ((), ("--no-lane.enabled",), "grpc"),  # the reader does not use lanes
+    ],
+    ids=["lane", "publisher-off", "reader-off"],
+)
+async def test_a_pull_begins_and_ends_its_read_on_the_lane_unless_a_side_turned_it_off(
+    tmp_path: Path, p_args: tuple[str, ...], d_args: tuple[str, ...], transport: str
+) -> None:
+    with pd_sidecars(tmp_path, MODEL, p_args, d_args) as pd:
+        assert (pd.p.ready["peer_lane_port"] == 0) == bool(p_args)
+        async with engine_link(pd.p, pd.pe) as (pc, _), engine_link(pd.d, pd.de) as (dc, events):
+            params = await pc.publish("lane-1", 100, spans(BLOCKS))
+            await dc.pull(params, spans(BLOCKS), 0)
+            done = await events.next()
+            assert isinstance(done, PullDone) and done.status is PullStatus.OK, done.reason
+        DecodeImage(pd.de).expect_pull(pd.pe, spans(BLOCKS), spans(BLOCKS), 100, 0, {})
+        other = "grpc" if transport == "lane" else "lane"
+        await _settled(pd.p, "EndRead", transport, 1)
+        assert _calls(pd.p, "BeginRead", transport) == 1
+        assert _calls(pd.p, "BeginRead", other) == _calls(pd.p, "EndRead", other) == 0
+        assert _calls(pd.p, "Handshake", "grpc") == 1  # always gRPC: it names the lane
+
+
+@pytest.fixture
+async def published(tmp_path: Path) -> AsyncIterator[tuple[Proc, TransferParams]]:
+    fleet = Fleet(tmp_path)
+    try:
+        p = fleet.sidecar("p")
+        pe = fleet.engine(p, MODEL, "prefill", "--num-blocks", "32", "--state-blocks", "4")
+        async with engine_link(p, pe) as (client, _):
+            yield p, await client.publish("bound", 100, spans(BLOCKS))
+    finally:
+        fleet.close()
+
+
+async def test_the_lane_binds_reads_and_refuses_as_grpc_does(
+    published: tuple[Proc, TransferParams],
+) -> None:
+    p, params = published
+    ids = {"epoch": params.epoch, "tp_rank": params.tp_rank}
+    lane = _lane(p)
+    channel = grpc.aio.insecure_channel(p.ready["peer_address"])
+    stub = pb_grpc.PeerServiceStub(channel)
+
+    async def both(
+        method: str, request: object, reply: type, grpc_call: Callable[[], Awaitable[object]]
+    ) -> tuple[BaseException | None, BaseException | None]:
+        """What each transport raised for the same call (None: it answered)."""
+        raised: list[BaseException | None] = []
+        for call in (
+            lambda: lane.call(method, request, reply, 5, method),  # type: ignore[arg-type]
+            lambda: guarded(method, grpc_call),
+        ):
+            try:
+                await call()
+                raised.append(None)
+            except KvxferError as exc:
+                raised.append(exc)
+        return raised[0], raised[1]
+
+    try:
+        # Nobody reads it yet: an anonymous heartbeat must not pin the lease, on either.
+        beat = pb.HeartbeatRequest(**ids, request_ids=["bound"], read_tokens=[""])
+        on_lane, on_grpc = await both("Heartbeat", beat, pb.HeartbeatResponse,
+                                      lambda: stub.Heartbeat(beat))  # fmt: skip
+        assert isinstance(on_lane, PermissionDeniedError) and isinstance(on_grpc, type(on_lane))
+        missing = pb.BeginReadRequest(**ids, request_id="never-published")
+        on_lane, on_grpc = await both("BeginRead", missing, pb.BeginReadResponse,
+                                      lambda: stub.BeginRead(missing))  # fmt: skip
+        assert isinstance(on_lane, NotFoundError) and isinstance(on_grpc, NotFoundError)
+        assert "never-published" in str(on_lane)
+
+        begun = await lane.call(
+            "BeginRead", pb.BeginReadRequest(**ids, request_id="bound"), pb.BeginReadResponse, 5,
+            "begin read",
+        )  # fmt: skip
+        assert len(begun.read_token) == 32 and begun.num_tokens == 100
+        end = pb.EndReadRequest(**ids, request_id="bound", reason=pb.RELEASE_REASON_CONSUMED,
+                                read_token="f" * 32)  # fmt: skip
+        with pytest.raises(PermissionDeniedError):  # not the reader's token
+            await lane.call("EndRead", end, pb.EndReadResponse, 5, "end read")
+        beat.read_tokens[0] = begun.read_token
+        renewed = await lane.call("Heartbeat", beat, pb.HeartbeatResponse, 5, "heartbeat")
+        assert list(renewed.states) == [pb.LEASE_STATE_HELD]
+        end.read_token = begun.read_token
+        await lane.call("EndRead", end, pb.EndReadResponse, 5, "end read")
+        assert _calls(p, "BeginRead", "lane") == 2 and _calls(p, "BeginRead", "grpc") == 1
+    finally:
+        await lane.close()
+        await channel.close()
+    assert "Traceback" not in p.log_text()
+
+
+async def _exchange(port: int, raw: bytes, wait_s: float = 5) -> tuple[list[object], bool]:
+    """Send raw bytes to the lane, then read frames for up to `wait_s`: the frames, and
+    whether the sidecar closed the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    got: list[object] = []
+    try:
+        writer.write(raw)
+        await writer.drain()
+        try:
+            while (item := await asyncio.wait_for(read_frame(reader), wait_s)) is not None:
+                got.append(item)
+        except TimeoutError:
+            return got, False
+        return got, True
+    finally:
+        writer.close()
+
+
+async def test_bad_requests_are_refused_by_method_and_junk_closes_only_its_connection(
+    published: tuple[Proc, TransferParams],
+) -> None:
+    p, _ = published
+    port = p.ready["peer_lane_port"]
+    lane = _lane(p)
+    try:
+        too_large = pb.BeginReadRequest(request_id="x" * 5000)  # BeginRead may use 4 KiB
+        before = metric(scrape(p), "kvxfer_refusals_total", reason="too_large")
+        with pytest.raises(InvalidInputError, match=r"PeerService/BeginRead.*exceed the 4096"):
+            await lane.call("BeginRead", too_large, pb.BeginReadResponse, 5, "begin read")
+        assert metric(scrape(p), "kvxfer_refusals_total", reason="too_large") == before + 1
+        # The lane serves the per-request calls; the handshake (and anything else) is not.
+        with pytest.raises(KvxferError, match=r"not 'Handshake'"):
+            await lane.call("Handshake", pb.HandshakeRequest(), pb.HandshakeResponse, 5, "h")
+        undecodable = frame(3, Kind.UNARY, request_payload("EndRead", b"\xff\xff\xff"))
+        ((call_id, kind, _),), closed = await _exchange(port, undecodable, wait_s=1)
+        assert (call_id, kind, closed) == (3, Kind.ERROR, False)
+        for junk in (
+            HEADER.pack(4 << 20, 1, Kind.UNARY),  # a frame no peer request can need
+            HEADER.pack(0, 1, 99),  # no such kind
+            frame(1, Kind.REPLY),  # an answer's kind, from the client
+        ):
+            got, closed = await _exchange(port, junk)
+            assert got == [] and closed, junk
+        with pytest.raises(NotFoundError):  # still serving, on the same lane client
+            await lane.call(
+                "BeginRead", pb.BeginReadRequest(request_id="nobody"), pb.BeginReadResponse, 5,
+                "begin read",
+            )  # fmt: skip
+    finally:
+        await lane.close()
+    assert "Traceback" not in p.log_text()
+
+
+async def test_a_peer_lane_nobody_serves_fails_the_call_as_unavailable() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: refused
+        dialer = Dialer(load_settings([]))
+        try:
+            lane = await dialer.lane("127.0.0.1:7500", port)
+            with pytest.raises(
+                PeerUnavailableError,
+                match=rf"cannot connect to the peer lane at 127\.0\.0\.1:{port}",
+            ):
+                await lane.call("BeginRead", pb.BeginReadRequest(), pb.BeginReadResponse, 1, "b")
+        finally:
+            await dialer.close()
+
+
+def test_a_taken_lane_port_stops_the_sidecar_naming_the_setting(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        try:
+            with pytest.raises(
+                ChildDiedError,
+                match=rf"lane\.port: cannot serve the peer lane on 127\.0\.0\.1:{port}",
+            ):
+                fleet.sidecar("p", "--lane.port", str(port))
+        finally:
+            fleet.close()
+
+
+def test_an_advertised_sidecar_needs_a_fixed_lane_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVXFER_ADVERTISE_ADDRESS", "p-0.kvxfer-prefill:7500")
+    with pytest.raises(InvalidInputError, match=r"lane\.port: peers dial the peer lane"):
+        load_settings([])
+    assert load_settings(["--lane.port", "7501"]).lane.port == 7501
+    assert not load_settings(["--no-lane.enabled"]).lane.enabled
+
+
+def test_a_handshake_naming_no_tcp_port_is_refused_by_field() -> None:
+    layout = layout_to_proto(layout_for_model(MODEL, tp_size=1, tp_rank=0, block_size=16))
+    hello = pb.HandshakeResponse(epoch=1, layout=layout, lane_port=70000)
+    with pytest.raises(InvalidInputError, match=r"handshake\.lane_port: 70000 is not a TCP port"):
+        hello_from_proto(hello, dry_run=True)
+    hello.lane_port = 7501
+    assert hello_to_proto(hello_from_proto(hello, dry_run=True)).lane_port == 7501
+
+
+async def _answering_server() -> tuple[asyncio.Server, list[int]]:
+    """A lane server that answers every call at once (an empty REPLY) and records the
+    call ids it saw."""
+    seen: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (got := await read_frame(reader)) is not None:
+            seen.append(got[0])
+            writer.write(frame(got[0], Kind.REPLY))
+        writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0), seen
+
+
+async def test_call_ids_wrap_within_a_frames_u32_and_skip_none() -> None:
+    server, seen = await _answering_server()
+    port = server.sockets[0].getsockname()[1]
+
+    async def opener() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", port)
+
+    lane = Lane("test", 5, opener=opener, name="peer lane")
+    lane._last_id = MAX_CALL_ID - 2  # as after 2**32 - 3 calls
+    try:
+        for _ in range(4):
+            await lane.call("EndRead", pb.EndReadRequest(), pb.EndReadResponse, 5, "end read")
+    finally:
+        await lane.close()
+        server.close()
+    assert seen == [MAX_CALL_ID - 1, MAX_CALL_ID, 1, 2]
+
+
+async def test_callers_waiting_for_a_connect_that_fails_fail_with_it_not_in_turn() -> None:
+    attempts = 0
+
+    async def opener() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        nonlocal attempts
+        attempts += 1
+        await asyncio.sleep(0.3)
+        raise PeerUnavailableError("cannot connect to the peer lane at 10.0.0.9:7501")
+
+    lane = Lane("10.0.0.9:7501", 5, opener=opener, name="peer lane")
+    start = time.monotonic()
+    calls = [
+        lane.call("BeginRead", pb.BeginReadRequest(), pb.BeginReadResponse, 5, "begin read")
+        for _ in range(8)
+    ]
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    assert all(isinstance(o, PeerUnavailableError) and "10.0.0.9:7501" in str(o) for o in outcomes)
+    assert attempts == 1 and time.monotonic() - start < 1.5  # not 8 x 0.3 s in turn
+
+
+def test_a_caller_is_its_certificates_first_common_name_as_over_grpc() -> None:
+    subject = ((("commonName", "kvxfer-d"),), (("organizationName", "x"),),
+               (("commonName", "aaa-other"),))  # fmt: skip
+    assert common_name({"subject": subject}) == (b"kvxfer-d",)
+    assert common_name({"subject": ((("organizationName", "x"),),)}) == ()
+    assert common_name(None) == ()
