@@ -59,8 +59,8 @@ _MAX_LABEL_CHARS = 128  # a peer's identity as a label value: bounded like engin
 # KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS instead of at the next RPC's deadline, and
 # idle connections through NAT or load balancers stay open.
 KEEPALIVE_TIME_MS = 30_000
-LANE_RETRY_S = 5.0  # after a peer lane could not be connected to, gRPC only for this long
 KEEPALIVE_TIMEOUT_MS = 10_000
+LANE_RETRY_S = 5.0  # after a peer lane could not be connected to, gRPC only for this long
 
 
 def channel_options(settings: Settings) -> list[tuple[str, int]]:
@@ -208,6 +208,8 @@ class Dialer:
         channel = self._channels.pop(address, None)
         if channel is not None:
             await channel.close()
+        for key in [k for k in self._lane_down if k[0] == address]:
+            del self._lane_down[key]
         for key in [k for k in self._lanes if k[0] == address]:
             await self._lanes.pop(key).close()
 

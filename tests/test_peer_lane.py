@@ -22,6 +22,7 @@ from sidecars import DecodeImage, engine_link, pd_sidecars, scrape, spans
 from kvxfer._exceptions import (
     InvalidInputError,
     KvxferError,
+    LaneUnreachableError,
     NotFoundError,
     PeerUnavailableError,
     PermissionDeniedError,
@@ -307,7 +308,7 @@ async def test_callers_waiting_for_a_connect_that_fails_fail_with_it_not_in_turn
         nonlocal attempts
         attempts += 1
         await asyncio.sleep(0.3)
-        raise PeerUnavailableError("cannot connect to the peer lane at 10.0.0.9:7501")
+        raise LaneUnreachableError("cannot connect to the peer lane at 10.0.0.9:7501")
 
     lane = Lane("10.0.0.9:7501", 5, opener=opener, name="peer lane")
     start = time.monotonic()
@@ -316,7 +317,7 @@ async def test_callers_waiting_for_a_connect_that_fails_fail_with_it_not_in_turn
         for _ in range(8)
     ]
     outcomes = await asyncio.gather(*calls, return_exceptions=True)
-    assert all(isinstance(o, PeerUnavailableError) and "10.0.0.9:7501" in str(o) for o in outcomes)
+    assert all(isinstance(o, LaneUnreachableError) and "10.0.0.9:7501" in str(o) for o in outcomes)
     assert attempts == 1 and time.monotonic() - start < 1.5  # not 8 x 0.3 s in turn
 
 

@@ -126,8 +126,9 @@ class Lane:
             if self._link is not None and not self._link.lost:
                 return self._link
             if self._failures != failures and self._failed is not None:
-                # An attempt failed while this call waited for it.
-                raise PeerUnavailableError(str(self._failed))
+                # An attempt failed while this call waited for it (the same kind of
+                # error: a caller may tell "nothing was sent" by it).
+                raise type(self._failed)(str(self._failed))
             try:
                 if self._opener is not None:
                     reader, writer = await self._opener()
