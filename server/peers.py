@@ -60,7 +60,12 @@ _MAX_LABEL_CHARS = 128  # a peer's identity as a label value: bounded like engin
 # idle connections through NAT or load balancers stay open.
 KEEPALIVE_TIME_MS = 30_000
 KEEPALIVE_TIMEOUT_MS = 10_000
-LANE_RETRY_S = 5.0  # after a peer lane could not be connected to, gRPC only for this long
+# After a peer lane could not be connected to, its calls go over gRPC for LANE_RETRY_S,
+# doubling while it stays unreachable up to LANE_RETRY_MAX_S: a port a firewall drops
+# costs one pull a connect timeout (at most LANE_CONNECT_S) now and then, not each.
+LANE_RETRY_S = 5.0
+LANE_RETRY_MAX_S = 300.0
+LANE_CONNECT_S = 2.0
 
 
 def channel_options(settings: Settings) -> list[tuple[str, int]]:
@@ -103,7 +108,8 @@ class Dialer:
         self._metrics = metrics
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._lanes: dict[tuple[str, int], Lane] = {}  # (peer address, its lane's port)
-        self._lane_down: dict[tuple[str, int], float] = {}  # -> when to try it again
+        # (address, lane port) -> (when to try the lane again, the pause that was)
+        self._lane_down: dict[tuple[str, int], tuple[float, float]] = {}
         self._lane_tls = client_tls(settings)
         self._credentials: grpc.ChannelCredentials | None = None
         tls = settings.tls
@@ -147,20 +153,24 @@ class Dialer:
         A lane that cannot be connected to (nothing was sent) hands the call to gRPC,
         the authoritative port, which answers for the peer as it is now (a restarted
         peer's old lane port refuses, its peer port says it restarted); the lane is
-        then skipped for LANE_RETRY_S, with one warning per outage."""
+        then skipped for LANE_RETRY_S, doubling while it stays down, with one warning
+        per outage."""
         timeout = self._settings.transfer.rpc_timeout_s
         port = link.hello.lane_port
         key = (link.address, port)
-        if port and self._settings.lane.enabled and time.monotonic() >= self._lane_down.get(key, 0):
+        down_until, _ = self._lane_down.get(key, (0.0, 0.0))
+        if port and self._settings.lane.enabled and time.monotonic() >= down_until:
             lane = await self.lane(link.address, port)
             try:
                 return await lane.call(
                     method, request, reply, timeout, f"{what} at peer {link.address}"
                 )
             except LaneUnreachableError as exc:
+                _, pause = self._lane_down.get(key, (0.0, LANE_RETRY_S / 2))
+                pause = min(pause * 2, LANE_RETRY_MAX_S)
                 if key not in self._lane_down:
                     log.warning("%s; its calls go over gRPC for now", exc)
-                self._lane_down[key] = time.monotonic() + LANE_RETRY_S
+                self._lane_down[key] = (time.monotonic() + pause, pause)
                 if self._metrics is not None:
                     self._metrics.lane_unreachable.inc()
             else:
@@ -175,6 +185,7 @@ class Dialer:
             host = address.rpartition(":")[0]
             where = f"{host}:{port}"
             tls, timeout = self._lane_tls, self._settings.transfer.rpc_timeout_s
+            connect_s = min(timeout, LANE_CONNECT_S)
 
             async def opener() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
                 bare = host.strip("[]")
@@ -183,7 +194,7 @@ class Dialer:
                         asyncio.open_connection(
                             bare, port, ssl=tls, server_hostname=bare if tls else None
                         ),
-                        timeout,
+                        connect_s,
                     )
                     keep_alive(writer)
                     return reader, writer

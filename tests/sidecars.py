@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from kvxfer.core.layout import BlockId, BlockSpan, GroupId
 from kvxfer.core.requests import EngineEvent
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.lane import Kind, read_frame
 
 
 def start_sidecar(tmp: Path, name: str, *args: str, peer_port: int = 0) -> Proc:
@@ -191,6 +192,32 @@ async def unregister(sidecar: Proc, engine: EngineSim) -> None:
     (or, when a transfer would not end, left mapped)."""
     async with EngineClient(sidecar.ready["engine_address"], engine_id=engine.engine_id) as c:
         await c.unregister()
+
+
+async def exchange(
+    connection: Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]],
+    *frames: bytes,
+    half_close: bool = False,
+    wait_s: float = 0.5,
+) -> tuple[list[tuple[int, Kind, bytes]], bool]:
+    """Send raw bytes to a lane (engine or peer) over `connection`, then read what
+    comes back for up to `wait_s`: the frames, and whether the sidecar closed it."""
+    reader, writer = await connection
+    got: list[tuple[int, Kind, bytes]] = []
+    try:
+        for raw in frames:
+            writer.write(raw)
+        await writer.drain()
+        if half_close:
+            writer.write_eof()
+        try:
+            while (item := await asyncio.wait_for(read_frame(reader), wait_s)) is not None:
+                got.append(item)
+        except TimeoutError:
+            return got, False
+        return got, True
+    finally:
+        writer.close()
 
 
 def scrape(sidecar: Proc) -> Samples:

@@ -10,13 +10,13 @@ import contextlib
 import os
 import signal
 import stat
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from google.rpc import status_pb2
-from sidecars import scrape, start_sidecar
+from sidecars import exchange, scrape, start_sidecar
 
 from kvxfer._exceptions import InvalidInputError, NotFoundError, PeerUnavailableError
 from kvxfer.cli.fleet import ChildDiedError, Fleet, Proc, metric
@@ -37,27 +37,12 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
         assert proc.stop() == 0
 
 
-async def _exchange(
+def _exchange(
     path: str, *frames: bytes, half_close: bool = False, wait_s: float = 0.5
-) -> tuple[list[tuple[int, Kind, bytes]], bool]:
-    """Send raw frames, then read what comes back for up to `wait_s`: the frames, and
-    whether the sidecar closed the connection."""
-    reader, writer = await asyncio.open_unix_connection(path)
-    got: list[tuple[int, Kind, bytes]] = []
-    try:
-        for raw in frames:
-            writer.write(raw)
-        await writer.drain()
-        if half_close:
-            writer.write_eof()
-        try:
-            while (item := await asyncio.wait_for(read_frame(reader), wait_s)) is not None:
-                got.append(item)
-        except TimeoutError:
-            return got, False
-        return got, True
-    finally:
-        writer.close()
+) -> Awaitable[tuple[list[tuple[int, Kind, bytes]], bool]]:
+    return exchange(
+        asyncio.open_unix_connection(path), *frames, half_close=half_close, wait_s=wait_s
+    )
 
 
 def test_the_lane_is_private_and_beside_the_engine_socket(sidecar: Proc) -> None:

@@ -14,10 +14,11 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc.aio
 import pytest
-from sidecars import DecodeImage, engine_link, pd_sidecars, scrape, spans
+from sidecars import DecodeImage, engine_link, exchange, pd_sidecars, scrape, spans
 
 from kvxfer._exceptions import (
     InvalidInputError,
@@ -30,8 +31,9 @@ from kvxfer._exceptions import (
 from kvxfer.cli.fleet import ChildDiedError, Fleet, Proc, metric
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
+from kvxfer.server import peers
 from kvxfer.server.peer_lane import common_name
-from kvxfer.server.peers import Dialer
+from kvxfer.server.peers import Dialer, PeerLink
 from kvxfer.server.settings import load_settings
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
@@ -167,22 +169,8 @@ async def test_the_lane_binds_reads_and_refuses_as_grpc_does(
     assert "Traceback" not in p.log_text()
 
 
-async def _exchange(port: int, raw: bytes, wait_s: float = 5) -> tuple[list[object], bool]:
-    """Send raw bytes to the lane, then read frames for up to `wait_s`: the frames, and
-    whether the sidecar closed the connection."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    got: list[object] = []
-    try:
-        writer.write(raw)
-        await writer.drain()
-        try:
-            while (item := await asyncio.wait_for(read_frame(reader), wait_s)) is not None:
-                got.append(item)
-        except TimeoutError:
-            return got, False
-        return got, True
-    finally:
-        writer.close()
+def _exchange(port: int, raw: bytes, wait_s: float = 5) -> Awaitable[tuple[list[Any], bool]]:
+    return exchange(asyncio.open_connection("127.0.0.1", port), raw, wait_s=wait_s)
 
 
 async def test_bad_requests_are_refused_by_method_and_junk_closes_only_its_connection(
@@ -327,3 +315,52 @@ def test_a_caller_is_its_certificates_first_common_name_as_over_grpc() -> None:
     assert common_name({"subject": subject}) == (b"kvxfer-d",)
     assert common_name({"subject": ((("organizationName", "x"),),)}) == ()
     assert common_name(None) == ()
+
+
+async def test_a_lane_nobody_answers_hands_its_calls_to_grpc_and_is_retried_ever_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(peers, "LANE_RETRY_S", 0.2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: refused
+        layout = layout_to_proto(layout_for_model(MODEL, tp_size=1, tp_rank=0, block_size=16))
+        hello = hello_from_proto(
+            pb.HandshakeResponse(epoch=1, layout=layout, lane_port=port), dry_run=True
+        )
+        link = PeerLink("127.0.0.1:7500", 0, hello, "agent")
+        dialer = Dialer(load_settings([]))
+        lanes, grpc_calls = 0, 0
+        real_lane = dialer.lane
+
+        async def counted_lane(address: str, lane_port: int) -> Lane:
+            nonlocal lanes
+            lanes += 1
+            return await real_lane(address, lane_port)
+
+        async def grpc_method(request: object, timeout: float) -> pb.EndReadResponse:
+            nonlocal grpc_calls  # stands in for the gRPC stub: the peer port answers
+            grpc_calls += 1
+            return pb.EndReadResponse()
+
+        monkeypatch.setattr(dialer, "lane", counted_lane)
+
+        async def call() -> None:
+            reply = await dialer.call_peer(
+                link, "EndRead", pb.EndReadRequest(), pb.EndReadResponse, grpc_method, "e"
+            )
+            assert isinstance(reply, pb.EndReadResponse)
+
+        try:
+            await call()  # the lane refuses: this call goes over gRPC
+            assert (lanes, grpc_calls) == (1, 1)
+            await call()  # within the pause: straight to gRPC
+            assert (lanes, grpc_calls) == (1, 2)
+            await asyncio.sleep(0.25)
+            await call()  # tried again after 0.2 s, refused again: the pause doubles
+            assert (lanes, grpc_calls) == (2, 3)
+            await asyncio.sleep(0.25)
+            await call()
+            assert (lanes, grpc_calls) == (2, 4)
+        finally:
+            await dialer.close()
