@@ -147,8 +147,12 @@ class LaneListener:
         if self._server is not None:
             self._server.close()
         for task, writer in list(self._connections.items()):
-            writer.transport.abort()  # no (TLS) goodbye: a client that stopped reading
-            task.cancel()  # would hold it for asyncio's 30 s TLS shutdown timeout
+            if writer.get_extra_info("ssl_object") is not None:
+                # No TLS goodbye: a client that stopped reading would hold it for
+                # asyncio's 30 s TLS shutdown timeout. (A plain connection is closed
+                # after what was written to it, events included.)
+                writer.transport.abort()
+            task.cancel()
         for task in list(self._connections):
             with contextlib.suppress(asyncio.CancelledError):
                 await task

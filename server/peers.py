@@ -66,6 +66,7 @@ KEEPALIVE_TIMEOUT_MS = 10_000
 LANE_RETRY_S = 5.0
 LANE_RETRY_MAX_S = 300.0
 LANE_CONNECT_S = 2.0
+_MAX_RETIRED_LANES = 1024
 
 
 def channel_options(settings: Settings) -> list[tuple[str, int]]:
@@ -110,6 +111,7 @@ class Dialer:
         self._lanes: dict[tuple[str, int], Lane] = {}  # (peer address, its lane's port)
         # (address, lane port) -> (when to try the lane again, the pause that was)
         self._lane_down: dict[tuple[str, int], tuple[float, float]] = {}
+        self._retired: dict[tuple[str, int], None] = {}  # ports peers left, oldest first
         self._lane_tls = client_tls(settings)
         self._credentials: grpc.ChannelCredentials | None = None
         tls = settings.tls
@@ -166,11 +168,12 @@ class Dialer:
                     method, request, reply, timeout, f"{what} at peer {link.address}"
                 )
             except LaneUnreachableError as exc:
-                _, pause = self._lane_down.get(key, (0.0, LANE_RETRY_S / 2))
-                pause = min(pause * 2, LANE_RETRY_MAX_S)
-                if key not in self._lane_down:
-                    log.warning("%s; its calls go over gRPC for now", exc)
-                self._lane_down[key] = (time.monotonic() + pause, pause)
+                until, pause = self._lane_down.get(key, (0.0, LANE_RETRY_S / 2))
+                if time.monotonic() >= until:  # not a caller that waited on the same try
+                    if not until:
+                        log.warning("%s; its calls go over gRPC for now", exc)
+                    pause = min(pause * 2, LANE_RETRY_MAX_S)
+                    self._lane_down[key] = (time.monotonic() + pause, pause)
                 if self._metrics is not None:
                     self._metrics.lane_unreachable.inc()
             else:
@@ -205,13 +208,22 @@ class Dialer:
                     ) from None
 
             lane = Lane(where, timeout, opener=opener, name=f"peer lane {where}")
+            if (address, port) in self._retired:  # a port the peer has left: no dialing
+                await lane.close()
             self._lanes[(address, port)] = lane
-            # The peer restarted on another port: its old lane goes (once, whoever
-            # awaits here: it leaves the dict before the first close is awaited).
-            stale = [k for k in self._lanes if k[0] == address and k[1] != port]
-            for old in [self._lanes.pop(k) for k in stale]:
-                await old.close()
         return lane
+
+    async def retire_lanes(self, address: str, port: int) -> None:
+        """The peer at `address` now names lane `port` (a handshake after its restart):
+        its lanes of other ports close and are not dialed again (a pull begun before
+        the restart has its old port; its calls go to gRPC, which says it restarted)."""
+        stale = [k for k in self._lanes if k[0] == address and k[1] != port]
+        for key in stale:
+            self._retired[key] = None
+            while len(self._retired) > _MAX_RETIRED_LANES:
+                del self._retired[next(iter(self._retired))]
+        for lane in [self._lanes.pop(k) for k in stale]:
+            await lane.close()
 
     async def forget(self, address: str) -> None:
         """Close the channel to a peer that has no link: params naming thousands of
@@ -396,6 +408,7 @@ class PeerLinks:
                 raise
             link = self._install(address, rank, hello, nixl_peer)
             link.agreements[engine_id] = agreement
+            await self._dialer.retire_lanes(address, hello.lane_port)
         label = self.label(address)
         self._metrics.handshakes.labels(label, "ok").inc()
         self._metrics.handshake_duration.labels(label).observe(time.perf_counter() - start)

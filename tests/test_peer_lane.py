@@ -352,15 +352,17 @@ async def test_a_lane_nobody_answers_hands_its_calls_to_grpc_and_is_retried_ever
             assert isinstance(reply, pb.EndReadResponse)
 
         try:
-            await call()  # the lane refuses: this call goes over gRPC
-            assert (lanes, grpc_calls) == (1, 1)
+            # The lane refuses: these calls go over gRPC, and the four that waited on
+            # the one refused connect pause the lane once, not four times.
+            await asyncio.gather(*(call() for _ in range(4)))
+            assert (lanes, grpc_calls) == (4, 4)
             await call()  # within the pause: straight to gRPC
-            assert (lanes, grpc_calls) == (1, 2)
+            assert (lanes, grpc_calls) == (4, 5)
             await asyncio.sleep(0.25)
             await call()  # tried again after 0.2 s, refused again: the pause doubles
-            assert (lanes, grpc_calls) == (2, 3)
+            assert (lanes, grpc_calls) == (5, 6)
             await asyncio.sleep(0.25)
             await call()
-            assert (lanes, grpc_calls) == (2, 4)
+            assert (lanes, grpc_calls) == (5, 7)
         finally:
             await dialer.close()

@@ -7,8 +7,11 @@ AdminService, as an anonymous or rogue client would.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import ssl
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -153,18 +156,21 @@ async def test_with_mtls_the_peer_lane_takes_only_an_allowed_certificate(tmp_pat
         return Lane(f"127.0.0.1:{port}", 5, opener=opener, name="peer lane")
 
     try:
-        with pytest.raises(PeerUnavailableError):  # plain frames to a TLS lane
+        # Each refused by the lane closing the connection (never a deadline: the lane
+        # answers nothing to a caller that did not present a certificate the CA signed).
+        closed = "closed the peer lane|peer lane broken"
+        with pytest.raises(PeerUnavailableError, match=closed):  # plain frames to TLS
             await begin(bare(None))
         no_certificate = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
-        with pytest.raises(PeerUnavailableError):
+        with pytest.raises(PeerUnavailableError, match=closed):
             await begin(bare(no_certificate))
-        # The allowed name, but signed by another CA: refused at the TLS handshake.
+        # The allowed name, but signed by another CA.
         forged = tmp_path / "forged"
         forged.mkdir()
         _make_pki(forged)
         other_ca = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
         other_ca.load_cert_chain(forged / "kvxfer-d.pem", forged / "kvxfer-d.key")
-        with pytest.raises(PeerUnavailableError):
+        with pytest.raises(PeerUnavailableError, match=closed):
             await begin(bare(other_ca))
         for name, expected in (
             ("kvxfer-rogue", PermissionDeniedError),
@@ -183,3 +189,38 @@ async def test_with_mtls_the_peer_lane_takes_only_an_allowed_certificate(tmp_pat
         assert metric(scrape(p), "kvxfer_refusals_total", reason="not_allowed") == 1
     finally:
         p.stop()
+
+
+_FROZEN_PEER = """
+import asyncio, ssl, sys
+context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=sys.argv[1])
+context.load_cert_chain(sys.argv[2], sys.argv[3])
+async def main():
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0, ssl=context)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+async def test_closing_a_lane_to_a_frozen_peer_does_not_wait_for_its_tls_goodbye(
+    tmp_path: Path,
+) -> None:
+    _make_pki(tmp_path)
+    peer = subprocess.Popen(
+        [sys.executable, "-c", _FROZEN_PEER, str(tmp_path / "ca.pem"),
+         str(tmp_path / "kvxfer-p.pem"), str(tmp_path / "kvxfer-p.key")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    dialer = Dialer(load_settings(["--config", _config(tmp_path, "kvxfer-d", [])]))
+    try:
+        assert peer.stdout is not None
+        port = int(peer.stdout.readline())
+        lane = await dialer.lane("127.0.0.1:7500", port)
+        await lane._open()  # connected, TLS done
+        os.kill(peer.pid, signal.SIGSTOP)  # it will never answer the close
+        # asyncio would wait 30 s for the peer's TLS close_notify; the lane cuts it off.
+        await asyncio.wait_for(dialer.close(), 10)
+    finally:
+        peer.kill()
+        peer.communicate()  # reaped, its pipe closed

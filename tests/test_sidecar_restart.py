@@ -20,7 +20,10 @@ async def test_prefill_restart_between_pulls(tmp_path: Path) -> None:
     port = free_port()
     d = start_sidecar(tmp_path, "d")
     de = start_engine(tmp_path, d, MODEL, "decode", num_blocks=64)
-    p = start_sidecar(tmp_path, "p", peer_port=port)
+    # Its peer lane on a port of its own each time (as with lane.port 0), so that the
+    # old lane port is certain to refuse after the restart.
+    lane_ports = (str(free_port()), str(free_port()))
+    p = start_sidecar(tmp_path, "p", "--lane.port", lane_ports[0], peer_port=port)
     pe = start_engine(tmp_path, p, MODEL, "prefill", num_blocks=64)
     image = DecodeImage(de)
     groups = pe.layout.groups
@@ -47,7 +50,7 @@ async def test_prefill_restart_between_pulls(tmp_path: Path) -> None:
         pe.stop()
         assert p.stop() == 0
         # The same sidecar id, as a StatefulSet pod gets back its name (KVXFER_SIDECAR_ID).
-        p = start_sidecar(tmp_path, "p", peer_port=port)
+        p = start_sidecar(tmp_path, "p", "--lane.port", lane_ports[1], peer_port=port)
         pe = start_engine(tmp_path, p, MODEL, "prefill", "--seed", "9", num_blocks=64)
         assert p.ready["epoch"] != old_epoch
         async with engine_link(p, pe) as (pc, _), engine_link(d, de) as (dc, d_events):
@@ -70,6 +73,9 @@ async def test_prefill_restart_between_pulls(tmp_path: Path) -> None:
             done = await d_events.next()
             assert isinstance(done, PullDone) and done.status is PullStatus.OK, done.reason
             image.expect_pull(pe, spans(first), dst, 150, 0, {})
+        # The new handshake named the new lane port, and the read after took it.
+        begun = metric(scrape(p), "kvxfer_peer_calls_total", method="BeginRead", transport="lane")
+        assert begun == 1
         image.check_all()
         samples = scrape(d)
         peer = "p"  # one series across the restart: the label is the peer's identity

@@ -19,7 +19,7 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError, Message
 from google.rpc import status_pb2
 
-from kvxfer._exceptions import KvxferError, PeerUnavailableError
+from kvxfer._exceptions import KvxferError, LaneUnreachableError, PeerUnavailableError
 from kvxfer.wire.errors import lane_error
 from kvxfer.wire.lane import (
     Kind,
@@ -33,6 +33,7 @@ from kvxfer.wire.loops import within
 R = TypeVar("R", bound=Message)
 _RETRY_S = 0.05
 MAX_CALL_ID = (1 << 32) - 1
+CLOSE_WAIT_S = 1.0
 _Answer = tuple[Kind, bytes]
 
 
@@ -109,6 +110,7 @@ class Lane:
         # an attempt failed fail with it, instead of each trying (and waiting) in turn.
         self._failures = 0
         self._failed: PeerUnavailableError | None = None
+        self._closed = False
 
     def _call_id(self, link: _Link) -> int:
         """The next call id: 1 to 2**32 - 1 (a frame's u32), wrapping, never one in use."""
@@ -123,6 +125,8 @@ class Lane:
             return link
         failures = self._failures
         async with self._opening:
+            if self._closed:
+                raise LaneUnreachableError(f"the {self.name} was closed")
             if self._link is not None and not self._link.lost:
                 return self._link
             if self._failures != failures and self._failed is not None:
@@ -209,6 +213,9 @@ class Lane:
                     link.send(call_id, Kind.CANCEL)
 
     async def close(self) -> None:
+        """Close the connection; the lane is not opened again. A far end that does not
+        answer the close (a frozen peer's TLS goodbye) is cut off after CLOSE_WAIT_S."""
+        self._closed = True
         link, self._link = self._link, None
         if link is None:
             return
@@ -217,8 +224,10 @@ class Lane:
             link.pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await link.pump
-        with contextlib.suppress(ConnectionError):
-            await link.writer.wait_closed()
+        try:
+            await asyncio.wait_for(link.writer.wait_closed(), CLOSE_WAIT_S)
+        except (OSError, TimeoutError):
+            link.writer.transport.abort()
 
 
 def _decoded(kind: Kind, payload: bytes, cls: type[R], what: str) -> R:
