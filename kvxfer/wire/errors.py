@@ -39,6 +39,7 @@ from kvxfer._exceptions import (
     DataPlaneError,
     InvalidInputError,
     KvxferError,
+    LaneUnreachableError,
     LayoutError,
     LeaseError,
     LimitExceededError,
@@ -88,13 +89,26 @@ def reason(cls: type[BaseException]) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).upper()
 
 
+# Errors only the side that raised them can know to be true travel as their base class:
+# a LaneUnreachableError says nothing of the call was sent, and a caller told so by a
+# peer that passed one on would send its own call again by another way.
+_LOCAL_ONLY: dict[type[KvxferError], type[KvxferError]] = {
+    LaneUnreachableError: PeerUnavailableError
+}
+
+
+def on_the_wire(cls: type[KvxferError]) -> type[KvxferError]:
+    """The class an error of `cls` arrives as at the other end of a call."""
+    return _LOCAL_ONLY.get(cls, cls)
+
+
 _INPUT_BY_REASON = {reason(cls): cls for cls in _INPUT_CLASSES}
 _OTHER_BY_REASON = {reason(cls): cls for cls in _OTHER_CLASSES}
 
 
 def error_status(exc: KvxferError, code: grpc.StatusCode) -> status_pb2.Status:
     """The rich status a servicer ends a call with when `exc` was raised."""
-    info = error_details_pb2.ErrorInfo(reason=reason(type(exc)), domain=DOMAIN)
+    info = error_details_pb2.ErrorInfo(reason=reason(on_the_wire(type(exc))), domain=DOMAIN)
     details: list[error_details_pb2.BadRequest | error_details_pb2.PreconditionFailure] = []
     if isinstance(exc, InvalidInputError):
         info.metadata["field"] = exc.field
