@@ -21,7 +21,6 @@ is off here, or the sidecar predates it) uses gRPC for everything.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -35,8 +34,6 @@ from kvxfer.server.servicers import PeerServicer
 from kvxfer.server.settings import Settings
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.wire.lane import keep_alive
-
-log = logging.getLogger(__name__)
 
 SERVICE = "/kvxfer.v1.PeerService/"
 REQUESTS: dict[str, type[Message]] = {
@@ -83,7 +80,6 @@ class PeerLane(LaneListener):
         # One client's calls beyond the gate's limit would be refused anyway: beyond it
         # its connection waits (backpressure) instead of piling up tasks and answers.
         self.max_calls_per_connection = settings.limits.max_calls_per_peer
-        self.port = 0
 
     async def start(self, host: str) -> int:
         """Listen on `host` (the peer port's) at `lane.port`; the port it got."""
@@ -98,8 +94,8 @@ class PeerLane(LaneListener):
                 f"cannot serve the peer lane on {host}:{port}: {exc.strerror or exc} (is "
                 "something else listening there? lane.port 0 takes any free port)",
             ) from exc
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self.port
+        bound: int = self._server.sockets[0].getsockname()[1]
+        return bound
 
     def context(self, writer: asyncio.StreamWriter) -> LaneContext:
         """Once per connection: who is calling, and keepalive on its socket."""

@@ -146,7 +146,6 @@ class Dialer:
         method: str,
         request: Message,
         reply: type[R],
-        grpc_method: Callable[..., Awaitable[R]],
         what: str,
     ) -> R:
         """One per-request PeerService call: over the peer's lane when its handshake
@@ -178,7 +177,9 @@ class Dialer:
                     self._metrics.lane_unreachable.inc()
             else:
                 self._lane_down.pop(key, None)
-        return await self.call(link.address, what, lambda: grpc_method(request, timeout=timeout))
+        # The stub is built only here: a call the lane carries needs none.
+        rpc: Callable[..., Awaitable[R]] = getattr(self.stub(link.address), method)
+        return await self.call(link.address, what, lambda: rpc(request, timeout=timeout))
 
     async def lane(self, address: str, port: int) -> Lane:
         """The lane to the peer at `address` whose handshake named `port` (mTLS when
@@ -461,12 +462,11 @@ class PeerLinks:
     async def begin_read(
         self, link: PeerLink, request_id: str, reader_id: str
     ) -> pb.BeginReadResponse:
-        stub = self._dialer.stub(link.address)
         request = pb.BeginReadRequest(
             epoch=link.epoch, tp_rank=link.tp_rank, request_id=request_id, reader_id=reader_id
         )
         reply = await self._dialer.call_peer(
-            link, "BeginRead", request, pb.BeginReadResponse, stub.BeginRead, "begin read"
+            link, "BeginRead", request, pb.BeginReadResponse, "begin read"
         )
         self._keep_token(link, request_id, reply.read_token)
         return reply
@@ -476,12 +476,11 @@ class PeerLinks:
     ) -> pb.BeginWriteResponse:
         """Bind an expected request at the peer to this writer (push); its write token is
         kept like a read token, so heartbeats renew the destination lease the same way."""
-        stub = self._dialer.stub(link.address)
         request = pb.BeginWriteRequest(
             epoch=link.epoch, tp_rank=link.tp_rank, request_id=request_id, writer_id=writer_id
         )
         reply = await self._dialer.call_peer(
-            link, "BeginWrite", request, pb.BeginWriteResponse, stub.BeginWrite, "begin write"
+            link, "BeginWrite", request, pb.BeginWriteResponse, "begin write"
         )
         self._keep_token(link, request_id, reply.write_token)
         return reply
@@ -492,13 +491,12 @@ class PeerLinks:
         self._read_tokens[(link.address, link.tp_rank, request_id)] = token
 
     async def heartbeat(self, link: PeerLink, request_id: str) -> int:
-        stub = self._dialer.stub(link.address)
         token = self._read_tokens.get((link.address, link.tp_rank, request_id), "")
         request = pb.HeartbeatRequest(
             epoch=link.epoch, tp_rank=link.tp_rank, request_ids=[request_id], read_tokens=[token]
         )
         reply = await self._dialer.call_peer(
-            link, "Heartbeat", request, pb.HeartbeatResponse, stub.Heartbeat, "heartbeat"
+            link, "Heartbeat", request, pb.HeartbeatResponse, "heartbeat"
         )
         return reply.states[0] if reply.states else pb.LEASE_STATE_UNKNOWN
 
@@ -507,24 +505,18 @@ class PeerLinks:
         caller's retry presents it again."""
         key = (link.address, link.tp_rank, request.request_id)
         request.read_token = self._read_tokens.get(key, "")
-        stub = self._dialer.stub(link.address)
         await self._ending(
             key,
-            self._dialer.call_peer(
-                link, "EndRead", request, pb.EndReadResponse, stub.EndRead, "end read"
-            ),
+            self._dialer.call_peer(link, "EndRead", request, pb.EndReadResponse, "end read"),
         )
 
     async def end_write(self, link: PeerLink, request: pb.EndWriteRequest) -> pb.EndWriteResponse:
         """End the write (push), as `end_read` ends a read."""
         key = (link.address, link.tp_rank, request.request_id)
         request.write_token = self._read_tokens.get(key, "")
-        stub = self._dialer.stub(link.address)
         return await self._ending(
             key,
-            self._dialer.call_peer(
-                link, "EndWrite", request, pb.EndWriteResponse, stub.EndWrite, "end write"
-            ),
+            self._dialer.call_peer(link, "EndWrite", request, pb.EndWriteResponse, "end write"),
         )
 
     async def _ending(self, key: tuple[str, int, str], call: Awaitable[T]) -> T:

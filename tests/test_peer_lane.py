@@ -338,16 +338,18 @@ async def test_a_lane_nobody_answers_hands_its_calls_to_grpc_and_is_retried_ever
             lanes += 1
             return await real_lane(address, lane_port)
 
-        async def grpc_method(request: object, timeout: float) -> pb.EndReadResponse:
-            nonlocal grpc_calls  # stands in for the gRPC stub: the peer port answers
-            grpc_calls += 1
-            return pb.EndReadResponse()
+        class Stub:  # stands in for the gRPC stub: the peer port answers
+            async def EndRead(self, request: object, timeout: float) -> pb.EndReadResponse:
+                nonlocal grpc_calls
+                grpc_calls += 1
+                return pb.EndReadResponse()
 
         monkeypatch.setattr(dialer, "lane", counted_lane)
+        monkeypatch.setattr(dialer, "stub", lambda address: Stub())
 
         async def call() -> None:
             reply = await dialer.call_peer(
-                link, "EndRead", pb.EndReadRequest(), pb.EndReadResponse, grpc_method, "e"
+                link, "EndRead", pb.EndReadRequest(), pb.EndReadResponse, "e"
             )
             assert isinstance(reply, pb.EndReadResponse)
 
