@@ -13,7 +13,9 @@ engine id it returns is what every lane call names.
 One connection carries any number of concurrent calls; a stream (WatchEvents)
 runs until the sidecar ends it, the engine cancels it or the connection closes.
 A connection that breaks the framing is closed and logged; the sidecar keeps
-serving every other.
+serving every other. A lane with a connection limit (the peer lane's
+`limits.max_lane_connections`) turns a connection beyond it away before reading
+any of its calls: an ERROR frame on call id 0, then the connection closes.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from kvxfer.server.servicers import EngineServicer
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.wire.errors import DETAILS_TRAILER
 from kvxfer.wire.lane import (
+    CONNECTION_ID,
     MAX_PAYLOAD_BYTES,
     Kind,
     LaneProtocolError,
@@ -61,6 +64,9 @@ UNARY_REQUESTS: dict[str, type[Message]] = {
     "Unregister": pb.UnregisterRequest,
 }
 STREAM_REQUESTS: dict[str, type[Message]] = {"WatchEvents": pb.WatchEventsRequest}
+# How long a turned-away connection is read (and what it sent dropped) until its client
+# closes it: closing with its bytes unread would reset it, and the refusal with it.
+TURN_AWAY_S = 1.0
 
 
 class _Aborted(grpc.aio.AbortError):
@@ -111,22 +117,39 @@ class LaneListener:
     # Calls one connection runs at once; beyond, it is not read until one ends. An
     # engine's one connection carries all its pulls' calls (each answered at once).
     max_calls_per_connection = 4096
+    # Connections served at once (None: no limit); one beyond is turned away.
+    max_connections: int | None = None
 
     def __init__(self) -> None:
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._serving = 0  # of those, the ones not turned away
         self._last_log = -LOG_EVERY_S
         self._unlogged = 0
 
     def broken(self, exc: LaneProtocolError) -> None:
-        """A connection broke the framing and was closed: logged at most once per
-        LOG_EVERY_S (a client sending junk must not flood the log)."""
+        """A connection broke the framing and was closed."""
+        self._warn(f"{self.name} connection closed: {exc}")
+
+    def turned_away(self) -> str:
+        """A connection beyond `max_connections` is being refused: counted and logged
+        (a subclass counts it too); what its client is told."""
+        reason = (
+            f"the {self.name} serves at most {self.max_connections} connections at once "
+            "and refused this one before running any call of it"
+        )
+        self._warn(f"{self.name}: a connection turned away ({reason})")
+        return reason
+
+    def _warn(self, message: str) -> None:
+        """At most one line per LOG_EVERY_S: a client sending junk, or opening
+        connections without end, must not flood the log."""
         now = time.monotonic()
         if now - self._last_log < LOG_EVERY_S:
             self._unlogged += 1
             return
         more = f" ({self._unlogged} more since the last line)" if self._unlogged else ""
-        log.warning("%s connection closed: %s%s", self.name, exc, more)
+        log.warning("%s%s", message, more)
         self._last_log, self._unlogged = now, 0
 
     def context(self, writer: asyncio.StreamWriter) -> LaneContext:
@@ -164,9 +187,29 @@ class LaneListener:
         assert task is not None
         self._connections[task] = writer
         try:
-            await _Connection(self, reader, writer).serve()
+            if self.max_connections is not None and self._serving >= self.max_connections:
+                await _turn_away(reader, writer, self.turned_away())
+                return
+            self._serving += 1
+            try:
+                await _Connection(self, reader, writer).serve()
+            finally:
+                self._serving -= 1
         finally:
             self._connections.pop(task, None)
+
+
+async def _turn_away(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, why: str) -> None:
+    """Refuse a connection before reading any call of it: RESOURCE_EXHAUSTED on call id
+    0, which no call uses (so its client knows none of its calls ran), then close it."""
+    status = status_pb2.Status(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message=why)
+    writer.write(frame(CONNECTION_ID, Kind.ERROR, status.SerializeToString()))
+    with contextlib.suppress(OSError, TimeoutError):
+        async with asyncio.timeout(TURN_AWAY_S):
+            await writer.drain()
+            while await reader.read(1 << 16):  # until the client has it and closes
+                pass
+    writer.transport.abort()  # no TLS goodbye either: nothing more is owed
 
 
 class EngineLane(LaneListener):
@@ -258,6 +301,8 @@ class _Connection:
                 await self._writer.wait_closed()
 
     def _dispatch(self, call_id: int, kind: Kind, payload: bytes) -> None:
+        if call_id == CONNECTION_ID:
+            raise LaneProtocolError(f"call id {CONNECTION_ID} is the connection's, not a call's")
         if kind is Kind.CANCEL:
             task = self._calls.get(call_id)
             if task is not None:

@@ -86,7 +86,7 @@ async def serve(settings: Settings) -> int:
         interceptors=[guard],
     )
     # The per-request peer calls without gRPC, through the same gate (peer_lane.py).
-    peer_lane = PeerLane(peer_servicer, guard, settings)
+    peer_lane = PeerLane(peer_servicer, guard, settings, metrics)
     engine_servicer = EngineServicer(sidecar)
     engine = _server(
         settings,

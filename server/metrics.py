@@ -54,7 +54,13 @@ _DESCRIPTOR_BUCKETS = tuple(float(1 << (2 * i)) for i in range(12))
 # Label values known in advance: their series exist from the start, at zero.
 HANDSHAKE_RESULTS = ("ok", "refused", "error")
 # Why a port guard refused a call (kvxfer.server.guard).
-REFUSAL_REASONS = ("too_large", "undecodable", "not_allowed", "too_many_calls")
+REFUSAL_REASONS = (
+    "too_large",
+    "undecodable",
+    "not_allowed",
+    "too_many_calls",
+    "too_many_connections",
+)
 SERVICES = ("peer", "engine", "metrics")
 # What the peer port's guard passes (PeerService and AdminService calls on the peer port).
 PEER_METHODS = (
@@ -259,7 +265,8 @@ class Metrics:
         )
         self.refusals = Counter(
             "kvxfer_refusals",
-            "Calls the port guards refused before any servicer ran, by reason",
+            "Calls the port guards refused before any servicer ran, by reason "
+            "(too_many_connections: peer lane connections, each before any call of it ran)",
             ["reason"],
             registry=r,
         )
@@ -273,7 +280,8 @@ class Metrics:
         self.lane_unreachable = Counter(
             "kvxfer_peer_lane_unreachable",
             "Peer calls that went over gRPC because the peer lane their peer's handshake "
-            "named could not be connected to (a restarted peer, or a port not forwarded)",
+            "named could not be connected to (a restarted peer, or a port not forwarded) or "
+            "turned the connection away (its limits.max_lane_connections)",
             registry=r,
         )
         self.active = ActiveClock()

@@ -12,6 +12,12 @@ the lane requires a client certificate the CA signed and names the caller by
 its common name, as gRPC's auth context does; without, it listens only where
 the peer port may listen without TLS (settings refuse the rest).
 
+A peer sidecar keeps one connection to it. At most
+`limits.max_lane_connections` are served at once: one beyond is turned away
+before any of its calls is read (counted as a `too_many_connections`
+refusal), and its caller, told so, makes those calls over gRPC. With TLS, a
+client has `transfer.rpc_timeout_s` to finish its handshake.
+
 It serves the per-request calls only (BeginRead, Heartbeat, EndRead,
 BeginWrite, EndWrite). The handshake stays on gRPC: it tells the peer this
 lane's port (`HandshakeResponse.lane_port`), and a peer that got 0 (the lane
@@ -29,6 +35,7 @@ from google.protobuf.message import Message
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.server.guard import MAX_REQUEST_BYTES, PeerPortGuard, checked_decode
 from kvxfer.server.lane import LaneContext, LaneListener, unimplemented
+from kvxfer.server.metrics import Metrics
 from kvxfer.server.peer_tls import server_tls
 from kvxfer.server.servicers import PeerServicer
 from kvxfer.server.settings import Settings
@@ -72,21 +79,38 @@ class PeerLane(LaneListener):
     # refused by the gate, as over gRPC), its method name within 256 bytes.
     max_frame_bytes = max(MAX_REQUEST_BYTES[SERVICE + m] for m in REQUESTS) + 256
 
-    def __init__(self, servicer: PeerServicer, guard: PeerPortGuard, settings: Settings) -> None:
+    def __init__(
+        self, servicer: PeerServicer, guard: PeerPortGuard, settings: Settings, metrics: Metrics
+    ) -> None:
         super().__init__()
         self._servicer = servicer
         self._guard = guard
         self._settings = settings
+        self._metrics = metrics
         # One client's calls beyond the gate's limit would be refused anyway: beyond it
         # its connection waits (backpressure) instead of piling up tasks and answers.
         self.max_calls_per_connection = settings.limits.max_calls_per_peer
+        # A peer sidecar keeps one connection; a client opening them without end is
+        # turned away beyond this, and a peer turned away calls over gRPC.
+        self.max_connections = settings.limits.max_lane_connections
+
+    def turned_away(self) -> str:
+        self._metrics.refusals.labels("too_many_connections").inc()
+        return f"limits.max_lane_connections: {super().turned_away()}"
 
     async def start(self, host: str) -> int:
         """Listen on `host` (the peer port's) at `lane.port`; the port it got."""
         port = self._settings.lane.port
         try:
+            tls = server_tls(self._settings)
             self._server = await asyncio.start_server(
-                self._accept, host=host.strip("[]"), port=port, ssl=server_tls(self._settings)
+                self._accept,
+                host=host.strip("[]"),
+                port=port,
+                ssl=tls,
+                # A client that has not finished its TLS handshake within a peer call's
+                # deadline could not have made a call in time: it holds no socket longer.
+                ssl_handshake_timeout=self._settings.transfer.rpc_timeout_s if tls else None,
             )
         except OSError as exc:
             raise InvalidInputError(

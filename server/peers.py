@@ -151,8 +151,9 @@ class Dialer:
         """One per-request PeerService call: over the peer's lane when its handshake
         named one (and `lane.enabled`), else over gRPC; the same errors either way.
 
-        A lane that cannot be connected to (nothing was sent) hands the call to gRPC,
-        the authoritative port, which answers for the peer as it is now (a restarted
+        A lane that cannot be connected to, or that turned the connection away at its
+        limit (either way nothing of the call ran), hands the call to gRPC, the
+        authoritative port, which answers for the peer as it is now (a restarted
         peer's old lane port refuses, its peer port says it restarted); the lane is
         then skipped for LANE_RETRY_S, doubling while it stays down, with one warning
         per outage."""

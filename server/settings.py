@@ -128,6 +128,14 @@ class LimitSettings(_Group):
         description="PeerService/AdminService calls one client (certificate, or host "
         "without TLS) runs at once",
     )
+    max_lane_connections: int = Field(
+        1024,
+        ge=1,
+        le=65536,
+        description="peer lane connections served at once (a peer sidecar uses one); "
+        "beyond, a connection is refused before any of its calls runs and its caller "
+        "uses gRPC",
+    )
     max_heartbeat_ids: int = Field(
         4096, ge=1, le=1 << 20, description="request ids in one Heartbeat"
     )

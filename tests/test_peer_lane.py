@@ -195,6 +195,7 @@ async def test_bad_requests_are_refused_by_method_and_junk_closes_only_its_conne
             HEADER.pack(4 << 20, 1, Kind.UNARY),  # a frame no peer request can need
             HEADER.pack(0, 1, 99),  # no such kind
             frame(1, Kind.REPLY),  # an answer's kind, from the client
+            frame(0, Kind.UNARY, request_payload("EndRead", b"")),  # the connection's id
         ):
             got, closed = await _exchange(port, junk)
             assert got == [] and closed, junk
@@ -206,6 +207,57 @@ async def test_bad_requests_are_refused_by_method_and_junk_closes_only_its_conne
     finally:
         await lane.close()
     assert "Traceback" not in p.log_text()
+
+
+async def test_a_connection_beyond_the_lane_limit_is_turned_away_and_its_peer_uses_grpc(
+    tmp_path: Path,
+) -> None:
+    with pd_sidecars(tmp_path, MODEL, ("--limits.max-lane-connections", "1")) as pd:
+        nobody = pb.BeginReadRequest(request_id="nobody")
+        held, refused = _lane(pd.p), _lane(pd.p)
+        try:
+            with pytest.raises(NotFoundError):  # served: it holds the one connection
+                await held.call("BeginRead", nobody, pb.BeginReadResponse, 5, "begin read")
+            with pytest.raises(
+                LaneUnreachableError,  # none of its calls ran: a caller may call again
+                match=r"refused: limits\.max_lane_connections: the peer lane serves at most 1",
+            ):
+                await refused.call("BeginRead", nobody, pb.BeginReadResponse, 5, "begin read")
+            assert metric(scrape(pd.p), "kvxfer_refusals_total", reason="too_many_connections") == 1
+            assert _calls(pd.p, "BeginRead", "lane") == 1
+
+            # A peer turned away reads all the same, its calls over gRPC.
+            async with (
+                engine_link(pd.p, pd.pe) as (pc, _),
+                engine_link(pd.d, pd.de) as (dc, events),
+            ):
+                params = await pc.publish("over-grpc", 100, spans(BLOCKS))
+                await dc.pull(params, spans(BLOCKS), 0)
+                done = await events.next()
+                assert isinstance(done, PullDone) and done.status is PullStatus.OK, done.reason
+            DecodeImage(pd.de).expect_pull(pd.pe, spans(BLOCKS), spans(BLOCKS), 100, 0, {})
+            await _settled(pd.p, "EndRead", "grpc", 1)
+            assert _calls(pd.p, "BeginRead", "grpc") == 1 and _calls(pd.p, "BeginRead", "lane") == 1
+            assert metric(scrape(pd.d), "kvxfer_peer_lane_unreachable_total") == 1
+            assert "its calls go over gRPC for now" in pd.d.log_text()
+
+            # The connection served still is; once it closes, the next is served.
+            with pytest.raises(NotFoundError):
+                await held.call("BeginRead", nobody, pb.BeginReadResponse, 5, "begin read")
+            await held.close()
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    await refused.call("BeginRead", nobody, pb.BeginReadResponse, 5, "b")
+                except LaneUnreachableError:  # the closed one may not have ended there yet
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+                except NotFoundError:
+                    break
+        finally:
+            await held.close()
+            await refused.close()
+        assert "turned away" in pd.p.log_text() and "Traceback" not in pd.p.log_text()
 
 
 async def test_a_peer_lane_nobody_serves_fails_the_call_as_unavailable() -> None:

@@ -7,6 +7,7 @@ AdminService, as an anonymous or rogue client would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import ssl
@@ -189,6 +190,34 @@ async def test_with_mtls_the_peer_lane_takes_only_an_allowed_certificate(tmp_pat
         assert metric(scrape(p), "kvxfer_refusals_total", reason="not_allowed") == 1
     finally:
         p.stop()
+
+
+async def test_with_mtls_a_lane_client_that_never_ends_its_handshake_is_closed(
+    tmp_path: Path,
+) -> None:
+    _make_pki(tmp_path)
+    config = _config(tmp_path, "kvxfer-p", [])
+    p = start_sidecar(tmp_path, "p", "--config", config, "--transfer.rpc-timeout-s", "1")
+    port = p.ready["peer_lane_port"]
+    try:
+        # A TCP connection that never says hello: asyncio's own default holds one 60 s,
+        # the lane as long as a peer call's deadline.
+        silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        for reader, writer in silent:
+            with contextlib.suppress(ConnectionResetError):  # closed too, by a reset
+                assert await asyncio.wait_for(reader.read(), 20) == b""
+            writer.close()
+        dialer = Dialer(load_settings(["--config", _config(tmp_path, "kvxfer-d", [])]))
+        try:  # and the lane still serves
+            lane = await dialer.lane(p.ready["peer_address"], port)
+            with pytest.raises(NotFoundError):
+                request = pb.BeginReadRequest(epoch=p.ready["epoch"], request_id="nobody")
+                await lane.call("BeginRead", request, pb.BeginReadResponse, 5, "begin read")
+        finally:
+            await dialer.close()
+    finally:
+        p.stop()
+    assert "Traceback" not in p.log_text()
 
 
 _FROZEN_PEER = """

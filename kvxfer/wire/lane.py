@@ -14,6 +14,10 @@ ITEMs then END for a stream, or one ERROR whose payload is the google.rpc
 Status the gRPC path puts in its `grpc-status-details-bin` trailer (so a
 failure maps to the same kvxfer error on both). CANCEL ends a stream early.
 A frame that breaks these rules closes the connection.
+
+Call ids start at 1. An ERROR on call id 0 comes from the serving end, at most
+once and first: it refused the connection (a limit of connections) without
+reading a call of it, and closes it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import struct
 from kvxfer._exceptions import InvalidInputError
 
 HEADER = struct.Struct("!IIB")
+CONNECTION_ID = 0  # the call id of a frame about the connection, not a call
 MAX_PAYLOAD_BYTES = 64 << 20  # as the gRPC channels' message limit
 LANE_SUFFIX = ".lane"
 

@@ -6,7 +6,8 @@ another (TCP, with the peer port's mTLS: server/peer_lane.py) are both this.
 A call that fails at the far end raises the same kvxfer error as over gRPC; a
 call with no answer by its deadline raises `PeerUnavailableError` (and is
 cancelled at the sidecar); a lost connection fails every call on it, and the
-next call connects again.
+next call connects again. A connection the far end turned away (its limit of
+connections) fails its calls with `LaneUnreachableError`: none of them ran.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from google.rpc import status_pb2
 from kvxfer._exceptions import KvxferError, LaneUnreachableError, PeerUnavailableError
 from kvxfer.wire.errors import lane_error
 from kvxfer.wire.lane import (
+    CONNECTION_ID,
     Kind,
     LaneProtocolError,
     frame,
@@ -48,11 +50,16 @@ class _Link:
         self.streams: dict[int, asyncio.Queue[_Answer | None]] = {}
         self.pump: asyncio.Task[None] | None = None
         self.lost = ""
+        self.turned_away = False  # by the far end, before it read any call
 
     async def run(self) -> None:
         try:
             while (got := await read_frame(self.reader)) is not None:
                 call_id, kind, payload = got
+                if call_id == CONNECTION_ID and kind is Kind.ERROR:
+                    self.lost = f"{self.name} refused: {_status(payload).message}"
+                    self.turned_away = True
+                    return
                 # A stream's frames after the engine cancelled it are dropped.
                 streamed = kind is Kind.ERROR and call_id in self.streams
                 if kind in (Kind.ITEM, Kind.END) or streamed:
@@ -71,14 +78,17 @@ class _Link:
         finally:
             if not self.lost:
                 self.lost = f"the {self.name} was closed"
+            error = LaneUnreachableError if self.turned_away else PeerUnavailableError
             for future in self.waiting.values():
                 if not future.done():
-                    future.set_exception(PeerUnavailableError(self.lost))
+                    future.set_exception(error(self.lost))
             for queue in self.streams.values():
                 queue.put_nowait(None)
             self.writer.close()
 
     def send(self, call_id: int, kind: Kind, payload: bytes = b"") -> None:
+        if self.turned_away:
+            raise LaneUnreachableError(self.lost)
         if self.lost or self.writer.is_closing():
             raise PeerUnavailableError(self.lost or f"the {self.name} was closed")
         self.writer.write(frame(call_id, kind, payload))
@@ -178,8 +188,8 @@ class Lane:
             raise PeerUnavailableError(
                 f"{what}: unreachable (DEADLINE_EXCEEDED: no answer within {timeout_s:g}s)"
             ) from None
-        except PeerUnavailableError as exc:
-            raise PeerUnavailableError(f"{what}: {exc}") from None
+        except PeerUnavailableError as exc:  # LaneUnreachableError stays one: not sent
+            raise type(exc)(f"{what}: {exc}") from None
         finally:
             link.waiting.pop(call_id, None)
         return _decoded(kind, payload, reply, what)
@@ -228,6 +238,13 @@ class Lane:
             await asyncio.wait_for(link.writer.wait_closed(), CLOSE_WAIT_S)
         except (OSError, TimeoutError):
             link.writer.transport.abort()
+
+
+def _status(payload: bytes) -> status_pb2.Status:
+    try:
+        return status_pb2.Status.FromString(payload)
+    except DecodeError:
+        raise LaneProtocolError("a refusal of the connection that does not decode") from None
 
 
 def _decoded(kind: Kind, payload: bytes, cls: type[R], what: str) -> R:
