@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import grpc
+import grpc.aio
 import pytest
 from prometheus_client import generate_latest
 from sidecars import engine_link, scrape, spans, start_engine, start_sidecar
@@ -24,9 +25,11 @@ from kvxfer._exceptions import NegotiationError, PeerUnavailableError
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.dataplane.adapter import TransferBackend
 from kvxfer.server.guard import PeerPortGuard
+from kvxfer.server.lane import LaneContext
 from kvxfer.server.metrics import ActiveClock, Metrics
 from kvxfer.server.peers import Dialer, PeerLinks
 from kvxfer.server.settings import load_settings
+from kvxfer.v1 import sidecar_pb2 as pb
 
 MODEL = "gemma-3-4b-it"
 
@@ -237,3 +240,38 @@ async def test_calls_per_client_are_bounded() -> None:
     release.set()
     assert await asyncio.gather(*running, other) == ["done"] * 3
     assert await call(b"", a) == "done"
+
+
+async def test_a_clients_calls_are_counted_across_grpc_and_the_peer_lane() -> None:
+    """limits.max_calls_per_peer bounds a client's calls on both transports together:
+    the lane's calls go through the same gate (`PeerPortGuard.run`) as gRPC's."""
+    release = asyncio.Event()
+
+    async def slow(request: object, context: object) -> str:
+        await release.wait()
+        return "done"
+
+    metrics = Metrics()
+    settings = load_settings(["--limits.max-calls-per-peer", "2"], environ={})
+    guard = PeerPortGuard(settings, metrics)
+    method = "/kvxfer.v1.PeerService/BeginRead"
+    request = pb.BeginReadRequest(request_id="r")
+
+    def on(transport: str, port: int) -> Any:
+        context = LaneContext(peer=f"ipv4:10.0.0.1:{port}")  # one host, new connections
+        return guard.run(method, request, cast(Any, context), slow, transport=transport)
+
+    running = [asyncio.create_task(on("grpc", 5000)), asyncio.create_task(on("lane", 5001))]
+    await asyncio.sleep(0)
+    for transport in ("lane", "grpc"):
+        with pytest.raises(grpc.aio.AbortError) as refused:
+            await on(transport, 5002)
+        status = cast(Any, refused.value).status
+        assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert "limits.max_calls_per_peer: 2 calls from ipv4:10.0.0.1" in status.message
+    release.set()
+    assert await asyncio.gather(*running) == ["done"] * 2
+    assert await on("lane", 5003) == "done"  # slots freed on both
+    counted = {t: metrics.peer_calls.labels("BeginRead", t)._value.get() for t in ("grpc", "lane")}
+    assert counted == {"grpc": 1, "lane": 2}
+    assert metrics.refusals.labels("too_many_calls")._value.get() == 2
