@@ -67,6 +67,9 @@ STREAM_REQUESTS: dict[str, type[Message]] = {"WatchEvents": pb.WatchEventsReques
 # How long a turned-away connection is read (and what it sent dropped) until its client
 # closes it: closing with its bytes unread would reset it, and the refusal with it.
 TURN_AWAY_S = 1.0
+# Connections being turned away at once; beyond, one is closed at once, unanswered (a
+# client opening them faster than that gets no courtesy, and holds no socket for it).
+MAX_TURNING_AWAY = 64
 
 
 class _Aborted(grpc.aio.AbortError):
@@ -124,12 +127,13 @@ class LaneListener:
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._serving = 0  # of those, the ones not turned away
-        self._last_log = -LOG_EVERY_S
-        self._unlogged = 0
+        self._turning_away = 0  # and the ones being turned away
+        self._last_log: dict[str, float] = {}  # by kind of warning
+        self._unlogged: dict[str, int] = {}
 
     def broken(self, exc: LaneProtocolError) -> None:
         """A connection broke the framing and was closed."""
-        self._warn(f"{self.name} connection closed: {exc}")
+        self._warn("broken", f"{self.name} connection closed: {exc}")
 
     def turned_away(self) -> str:
         """A connection beyond `max_connections` is being refused: counted and logged
@@ -138,19 +142,20 @@ class LaneListener:
             f"the {self.name} serves at most {self.max_connections} connections at once "
             "and refused this one before running any call of it"
         )
-        self._warn(f"{self.name}: a connection turned away ({reason})")
+        self._warn("turned away", f"{self.name}: a connection turned away ({reason})")
         return reason
 
-    def _warn(self, message: str) -> None:
-        """At most one line per LOG_EVERY_S: a client sending junk, or opening
-        connections without end, must not flood the log."""
+    def _warn(self, kind: str, message: str) -> None:
+        """At most one line of each `kind` per LOG_EVERY_S: a client sending junk, or
+        opening connections without end, must not flood the log (nor hide the other)."""
         now = time.monotonic()
-        if now - self._last_log < LOG_EVERY_S:
-            self._unlogged += 1
+        if now - self._last_log.get(kind, -LOG_EVERY_S) < LOG_EVERY_S:
+            self._unlogged[kind] = self._unlogged.get(kind, 0) + 1
             return
-        more = f" ({self._unlogged} more since the last line)" if self._unlogged else ""
+        unlogged = self._unlogged.pop(kind, 0)
+        more = f" ({unlogged} more since the last line)" if unlogged else ""
         log.warning("%s%s", message, more)
-        self._last_log, self._unlogged = now, 0
+        self._last_log[kind] = now
 
     def context(self, writer: asyncio.StreamWriter) -> LaneContext:
         return LaneContext()
@@ -188,7 +193,7 @@ class LaneListener:
         self._connections[task] = writer
         try:
             if self.max_connections is not None and self._serving >= self.max_connections:
-                await _turn_away(reader, writer, self.turned_away())
+                await self._turn_away(reader, writer)
                 return
             self._serving += 1
             try:
@@ -198,18 +203,30 @@ class LaneListener:
         finally:
             self._connections.pop(task, None)
 
-
-async def _turn_away(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, why: str) -> None:
-    """Refuse a connection before reading any call of it: RESOURCE_EXHAUSTED on call id
-    0, which no call uses (so its client knows none of its calls ran), then close it."""
-    status = status_pb2.Status(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message=why)
-    writer.write(frame(CONNECTION_ID, Kind.ERROR, status.SerializeToString()))
-    with contextlib.suppress(OSError, TimeoutError):
-        async with asyncio.timeout(TURN_AWAY_S):
-            await writer.drain()
-            while await reader.read(1 << 16):  # until the client has it and closes
-                pass
-    writer.transport.abort()  # no TLS goodbye either: nothing more is owed
+    async def _turn_away(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Refuse a connection before reading any call of it: RESOURCE_EXHAUSTED on call
+        id 0, which no call uses (so its client knows none of its calls ran), then close
+        it (no TLS goodbye either: nothing more is owed), even when the sidecar shuts
+        down meanwhile."""
+        why = self.turned_away()
+        if self._turning_away >= MAX_TURNING_AWAY:
+            writer.transport.abort()
+            return
+        self._turning_away += 1
+        try:
+            status = status_pb2.Status(
+                code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message=why
+            )
+            writer.write(frame(CONNECTION_ID, Kind.ERROR, status.SerializeToString()))
+            async with asyncio.timeout(TURN_AWAY_S):
+                await writer.drain()
+                while await reader.read(1 << 16):  # until the client has it and closes
+                    pass
+        except (OSError, TimeoutError, asyncio.CancelledError):
+            pass  # it went away, or took too long, or the lane is closing: closed below
+        finally:
+            self._turning_away -= 1
+            writer.transport.abort()
 
 
 class EngineLane(LaneListener):

@@ -16,7 +16,7 @@ A peer sidecar keeps one connection to it. At most
 `limits.max_lane_connections` are served at once: one beyond is turned away
 before any of its calls is read (counted as a `too_many_connections`
 refusal), and its caller, told so, makes those calls over gRPC. With TLS, a
-client has `transfer.rpc_timeout_s` to finish its handshake.
+client has `transfer.rpc_timeout_s` (at most 60 s) to finish its handshake.
 
 It serves the per-request calls only (BeginRead, Heartbeat, EndRead,
 BeginWrite, EndWrite). The handshake stays on gRPC: it tells the peer this
@@ -43,6 +43,7 @@ from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.wire.lane import keep_alive
 
 SERVICE = "/kvxfer.v1.PeerService/"
+TLS_HANDSHAKE_MAX_S = 60.0  # asyncio's default
 REQUESTS: dict[str, type[Message]] = {
     "BeginRead": pb.BeginReadRequest,
     "Heartbeat": pb.HeartbeatRequest,
@@ -109,8 +110,11 @@ class PeerLane(LaneListener):
                 port=port,
                 ssl=tls,
                 # A client that has not finished its TLS handshake within a peer call's
-                # deadline could not have made a call in time: it holds no socket longer.
-                ssl_handshake_timeout=self._settings.transfer.rpc_timeout_s if tls else None,
+                # deadline could not have made a call in time: it holds no socket longer
+                # (nor ever longer than asyncio's own default).
+                ssl_handshake_timeout=(
+                    min(self._settings.transfer.rpc_timeout_s, TLS_HANDSHAKE_MAX_S) if tls else None
+                ),
             )
         except OSError as exc:
             raise InvalidInputError(

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc.aio
 import pytest
+from google.rpc import status_pb2
 from sidecars import DecodeImage, engine_link, exchange, pd_sidecars, scrape, spans
 
 from kvxfer._exceptions import (
@@ -254,9 +255,12 @@ async def test_a_connection_beyond_the_lane_limit_is_turned_away_and_its_peer_us
                     await asyncio.sleep(0.05)
                 except NotFoundError:
                     break
+            # Turned away, and never closing: the sidecar's shutdown closes it.
+            _, lingering = await asyncio.open_connection("127.0.0.1", pd.p.ready["peer_lane_port"])
         finally:
             await held.close()
             await refused.close()
+        lingering.close()
         assert "turned away" in pd.p.log_text() and "Traceback" not in pd.p.log_text()
 
 
@@ -339,6 +343,48 @@ async def test_call_ids_wrap_within_a_frames_u32_and_skip_none() -> None:
         await lane.close()
         server.close()
     assert seen == [MAX_CALL_ID - 1, MAX_CALL_ID, 1, 2]
+
+
+async def test_a_refusal_of_the_connection_counts_only_as_its_first_frame() -> None:
+    """An ERROR on call id 0 first: none of the calls ran (LaneUnreachableError, which a
+    caller may send again over gRPC). After an answer a call may have run: the frame
+    breaks the framing, and the waiting call is unavailable, never 'not sent'."""
+    refusal = pb.HandshakeResponse()  # any message: only its frame's place matters
+    status = status_pb2.Status(code=8, message="limits.max_lane_connections: full")
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            if late:
+                got = await read_frame(reader)
+                assert got is not None
+                writer.write(frame(got[0], Kind.REPLY, refusal.SerializeToString()))
+                await read_frame(reader)  # the second call: taken, never answered
+            writer.write(frame(0, Kind.ERROR, status.SerializeToString()))
+            await reader.read()
+        finally:
+            writer.close()
+
+    for late in (False, True):
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+
+        async def opener(port: int = port) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            return await asyncio.open_connection("127.0.0.1", port)
+
+        lane = Lane("test", 5, opener=opener, name="peer lane")
+        try:
+            if late:
+                await lane.call("EndRead", pb.EndReadRequest(), pb.HandshakeResponse, 5, "first")
+            with pytest.raises(PeerUnavailableError) as failed:
+                await lane.call("EndRead", pb.EndReadRequest(), pb.EndReadResponse, 5, "call")
+            assert isinstance(failed.value, LaneUnreachableError) is not late
+            assert ("not first" if late else "refused: limits.max_lane_connections") in str(
+                failed.value
+            )
+        finally:
+            await lane.close()
+            server.close()
+            await server.wait_closed()
 
 
 async def test_callers_waiting_for_a_connect_that_fails_fail_with_it_not_in_turn() -> None:

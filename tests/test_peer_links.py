@@ -27,6 +27,7 @@ from kvxfer.dataplane.adapter import TransferBackend
 from kvxfer.server.guard import PeerPortGuard
 from kvxfer.server.lane import LaneContext
 from kvxfer.server.metrics import ActiveClock, Metrics
+from kvxfer.server.peer_lane import grpc_peer
 from kvxfer.server.peers import Dialer, PeerLinks
 from kvxfer.server.settings import load_settings
 from kvxfer.v1 import sidecar_pb2 as pb
@@ -242,9 +243,11 @@ async def test_calls_per_client_are_bounded() -> None:
     assert await call(b"", a) == "done"
 
 
-async def test_a_clients_calls_are_counted_across_grpc_and_the_peer_lane() -> None:
-    """limits.max_calls_per_peer bounds a client's calls on both transports together:
-    the lane's calls go through the same gate (`PeerPortGuard.run`) as gRPC's."""
+async def test_the_peer_gate_counts_a_clients_grpc_and_lane_calls_together() -> None:
+    """limits.max_calls_per_peer bounds a client's calls on both transports together,
+    at the gate both go through (`PeerPortGuard.run`; test_peer_lane shows the lane's
+    calls reaching it), the client known by the address gRPC's `peer()` spells and the
+    lane spells alike (`grpc_peer`)."""
     release = asyncio.Event()
 
     async def slow(request: object, context: object) -> str:
@@ -256,6 +259,9 @@ async def test_a_clients_calls_are_counted_across_grpc_and_the_peer_lane() -> No
     guard = PeerPortGuard(settings, metrics)
     method = "/kvxfer.v1.PeerService/BeginRead"
     request = pb.BeginReadRequest(request_id="r")
+
+    assert grpc_peer(("10.0.0.1", 5001)) == "ipv4:10.0.0.1:5001"  # as gRPC's peer()
+    assert grpc_peer(("fd00::1", 5001, 0, 0)) == "ipv6:[fd00::1]:5001"
 
     def on(transport: str, port: int) -> Any:
         context = LaneContext(peer=f"ipv4:10.0.0.1:{port}")  # one host, new connections

@@ -166,7 +166,13 @@ async def test_a_live_scrape_is_clean_and_complete(tmp_path: Path) -> None:
     )
     # A new peer label starts every result at zero; reasons exist before any event.
     assert ("kvxfer_requests_total", (("peer", "prefill-0"), ("result", "failed"))) in samples
-    for reason in ("too_large", "undecodable", "not_allowed", "too_many_calls"):
+    for reason in (
+        "too_large",
+        "undecodable",
+        "not_allowed",
+        "too_many_calls",
+        "too_many_connections",
+    ):
         assert ("kvxfer_refusals_total", (("reason", reason),)) in before
     for reason in ("consumed", "aborted", "unregistered"):
         assert ("kvxfer_released_leases_total", (("reason", reason),)) in before

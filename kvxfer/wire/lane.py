@@ -15,9 +15,10 @@ Status the gRPC path puts in its `grpc-status-details-bin` trailer (so a
 failure maps to the same kvxfer error on both). CANCEL ends a stream early.
 A frame that breaks these rules closes the connection.
 
-Call ids start at 1. An ERROR on call id 0 comes from the serving end, at most
-once and first: it refused the connection (a limit of connections) without
-reading a call of it, and closes it.
+Call ids start at 1. An ERROR on call id 0 comes from the serving end, only
+as its first frame: it refused the connection (a limit of connections)
+without reading a call of it, and closes it. Anywhere else it breaks the
+rules.
 """
 
 from __future__ import annotations

@@ -51,15 +51,21 @@ class _Link:
         self.pump: asyncio.Task[None] | None = None
         self.lost = ""
         self.turned_away = False  # by the far end, before it read any call
+        self.answered = False  # a frame came: a refusal can no longer (see run)
 
     async def run(self) -> None:
         try:
             while (got := await read_frame(self.reader)) is not None:
                 call_id, kind, payload = got
-                if call_id == CONNECTION_ID and kind is Kind.ERROR:
+                if call_id == CONNECTION_ID:
+                    # Only as the first frame: after an answer, a call may have run,
+                    # and one reported as never run would be sent again over gRPC.
+                    if kind is not Kind.ERROR or self.answered:
+                        raise LaneProtocolError(f"a {kind.name} frame on call id 0, not first")
                     self.lost = f"{self.name} refused: {_status(payload).message}"
                     self.turned_away = True
                     return
+                self.answered = True
                 # A stream's frames after the engine cancelled it are dropped.
                 streamed = kind is Kind.ERROR and call_id in self.streams
                 if kind in (Kind.ITEM, Kind.END) or streamed:
