@@ -349,15 +349,18 @@ async def test_a_refusal_of_the_connection_counts_only_as_its_first_frame() -> N
     """An ERROR on call id 0 first: none of the calls ran (LaneUnreachableError, which a
     caller may send again over gRPC). After an answer a call may have run: the frame
     breaks the framing, and the waiting call is unavailable, never 'not sent'."""
-    refusal = pb.HandshakeResponse()  # any message: only its frame's place matters
-    status = status_pb2.Status(code=8, message="limits.max_lane_connections: full")
+    answer = pb.HandshakeResponse()  # the first call's reply: any message will do
+    status = status_pb2.Status(
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+        message="limits.max_lane_connections: full",
+    )
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             if late:
                 got = await read_frame(reader)
                 assert got is not None
-                writer.write(frame(got[0], Kind.REPLY, refusal.SerializeToString()))
+                writer.write(frame(got[0], Kind.REPLY, answer.SerializeToString()))
                 await read_frame(reader)  # the second call: taken, never answered
             writer.write(frame(0, Kind.ERROR, status.SerializeToString()))
             await reader.read()
