@@ -1,0 +1,161 @@
+"""Where a pull's time goes: `kvxfer-cli bench` with a timestamp at each step.
+
+Runs one bench case (one model, one size) with `benchmarks/pull_trace` on
+PYTHONPATH, so every kvxfer process (the bench's engine, both sidecars, the
+decode sidecar's NIXL threads) logs a timestamp at each traced step (see its
+sitecustomize.py), then lines the logs up pull by pull: for each step, the
+median time after the engine's Pull call, from that call to the PullDone
+event the engine decodes. The first `--skip` pulls are dropped (warm-up), and
+a step is shown when at least 80% of the pulls passed it.
+
+    .venv/bin/python benchmarks/trace_pull.py --model gpt-oss-20b --size 1k [--repeat 150] [--json]
+
+The trace costs a few microseconds a step, so its pulls run a little slower
+than the bench's own; the bench's overhead for the same run is printed beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+TRACE_DIR = Path(__file__).resolve().parent / "pull_trace"
+ENV = "PULL_TRACE_DIR"  # pull_trace/sitecustomize.py reads it
+# A process's role is told by a point only it records.
+ROLES = {"engine.pull>": "engine", "decode.Pull>": "decode", "prefill.BeginRead>": "prefill"}
+START, END = "engine.pull>", "engine.event>"
+PRESENT = 0.8  # a step is shown when at least this share of the pulls passed it
+
+
+@dataclass(frozen=True)
+class Event:
+    ns: int
+    role: str
+    point: str
+
+
+@dataclass(frozen=True)
+class Step:
+    point: str  # role, point and occurrence within the pull ("#2": its second)
+    median_us: float
+    pulls: int
+
+
+def read_logs(directory: Path) -> list[Event]:
+    """Every traced process's events, each named by its role (processes of no role,
+    which trace nothing of a pull, are left out), in time order."""
+    events = []
+    for log in directory.glob("*.log"):
+        lines = [line.split(" ", 1) for line in log.read_text().splitlines() if line]
+        points = {point for _, point in lines}
+        role = next((r for p, r in ROLES.items() if p in points), None)
+        if role is None:
+            continue
+        for ns, point in lines:
+            name = point if point.startswith(f"{role}.") else f"{role} {point}"
+            events.append(Event(int(ns), role, name))
+    events.sort(key=lambda e: e.ns)
+    return events
+
+
+def pulls(events: Sequence[Event]) -> list[list[Event]]:
+    """Each pull's events: from the engine's Pull call to the first event the engine
+    decodes after it (its PullDone: the bench's decode engine hears of nothing else)."""
+    found: list[list[Event]] = []
+    current: list[Event] | None = None
+    for event in events:
+        if event.point == START:
+            current = [event]
+        elif current is not None:
+            current.append(event)
+            if event.point == END:
+                found.append(current)
+                current = None
+    return found
+
+
+def timeline(traced: Iterable[list[Event]]) -> list[Step]:
+    """The median time after the Pull call of each step most pulls passed, in order."""
+    offsets: dict[str, list[float]] = defaultdict(list)
+    count = 0
+    for pull in traced:
+        count += 1
+        seen: Counter[str] = Counter()
+        for event in pull:
+            seen[event.point] += 1
+            key = event.point if seen[event.point] == 1 else f"{event.point}#{seen[event.point]}"
+            offsets[key].append((event.ns - pull[0].ns) / 1e3)
+    steps = [
+        Step(point, round(statistics.median(values), 1), len(values))
+        for point, values in offsets.items()
+        if len(values) >= PRESENT * count
+    ]
+    return sorted(steps, key=lambda s: s.median_us)
+
+
+def run_bench(model: str, size: str, repeat: int, logs: Path) -> dict[str, object]:
+    """One traced bench case; its JSON row."""
+    cli = Path(sys.executable).parent / "kvxfer-cli"
+    env = dict(os.environ)
+    env[ENV] = str(logs)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TRACE_DIR), env.get("PYTHONPATH")]))
+    command = [str(cli), "bench", "--models", model, "--sizes", size, "--repeat", str(repeat)]
+    done = subprocess.run(
+        [*command, "--json"], env=env, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"bench failed ({done.returncode}): {done.stderr[-2000:]}")
+    (case,) = json.loads(done.stdout)["cases"]
+    return dict(case)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gpt-oss-20b")
+    parser.add_argument("--size", default="1k", choices=["16", "1k", "16k"])
+    parser.add_argument("--repeat", type=int, default=150)
+    parser.add_argument("--skip", type=int, default=20, help="warm-up pulls dropped")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.repeat < 1 or args.skip < 0:
+        parser.error("--repeat must be at least 1 and --skip not negative")
+    with tempfile.TemporaryDirectory(prefix="kvxfer-trace-") as tmp:
+        case = run_bench(args.model, args.size, args.repeat, Path(tmp))
+        traced = pulls(read_logs(Path(tmp)))[args.skip :]
+    if not traced:
+        raise SystemExit("no pull was traced: is benchmarks/pull_trace importable?")
+    steps = timeline(traced)
+    report = {
+        "model": args.model,
+        "tokens": case["tokens"],
+        "pulls": len(traced),
+        "overhead_ms_p50": case["overhead_ms_p50"],
+        "raw_ms_p50": case["raw_ms_p50"],
+        "steps": [vars(s) for s in steps],
+    }
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(
+        f"{args.model} {case['tokens']} tokens, {len(traced)} pulls: raw p50 "
+        f"{case['raw_ms_p50']} ms, overhead p50 +{case['overhead_ms_p50']} ms (traced run)"
+    )
+    print(f"{'after Pull (us)':>16} {'step (us)':>10} {'pulls':>6}  point")
+    previous = 0.0
+    for step in steps:
+        gap = step.median_us - previous
+        print(f"{step.median_us:16.1f} {gap:10.1f} {step.pulls:6d}  {step.point}")
+        previous = step.median_us
+
+
+if __name__ == "__main__":
+    main()
