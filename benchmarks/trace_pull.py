@@ -1,17 +1,19 @@
 """Where a pull's time goes: `kvxfer-cli bench` with a timestamp at each step.
 
-Runs one bench case (one model, one size) with `benchmarks/pull_trace` on
-PYTHONPATH, so every kvxfer process (the bench's engine, both sidecars, the
-decode sidecar's NIXL threads) logs a timestamp at each traced step (see its
-sitecustomize.py), then lines the logs up pull by pull: for each step, the
-median time after the engine's Pull call, from that call to the PullDone
-event the engine decodes. The first `--skip` pulls are dropped (warm-up), and
-a step is shown when at least 80% of the pulls passed it.
+Runs one bench case (one model, one size) with `benchmarks/pull_trace` first on
+PYTHONPATH. Every kvxfer process then logs a timestamp at each traced step: the
+bench's engine, both sidecars, and the decode sidecar's NIXL threads (see that
+directory's sitecustomize.py). This script lines the logs up pull by pull, from
+the engine's Pull call to the PullDone event it decodes. For each step it
+prints two medians over the pulls: the time after the Pull call, and the time
+since the step on the line above, taken within each pull. The first `--skip`
+pulls are dropped: the bench's two one-block handshake pulls and its warm-up
+round. A step is shown when at least 80% of the pulls passed it.
 
     .venv/bin/python benchmarks/trace_pull.py --model gpt-oss-20b --size 1k [--repeat 150] [--json]
 
-The trace costs a few microseconds a step, so its pulls run a little slower
-than the bench's own; the bench's overhead for the same run is printed beside.
+The trace costs a few microseconds a step, so the overhead printed is the
+traced run's own: it reads a little above an untraced run's.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ TRACE_DIR = Path(__file__).resolve().parent / "pull_trace"
 ENV = "PULL_TRACE_DIR"  # pull_trace/sitecustomize.py reads it
 # A process's role is told by a point only it records.
 ROLES = {"engine.pull>": "engine", "decode.Pull>": "decode", "prefill.BeginRead>": "prefill"}
-START, END = "engine.pull>", "engine.event>"
+START, END = "engine.pull>", "engine.event.pull_done>"
+# Steps every traced pull passes: a run without them traced nothing useful (the tracer
+# failed to install in some process, or a step moved).
+REQUIRED = ("engine.pull>", "decode.Pull>", "decode.post>@nixl", "decode.post<@nixl", END)
 PRESENT = 0.8  # a step is shown when at least this share of the pulls passed it
 
 
@@ -46,7 +51,8 @@ class Event:
 @dataclass(frozen=True)
 class Step:
     point: str  # role, point and occurrence within the pull ("#2": its second)
-    median_us: float
+    median_us: float  # after the Pull call
+    step_us: float  # since the step shown before it, within each pull (the first: median_us)
     pulls: int
 
 
@@ -84,22 +90,39 @@ def pulls(events: Sequence[Event]) -> list[list[Event]]:
 
 
 def timeline(traced: Iterable[list[Event]]) -> list[Step]:
-    """The median time after the Pull call of each step most pulls passed, in order."""
-    offsets: dict[str, list[float]] = defaultdict(list)
+    """Each step most pulls passed, in order of its median time after the Pull call,
+    with the median time since the step before it within the same pull."""
+    offsets: dict[str, dict[int, float]] = defaultdict(dict)
     count = 0
-    for pull in traced:
+    for index, pull in enumerate(traced):
         count += 1
         seen: Counter[str] = Counter()
         for event in pull:
             seen[event.point] += 1
             key = event.point if seen[event.point] == 1 else f"{event.point}#{seen[event.point]}"
-            offsets[key].append((event.ns - pull[0].ns) / 1e3)
-    steps = [
-        Step(point, round(statistics.median(values), 1), len(values))
-        for point, values in offsets.items()
-        if len(values) >= PRESENT * count
-    ]
-    return sorted(steps, key=lambda s: s.median_us)
+            offsets[key][index] = (event.ns - pull[0].ns) / 1e3
+    shown = sorted(
+        (key for key, at in offsets.items() if len(at) >= PRESENT * count),
+        key=lambda key: statistics.median(offsets[key].values()),
+    )
+    steps = []
+    for before, key in zip([None, *shown], shown, strict=False):
+        at = offsets[key]
+        gaps = (
+            [t - offsets[before][i] for i, t in at.items() if i in offsets[before]]
+            if before
+            else []
+        )
+        median = round(statistics.median(at.values()), 1)
+        step = round(statistics.median(gaps), 1) if gaps else median
+        steps.append(Step(key, median, step, len(at)))
+    return steps
+
+
+def missing(steps: Sequence[Step]) -> list[str]:
+    """The steps every pull passes that the timeline lacks."""
+    shown = {step.point for step in steps}
+    return [point for point in REQUIRED if point not in shown]
 
 
 def run_bench(model: str, size: str, repeat: int, logs: Path) -> dict[str, object]:
@@ -110,12 +133,16 @@ def run_bench(model: str, size: str, repeat: int, logs: Path) -> dict[str, objec
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TRACE_DIR), env.get("PYTHONPATH")]))
     command = [str(cli), "bench", "--models", model, "--sizes", size, "--repeat", str(repeat)]
     done = subprocess.run(
-        [*command, "--json"], env=env, capture_output=True, text=True, check=False
+        [*command, "--json"], env=env, capture_output=True, text=True, check=False, timeout=1800
     )
     if done.returncode != 0:
         raise SystemExit(f"bench failed ({done.returncode}): {done.stderr[-2000:]}")
-    (case,) = json.loads(done.stdout)["cases"]
-    return dict(case)
+    if "Error in sitecustomize" in done.stderr:  # site.py prints it and goes on
+        raise SystemExit(f"the tracer failed to install: {done.stderr[-2000:]}")
+    cases = json.loads(done.stdout)["cases"]
+    if len(cases) != 1:
+        raise SystemExit(f"the bench ran {len(cases)} cases of {model} {size}, not one")
+    return dict(cases[0])
 
 
 def main() -> None:
@@ -134,6 +161,8 @@ def main() -> None:
     if not traced:
         raise SystemExit("no pull was traced: is benchmarks/pull_trace importable?")
     steps = timeline(traced)
+    if lacking := missing(steps):
+        raise SystemExit(f"the trace lacks steps every pull passes: {', '.join(lacking)}")
     report = {
         "model": args.model,
         "tokens": case["tokens"],
@@ -147,14 +176,11 @@ def main() -> None:
         return
     print(
         f"{args.model} {case['tokens']} tokens, {len(traced)} pulls: raw p50 "
-        f"{case['raw_ms_p50']} ms, overhead p50 +{case['overhead_ms_p50']} ms (traced run)"
+        f"{case['raw_ms_p50']} ms, overhead p50 +{case['overhead_ms_p50']} ms (this traced run)"
     )
     print(f"{'after Pull (us)':>16} {'step (us)':>10} {'pulls':>6}  point")
-    previous = 0.0
     for step in steps:
-        gap = step.median_us - previous
-        print(f"{step.median_us:16.1f} {gap:10.1f} {step.pulls:6d}  {step.point}")
-        previous = step.median_us
+        print(f"{step.median_us:16.1f} {step.step_us:10.1f} {step.pulls:6d}  {step.point}")
 
 
 if __name__ == "__main__":
