@@ -53,6 +53,10 @@ _BYTES_BUCKETS = tuple(float(16 << 10 << (2 * i)) for i in range(12))
 _DESCRIPTOR_BUCKETS = tuple(float(1 << (2 * i)) for i in range(12))
 # Label values known in advance: their series exist from the start, at zero.
 HANDSHAKE_RESULTS = ("ok", "refused", "error")
+# Where a pull's time goes (kvxfer_pull_phase_duration_seconds): waiting for a running
+# slot against its peer, the peer's BeginRead from call to answer (beside the read),
+# and the read itself (its chunks bound, posted and ended).
+PULL_PHASES = ("queued", "begin_read", "read")
 # Why a port guard refused a call (kvxfer.server.guard).
 REFUSAL_REASONS = (
     "too_large",
@@ -155,6 +159,15 @@ class Metrics:
             "kvxfer_transfer_duration_seconds",
             "Pull duration, from accepted to PullDone",
             ["peer", "result"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.pull_phase_duration = Histogram(
+            "kvxfer_pull_phase_duration_seconds",
+            "Where a pull's time went: queued (waiting for a running slot against its "
+            "peer), begin_read (the peer's BeginRead, call to answer; beside the read), "
+            "read (its chunks bound, posted and ended)",
+            ["peer", "phase"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -307,3 +320,5 @@ class Metrics:
         for counter in (self.negotiation_failures, self.truncations, self.descriptors):
             counter.labels(peer)
         self.inflight_pulls.labels(peer)
+        for phase in PULL_PHASES:
+            self.pull_phase_duration.labels(peer, phase)

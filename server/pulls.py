@@ -57,6 +57,8 @@ class Pull:
     task: asyncio.Task[None] | None = None
     renewing: asyncio.Task[None] | None = None  # its heartbeat, cancelled once read
     result: TransferResult | None = None  # the executed read, for its metrics
+    slotted: float | None = None  # when it got its running slot (monotonic)
+    begin_read_s: float | None = None  # its BeginRead, call to answer
     # Set once its PullDone is out: every chunk it posted has ended (on the exceptional
     # paths, a cancelled task or an internal error, one may still be posted; retiring
     # destroys the engine's agents before it unmaps). What its task does after, EndRead,
@@ -98,6 +100,7 @@ async def run_pull(pull: Pull, ctx: PullContext, report: Callable[[PullDone], No
     report(done)  # first: the engine is waiting for it, the metrics are not
     await asyncio.sleep(0)  # and the event goes out before the metrics and EndRead run
     observe(pull.plan, done, ctx.metrics, peer, "read")
+    _observe_phases(pull, ctx.metrics, peer)
     if pull.result is not None:
         _observe_read(pull.result, done, ctx.metrics, peer)
     if pull.renewing is not None:
@@ -136,10 +139,13 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
             # The loop idles until the NIXL thread posts the first chunk: BeginRead's
             # gRPC call would hold the GIL the thread needs to build and post it.
             await asyncio.wait((posted,), timeout=POST_WAIT_S)
+        asked = time.monotonic()
         try:
             begun = await ctx.links.begin_read(link, params.request_id, ctx.reader_id)
         except KvxferError as exc:
             return await _refused(pull, reading, str(exc)), False
+        finally:
+            pull.begin_read_s = time.monotonic() - asked
         renewing = asyncio.create_task(heartbeat(pull, ctx.links, begun.lease_ttl_ms / 1000))
         try:
             try:
@@ -179,6 +185,17 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
         ctx.links.invalidate(link)
     pull.result = result
     return _from_result(pull, result), True
+
+
+def _observe_phases(pull: Pull, metrics: Metrics, peer: str) -> None:
+    """The phases the pull went through (a pull refused before its slot has none)."""
+    phases = metrics.pull_phase_duration
+    if pull.slotted is not None:
+        phases.labels(peer, "queued").observe(pull.slotted - pull.started)
+    if pull.begin_read_s is not None:
+        phases.labels(peer, "begin_read").observe(pull.begin_read_s)
+    if pull.result is not None:
+        phases.labels(peer, "read").observe(pull.result.duration_s)
 
 
 def _observe_read(result: TransferResult, done: PullDone, metrics: Metrics, peer: str) -> None:

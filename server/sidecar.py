@@ -435,6 +435,7 @@ class Sidecar:
 
         try:
             async with admission.slot(pull.leaving):
+                pull.slotted = time.monotonic()
                 await run_pull(pull, self._pull_ctx, report)
         finally:
             self._forget_pull(key, pull)

@@ -193,3 +193,12 @@ async def test_a_live_scrape_is_clean_and_complete(tmp_path: Path) -> None:
     )
     assert sum(1 for le, _ in post if le < 0.001) >= 5
     assert post[0][1] == 0, "the post took less than the first bucket: it resolves nothing"
+    # The pull went through each phase once, none longer than the whole pull.
+    whole = metric(samples, "kvxfer_transfer_duration_seconds_sum", peer="prefill-0", result="ok")
+    for phase in ("queued", "begin_read", "read"):
+        labels = {"peer": "prefill-0", "phase": phase}
+        assert metric(samples, "kvxfer_pull_phase_duration_seconds_count", **labels) == 1, phase
+        spent = metric(samples, "kvxfer_pull_phase_duration_seconds_sum", **labels)
+        assert 0 <= spent <= whole, (phase, spent, whole)
+    read = metric(samples, "kvxfer_pull_phase_duration_seconds_sum", peer="prefill-0", phase="read")
+    assert read > 0  # a read of 40 blocks takes time; queueing with no other pull need not

@@ -18,6 +18,7 @@ from sidecars import (
     engine_link,
     freeze,
     pd_sidecars,
+    scrape,
     spans,
     start_engine,
     start_sidecar,
@@ -25,11 +26,13 @@ from sidecars import (
 )
 
 from kvxfer._exceptions import LimitExceededError
+from kvxfer.cli.fleet import metric
 from kvxfer.core.requests import AbortState, PullDone, PullStatus, Released, ReleaseReason
 from kvxfer.server.admission import PullGate
 
 MODEL = "gpt-oss-20b"
 TOKENS = 64  # 4 blocks of 16
+FROZEN_S = 0.3  # how long the publisher stays frozen with pulls running and queued
 
 
 def blocks_at(first: int) -> list:
@@ -116,6 +119,7 @@ async def test_pulls_beyond_the_running_limit_queue_and_complete(tmp_path: Path)
                     await d_client.pull(params, blocks_at(4 * i), 0)
                 with pytest.raises(LimitExceededError, match="max_queued_pulls_per_peer"):
                     await d_client.pull(refused, blocks_at(16), 0)
+                await asyncio.sleep(FROZEN_S)  # q1 in BeginRead, q2 and q3 queued behind it
             finally:
                 thaw(p)
             dones = [await d_events.next(timeout_s=60) for _ in published]
@@ -125,6 +129,16 @@ async def test_pulls_beyond_the_running_limit_queue_and_complete(tmp_path: Path)
             i = int(event.request_id[1:])
             image.expect_pull(pe, blocks_at(4 * i), blocks_at(4 * i), TOKENS, 0, {})
         image.check_all()
+        # Where their time went: q1 waited FROZEN_S at least in BeginRead, q2 and q3 as
+        # long at least for a running slot; every pull (warm too) read once.
+        phases = scrape(d)
+
+        def spent(phase: str, what: str = "sum") -> float:
+            return metric(phases, f"kvxfer_pull_phase_duration_seconds_{what}", phase=phase)
+
+        assert spent("read", "count") == spent("queued", "count") == 4
+        assert spent("begin_read") >= FROZEN_S
+        assert spent("queued") >= 2 * FROZEN_S
     finally:
         for proc in (de, pe, d, p):
             proc.stop()
