@@ -83,10 +83,14 @@ def _traced(fn: Callable[..., Any], name: str | Callable[..., str]) -> Any:
 def _frame_read(connection: object, call_id: int, kind: Any, payload: bytes) -> str:
     """A lane frame the serving side read: its kind and, for a call, its method (kept
     to name the frames written back for it)."""
+    from kvxfer.wire.lane import LaneProtocolError, split_request  # noqa: PLC0415
+
     if kind.name not in ("UNARY", "STREAM"):
         return f"lane.read.{kind.name}"
-    size = payload[0] if payload else 0
-    method = payload[1 : 1 + size].decode("ascii", "replace")
+    try:
+        method, _ = split_request(payload)
+    except LaneProtocolError:  # the lane refuses it; the trace only names it
+        method = "?"
     _methods[(id(connection), call_id)] = method
     return f"lane.read.{kind.name}.{method}"
 
