@@ -101,11 +101,24 @@ def test_a_worker_that_cannot_start_fails_with_its_log(tmp_path: Path) -> None:
     # kvxfer's own venv has no vLLM: the worker dies on import, and the error says so.
     spec = vllm_fleet.EngineSpec(tmp_path / "no-model")
     worker = vllm_fleet.VllmWorker("no-vllm", spec, Path(sys.executable), tmp_path)
+    rpc_dir = worker.rpc_dir
+    assert rpc_dir is not None and rpc_dir.is_dir()
     try:
         with pytest.raises(vllm_fleet.VllmWorkerError, match=r"(?s)exited with code 1.*vllm"):
             worker.wait_ready(timeout_s=60)
     finally:
         worker.close()
+    assert not rpc_dir.exists()
+
+
+def test_a_socket_directory_the_caller_chose_is_used_and_kept(tmp_path: Path) -> None:
+    chosen = tmp_path / "rpc"
+    chosen.mkdir()
+    spec = vllm_fleet.EngineSpec(tmp_path / "no-model", env={vllm_fleet.RPC_BASE_ENV: str(chosen)})
+    worker = vllm_fleet.VllmWorker("no-vllm", spec, Path(sys.executable), tmp_path)
+    assert worker.rpc_dir is None
+    worker.close()
+    assert chosen.is_dir()
 
 
 def _tiny_llama(tmp_path: Path) -> Path:
@@ -140,20 +153,25 @@ def test_a_worker_that_does_not_answer_in_time_is_stopped_with_its_children(
 
 
 @pytest.mark.vllm
-def test_a_killed_engine_leaves_no_shared_memory_behind(tmp_path: Path) -> None:
+def test_a_killed_engine_leaves_no_shared_memory_or_sockets_behind(tmp_path: Path) -> None:
     """vLLM's message queues are 160 MiB /dev/shm segments its resource tracker unlinks;
     killed with the rest of the group, the tracker never would (this fails so): the
     worker kills it last, and sweeps what the group mapped."""
     model = _tiny_llama(tmp_path)
     worker = vllm_fleet.VllmWorker("killed", vllm_fleet.EngineSpec(model), vllm_python(), tmp_path)
+    rpc_dir = worker.rpc_dir
+    assert rpc_dir is not None
     try:
         worker.wait_ready()
         segments = worker.segments
         assert any(name.startswith("psm_") for name in segments), segments
         assert all((Path("/dev/shm") / name).exists() for name in segments)
+        # vLLM's ZMQ sockets, which it never unlinks, are in the engine's own directory.
+        assert [path for path in rpc_dir.iterdir() if path.is_socket()]
     finally:
         code = worker.kill()
     assert not [name for name in segments if (Path("/dev/shm") / name).exists()]
+    assert not rpc_dir.exists()
     assert code == -signal.SIGKILL
     assert worker.close() == code  # stopped: nothing signalled or swept again
 

@@ -26,10 +26,12 @@ import json
 import os
 import queue
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -50,6 +52,9 @@ STOP_TIMEOUT_S = 10.0
 # After the worker quits: how long its engine core and Python's resource tracker get to
 # finish their own clean-up (unlinking vLLM's shared memory) before they are signalled.
 GROUP_DRAIN_S = 5.0
+# vLLM names its ZMQ sockets ipc://<VLLM_RPC_BASE_PATH>/<uuid> and never unlinks them
+# (default: the system temp dir, where every engine started would leave a dozen behind).
+RPC_BASE_ENV = "VLLM_RPC_BASE_PATH"
 # vLLM's NixlConnector metrics, as the worker reports them (histogram _sum/_count).
 NIXL_BYTES = "vllm:nixl_bytes_transferred"
 NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds"
@@ -261,14 +266,26 @@ class VllmWorker:
         # vllm-: a fleet's sidecars of the same name log to <name>.log in the same place.
         self.log = workdir / f"vllm-{name}.log"
         workdir.mkdir(parents=True, exist_ok=True)
-        with self.log.open("w") as err:
-            # cwd is the workdir: `python -m` puts cwd on sys.path, and a checkout's
-            # kvxfer/ source folder there would shadow the installed package.
-            self._popen = subprocess.Popen(
-                [str(python), "-m", WORKER_MODULE, spec.config_json()],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                cwd=workdir, env=spec.environ(), start_new_session=True,
-            )  # fmt: skip
+        env = spec.environ()
+        # Unless the caller chose a place, the engine's sockets go in a directory of its
+        # own (short, under the temp dir: a socket path is at most 107 bytes), removed
+        # once the engine is gone.
+        self._rpc_dir: Path | None = None
+        if RPC_BASE_ENV not in env:
+            self._rpc_dir = Path(tempfile.mkdtemp(prefix="kvxfer-vllm-rpc-"))
+            env[RPC_BASE_ENV] = str(self._rpc_dir)
+        try:
+            with self.log.open("w") as err:
+                # cwd is the workdir: `python -m` puts cwd on sys.path, and a checkout's
+                # kvxfer/ source folder there would shadow the installed package.
+                self._popen = subprocess.Popen(
+                    [str(python), "-m", WORKER_MODULE, spec.config_json()],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                    cwd=workdir, env=env, start_new_session=True,
+                )  # fmt: skip
+        except BaseException:
+            self._remove_rpc_dir()
+            raise
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, name=f"{name}-stdout", daemon=True)
         self._reader.start()
@@ -277,6 +294,11 @@ class VllmWorker:
         self.ready: dict[str, Any] = {}
         self.peak_rss_bytes = 0
         self._segments: set[str] = set()  # vLLM's /dev/shm segments, swept once it is gone
+
+    @property
+    def rpc_dir(self) -> Path | None:
+        """Where the engine's ZMQ sockets are (None: where the caller's environment said)."""
+        return self._rpc_dir
 
     @property
     def pid(self) -> int:
@@ -413,15 +435,21 @@ class VllmWorker:
 
     def _stop(self, code: int) -> int:
         """With the group gone: close the pipes (once the reader saw their end: closing
-        under its read would raise in its thread) and sweep /dev/shm."""
+        under its read would raise in its thread), sweep /dev/shm and remove the engine's
+        socket directory."""
         self._reader.join(STOP_TIMEOUT_S)
         for pipe in (self._popen.stdin, self._popen.stdout):
             with contextlib.suppress(OSError):  # stdin: a flush into a dead reader
                 if pipe is not None:
                     pipe.close()
         self._sweep()
+        self._remove_rpc_dir()
         self._stopped = code
         return code
+
+    def _remove_rpc_dir(self) -> None:
+        if self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
 
     def __enter__(self) -> VllmWorker:
         return self
