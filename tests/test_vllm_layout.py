@@ -44,6 +44,7 @@ class SlidingWindowSpec(AttentionSpec):
 @dataclass(frozen=True)
 class MambaSpec(KVCacheSpec):
     state_bytes: int = 0
+    num_speculative_blocks: int = 0
 
     @property
     def real_page_size_bytes(self) -> int:
@@ -360,3 +361,25 @@ def test_a_quantized_page_is_not_head_major() -> None:
     assert pages_are_head_major(config, dense)
     group.kv_cache_spec = dataclasses.replace(plain, kv_quant_mode=KVQuantMode.FP8)
     assert not pages_are_head_major(config, dense)
+
+
+def test_a_state_group_under_speculative_decoding_is_refused_by_name() -> None:
+    """With draft tokens vLLM keeps a Mamba/GDN request's state blocks before scratch ones
+    (MambaSpec.num_speculative_blocks): the last block, which would move, is scratch."""
+    state_page = 3 * 32768
+    spec = MambaSpec(1024, state_page, state_bytes=90000, num_speculative_blocks=2)
+    config = KVCacheConfig(
+        num_blocks=100,
+        kv_cache_tensors=[
+            KVCacheTensor(1 << 20, ["model.layers.0.linear_attn"], state_page * 100, state_page)
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.linear_attn"], spec)],
+    )
+    with pytest.raises(LayoutError, match=r"kv_cache_spec\.num_speculative_blocks: 2: "):
+        layout_from_vllm(config, buffer="seg", base_offset=0, model="q")
+    config.kv_cache_groups[0] = KVCacheGroupSpec(
+        ["model.layers.0.linear_attn"], dataclasses.replace(spec, num_speculative_blocks=0)
+    )
+    assert layout_from_vllm(config, buffer="seg", base_offset=0, model="q").groups[0].kind is (
+        GroupKind.MAMBA
+    )

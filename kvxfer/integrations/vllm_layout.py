@@ -92,6 +92,16 @@ def group_shape(spec: Any, where: str) -> GroupShape:
     page = int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
     block_size = int(spec.block_size)
     if "MambaSpec" in names:
+        speculative = int(getattr(spec, "num_speculative_blocks", 0) or 0)
+        if speculative:
+            # vLLM then keeps a request's running state `speculative` blocks before its
+            # last, the blocks after it scratch: the last block (what moves) is not it.
+            raise LayoutError(
+                f"{where}.num_speculative_blocks",
+                f"{speculative}: under speculative decoding vLLM keeps the state before "
+                "scratch blocks kvxfer does not tell apart yet; run without "
+                "--speculative-config",
+            )
         # The state dtypes go into the fingerprint: the same cut in other dtypes is other bytes.
         dtypes = [str(d).removeprefix("torch.") for d in getattr(spec, "dtypes", ())]
         return GroupShape(GroupKind.MAMBA, None, block_size, page, ",".join(dtypes) or "opaque")
