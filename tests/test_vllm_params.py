@@ -21,6 +21,7 @@ from kvxfer.integrations.vllm_params import (
     publication_id,
     publication_of,
     published_request,
+    pulled_tokens,
     rank_params,
     reader_sources,
     readers_of,
@@ -52,6 +53,39 @@ def test_bad_params_name_the_field(change: dict[str, object], field: str) -> Non
     bad = {**params_to_dict(_params()), **change}
     with pytest.raises(KvxferError) as caught:
         params_from_dict(bad)
+    assert field in str(caught.value)
+
+
+def test_the_tokens_a_decode_pulls_are_read_from_its_params_or_none() -> None:
+    published = params_to_dict(_params())
+    assert pulled_tokens({"do_remote_prefill": True, KEY: published}) == 299
+    # A TP publication carries the request's count beside its readers' params.
+    assert pulled_tokens({"do_remote_prefill": True, KEY: {"num_tokens": 0, "readers": []}}) == 0
+    assert pulled_tokens(None) is None
+    assert pulled_tokens({}) is None
+    assert pulled_tokens({"do_remote_prefill": False, KEY: published}) is None
+    assert pulled_tokens({"do_remote_prefill": True}) is None  # another connector's
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (["do_remote_prefill"], "kv_transfer_params: must be an object, got list"),
+        ({"do_remote_prefill": True, KEY: []}, f"kv_transfer_params.{KEY}: must be an object"),
+        ({"do_remote_prefill": True, KEY: "x"}, f"kv_transfer_params.{KEY}: must be an object"),
+        ({"do_remote_prefill": True, KEY: {}}, f"{KEY}.num_tokens: must be a non-negative"),
+        ({"do_remote_prefill": True, KEY: {"num_tokens": None}}, f"{KEY}.num_tokens: "),
+        ({"do_remote_prefill": True, KEY: {"num_tokens": "12"}}, f"{KEY}.num_tokens: "),
+        ({"do_remote_prefill": True, KEY: {"num_tokens": -1}}, f"{KEY}.num_tokens: "),
+        ({"do_remote_prefill": True, KEY: {"num_tokens": True}}, f"{KEY}.num_tokens: "),
+        ({"do_remote_prefill": True, KEY: {"num_tokens": 2.5}}, f"{KEY}.num_tokens: "),
+    ],
+)
+def test_malformed_params_on_the_schedulers_path_name_the_field(params: object, field: str) -> None:
+    """What vLLM's scheduler reads of a decode request's params, where an exception would
+    end the engine: the connector turns this error into a local prefill."""
+    with pytest.raises(InvalidInputError) as caught:
+        pulled_tokens(params)
     assert field in str(caught.value)
 
 

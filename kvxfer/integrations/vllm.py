@@ -55,11 +55,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.v1.request import RequestStatus
 
-from kvxfer._exceptions import KvxferError, NotFoundError, PeerUnavailableError
+from kvxfer._exceptions import (
+    InvalidInputError,
+    KvxferError,
+    LaneUnreachableError,
+    NotFoundError,
+    PeerUnavailableError,
+)
 from kvxfer.client.engine import SyncEngineClient
 from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind, StateShard
 from kvxfer.core.planner import needed_blocks
-from kvxfer.core.requests import EngineEvent, LeaseExpired, PullDone, PullStatus, Released
+from kvxfer.core.requests import (
+    AbortState,
+    EngineEvent,
+    LeaseExpired,
+    PullDone,
+    PullStatus,
+    Released,
+)
 from kvxfer.integrations.cpu_amx import allow_amx
 from kvxfer.integrations.shm_remap import SharedRemap
 from kvxfer.integrations.vllm_kernel import (
@@ -86,6 +99,7 @@ from kvxfer.integrations.vllm_params import (
     load_errors,
     params_to_dict,
     publication_id,
+    pulled_tokens,
     rank_params,
     read_handshake,
     reader_sources,
@@ -164,9 +178,9 @@ SIDECAR_LOST = _Lost()
 _WATCH_PAUSE_S = 0.2
 # Bytes of pages laid out again per engine step (vllm_reblock): ~10 ms on one core here.
 _LAY_OUT_BUDGET = 32 << 20
-# Staging pages of a pull whose Pull call failed come back after this long: past any
-# stall deadline and lease a sidecar takes (its reads would have ended by then).
-_QUARANTINE_S = 120.0
+# How often a worker asks its sidecar to abort a pull whose Pull call got no answer, until
+# the sidecar says whether it took it (see `_Worker._settle_unsure`).
+_UNSURE_RETRY_S = 1.0
 
 
 @dataclass
@@ -180,7 +194,6 @@ class _Receiving:
     valid_tokens: int = 1 << 62  # the least any of its pulls reported
     # Staging pages it holds (vllm_reblock): group id -> (first prefill block, page ids).
     staged: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
-    quarantine: bool = False  # a Pull call failed: its pages may still be written
 
 
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
@@ -227,29 +240,28 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side -------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
-        params = request.kv_transfer_params
+        params = _params(request)
         if self._has_state and params and params.get("do_remote_decode"):
             _trim_last_prompt_token(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or KEY not in params:
+        remote = _pulled_tokens(request)
+        if remote is None:
             return 0, False
-        remote = int(params[KEY].get("num_tokens", 0))
         count = min(remote, request.num_prompt_tokens) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or KEY not in params:
+        remote = _pulled_tokens(request)
+        if remote is None:
             return
+        params = request.kv_transfer_params
         params["do_remote_prefill"] = False  # one pull per request
         block_ids = tuple(list(g) for g in blocks.get_block_ids())
-        remote = int(params[KEY]["num_tokens"])
         assert self._scheduler is not None
         # A full local hit still "pulls" with C == N: nothing moves, the prefill releases.
         computed = remote - max(num_external_tokens, 0)
@@ -271,13 +283,15 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params
-        if not params or self._scheduler is None:
+        if self._scheduler is None:
             return False, None
-        if params.get("do_remote_prefill") and KEY in params:
+        remote = _pulled_tokens(request)
+        params = _params(request)
+        if not params:
+            return False, None
+        if remote is not None:
             # Finished (aborted) before blocks were allocated: let the prefill release.
             params["do_remote_prefill"] = False
-            remote = int(params[KEY].get("num_tokens", 0))
             empty: tuple[list[int], ...] = tuple([] for _ in block_ids)
             self._scheduler.pending.append(
                 PullOrder(request.request_id, params[KEY], empty, remote, awaiting=False)
@@ -400,6 +414,30 @@ def state_cuts(states: dict[int, tuple[StateTensor, ...]] | str) -> tuple[StateS
     if isinstance(states, str):
         return states
     return tuple(dict.fromkeys(t.shard for tensors in states.values() for t in tensors))
+
+
+def _params(request: Request) -> dict[str, Any] | None:
+    """The request's kv_transfer_params when they are an object (`_pulled_tokens` has
+    dropped any other kind, with an error naming it)."""
+    params = request.kv_transfer_params
+    return params if isinstance(params, dict) else None
+
+
+def _pulled_tokens(request: Request) -> int | None:
+    """`pulled_tokens` of the request's params, on vLLM's scheduler path: malformed params
+    (from the router, over the wire) are logged with the field they break and the request
+    is prefilled here, where an exception would end the engine with every request on it.
+    (Its prefill's blocks are held until their lease lapses.)"""
+    try:
+        return pulled_tokens(request.kv_transfer_params)
+    except InvalidInputError as exc:
+        log.error("kvxfer: %s is prefilled here, nothing pulled: %s", request.request_id, exc)
+        params = request.kv_transfer_params
+        if isinstance(params, dict):
+            params["do_remote_prefill"] = False
+        else:
+            request.kv_transfer_params = None
+        return None
 
 
 def _trim_last_prompt_token(request: Request) -> None:
@@ -617,7 +655,9 @@ class _Worker:
         self._pool = StagingPool(0)
         self._waiting: collections.deque[PullOrder] = collections.deque()
         self._staged: dict[str, dict[int, tuple[int, list[int]]]] = {}
-        self._quarantine: collections.deque[tuple[float, list[int]]] = collections.deque()
+        # Pulls whose Pull call got no answer (the sidecar may have taken them): pull id ->
+        # when to ask the sidecar to abort it again.
+        self._unsure: dict[str, float] = {}
         self._local_block = 0
         # Requests whose pages are being laid out again, a budget of bytes per engine step.
         self._laying: collections.deque[tuple[_Receiving, Iterator[int]]] = collections.deque()
@@ -842,12 +882,25 @@ class _Worker:
         for params in every:
             try:
                 accepted = self._client.pull(params, spans, computed)
-            except KvxferError as exc:
+            except PeerUnavailableError as exc:
+                # No answer (a deadline, a lost connection): the sidecar may have taken it,
+                # and its reads may still land in these blocks. The request stays receiving
+                # (vLLM keeps its blocks) until the sidecar says: a PullDone, or an abort
+                # answered (`_settle_unsure`), or the sidecar is gone with its agents.
+                log.error(
+                    "kvxfer: pull of %s got no answer (%s): aborting it", params.request_id, exc
+                )
+                receiving.failed = True
+                if isinstance(exc, LaneUnreachableError):
+                    continue  # turned away before any call ran: nothing was taken
+                self._pulls[params.request_id] = receiving
+                receiving.pending += 1
+                self._unsure[params.request_id] = 0.0
+                continue
+            except KvxferError as exc:  # refused: the sidecar took nothing
                 log.error("kvxfer: pull of %s refused: %s%s", params.request_id, exc,
                           block_size_hint(exc, self._owner._ratio.differs))  # fmt: skip
-                # The sidecar may have taken it before the call failed (a deadline): its
-                # reads could still land in the staging pages, which wait a while.
-                receiving.failed = receiving.quarantine = True
+                receiving.failed = True
                 continue
             self._pulls[params.request_id] = receiving
             receiving.pending += 1
@@ -892,9 +945,8 @@ class _Worker:
         self._lay_out(_LAY_OUT_BUDGET)
         if self._waiting and finished_req_ids:
             self._drop_finished(finished_req_ids)
-        now = time.monotonic()
-        while self._quarantine and self._quarantine[0][0] <= now:
-            self._pool.give(self._quarantine.popleft()[1])
+        if self._unsure:
+            self._settle_unsure(time.monotonic())
         while self._waiting:
             staged = self._stage_into(self._waiting[0])
             if staged is False:
@@ -967,6 +1019,36 @@ class _Worker:
         if not receiving.pending:
             self._received(receiving)
 
+    def _settle_unsure(self, now: float) -> None:
+        """Ask the sidecar to abort each pull whose Pull call got no answer, until it says
+        whether it took it: it did (its PullDone comes once every read it posted ended),
+        or it knows no such pull (nothing can land: the request is received, failed). A
+        sidecar that does not answer is asked again a second later; one that is gone
+        fails them all (`_sidecar_lost`). The calls block vLLM's step: only after a Pull
+        call already went unanswered, and at most one unanswered call per step."""
+        for pull_id, when in list(self._unsure.items()):
+            receiving = self._pulls.get(pull_id)
+            if receiving is None:  # its PullDone came, or the sidecar is gone
+                del self._unsure[pull_id]
+                continue
+            if when > now:
+                continue
+            try:
+                state = self._client.abort(pull_id)
+            except NotFoundError:
+                state = None
+            except KvxferError as exc:  # no answer again: the others would wait as long
+                log.warning("kvxfer: abort of unanswered pull %s: %s; asking again", pull_id, exc)
+                self._unsure[pull_id] = now + _UNSURE_RETRY_S
+                return
+            del self._unsure[pull_id]
+            if state is AbortState.PULLING:
+                continue  # taken, and now cancelled: its PullDone ends it
+            del self._pulls[pull_id]
+            receiving.pending -= 1
+            if not receiving.pending:
+                self._received(receiving)
+
     def _sidecar_lost(self) -> None:
         """Every pull still waiting failed; every publication released (see `_watch`)."""
         waiting = {id(r): r for r in self._pulls.values()}
@@ -1008,13 +1090,10 @@ class _Worker:
 
     def _finish(self, receiving: _Receiving) -> None:
         order = receiving.order
-        # Every read into them ended (PullDone, or the sidecar is gone with its agents),
-        # unless a Pull call failed without saying whether the sidecar took it.
+        # Every read into them ended: PullDone, or the sidecar knew no such pull, or it
+        # is gone with its agents.
         for _, pages in receiving.staged.values():
-            if receiving.quarantine:
-                self._quarantine.append((time.monotonic() + _QUARANTINE_S, pages))
-            else:
-                self._pool.give(pages)
+            self._pool.give(pages)
         receiving.staged = {}
         self._done_recving.add(order.request_id)
         if receiving.failed:

@@ -48,6 +48,34 @@ def connector_event_loop(extra: Mapping[str, Any]) -> dict[str, Any]:
     return {"event_loop": loop}
 
 
+def pulled_tokens(params: object) -> int | None:
+    """The prompt tokens a decode request's `kv_transfer_params` say its prefill computed,
+    or None when they ask for no pull (no `do_remote_prefill`, or no kvxfer part). What
+    vLLM's scheduler reads of them: anything it raised there would end the engine, so a
+    malformed part is an InvalidInputError naming the field, which the connector turns
+    into a local prefill. The rest is checked when the worker pulls (`rank_params`)."""
+    if params is None:
+        return None
+    if not isinstance(params, Mapping):
+        raise InvalidInputError(
+            "kv_transfer_params", f"must be an object, got {type(params).__name__}"
+        )
+    if not params.get("do_remote_prefill") or KEY not in params:
+        return None
+    value = params[KEY]
+    if not isinstance(value, Mapping):
+        raise InvalidInputError(
+            f"kv_transfer_params.{KEY}", f"must be an object, got {type(value).__name__}"
+        )
+    num_tokens = value.get("num_tokens")
+    if type(num_tokens) is not int or num_tokens < 0:
+        raise InvalidInputError(
+            f"kv_transfer_params.{KEY}.num_tokens",
+            f"must be a non-negative integer, got {num_tokens!r}",
+        )
+    return num_tokens
+
+
 def params_to_dict(params: TransferParams) -> dict[str, Any]:
     return {
         "peer_address": params.peer_address,

@@ -1,0 +1,68 @@
+"""kvxfer's vLLM connector when its sidecar or its router misbehave (the scenarios run
+under .venv-vllm in tests/vllm_connector_faults.py, which imports vLLM's connector API).
+
+- A Pull call with no answer (a deadline, a lost connection) may have been taken by the
+  sidecar, whose reads could still land in the request's blocks: the request stays
+  receiving (vLLM keeps its blocks) until the sidecar says. It is asked to abort the
+  pull; it took it (its PullDone ends the request, failed), or it knows no such pull
+  (received, failed, at once), or it does not answer (asked again). A refused Pull
+  took nothing: failed at once, nothing asked.
+- Malformed kv_transfer_params from the router reach vLLM's scheduler, where anything
+  raised would end the engine with every request on it: the request is prefilled
+  locally instead, its params marked as pulling nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_harness import run_script
+
+pytestmark = pytest.mark.vllm
+
+HERE = Path(__file__).resolve().parent
+NOTHING: dict[str, list[str]] = {"recving": [], "failed": []}
+FAILED = {"recving": ["decode-7"], "failed": ["decode-7"]}
+
+
+@pytest.fixture(scope="module")
+def report() -> dict[str, Any]:
+    got: dict[str, Any] = run_script(HERE / "vllm_connector_faults.py", None, timeout_s=300)
+    return got
+
+
+def test_an_unanswered_pull_the_sidecar_took_ends_with_its_pulldone(
+    report: dict[str, Any],
+) -> None:
+    taken = report["taken"]
+    assert taken["aborted"] == ["req-7"]  # asked once, and it said it was pulling
+    assert taken["steps"][:3] == [NOTHING] * 3  # vLLM keeps the blocks meanwhile
+    assert taken["steps"][3] == FAILED
+
+
+def test_an_unanswered_pull_the_sidecar_never_took_fails_once_it_says_so(
+    report: dict[str, Any],
+) -> None:
+    assert report["not_taken"] == {"steps": [FAILED, NOTHING, NOTHING], "aborted": ["req-7"]}
+    silent = report["silent_then_not_taken"]
+    assert silent["aborted"] == ["req-7", "req-7"]
+    assert silent["steps"] == [NOTHING, FAILED, NOTHING]
+
+
+def test_a_refused_pull_fails_at_once_and_asks_nothing(report: dict[str, Any]) -> None:
+    assert report["refused"] == {"steps": [FAILED], "aborted": []}
+
+
+def test_malformed_params_are_prefilled_locally_not_raised(report: dict[str, Any]) -> None:
+    schedule = report["schedule"]
+    good = schedule["good"]
+    assert good["matched"] == [32, True] and good["pending"] == 1  # released when aborted
+    for case in ("empty_part", "list_part", "text_tokens"):
+        bad = schedule[case]
+        assert bad["matched"] == [0, False] and bad["pending"] == 0, (case, bad)
+        assert bad["finished"] == [False, None], (case, bad)
+        assert bad["params_after"]["do_remote_prefill"] is False, (case, bad)
+    other = schedule["not_an_object"]
+    assert other["matched"] == [0, False] and other["params_after"] is None

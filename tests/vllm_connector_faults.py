@@ -1,0 +1,145 @@
+"""kvxfer's vLLM connector under faults at its sidecar client, run under .venv-vllm
+(tests/test_vllm_connector_faults.py runs it and checks what it prints).
+
+The connector module imports vLLM, so this runs where vLLM is installed. Its sidecar
+client is replaced by one that fails as a real one can (the seam every call of the
+worker goes through: `pull` and `abort`, with the same signatures and errors); its
+scheduler half is driven with request objects carrying what vLLM's `Request` gives the
+connector (`request_id`, `kv_transfer_params`, `num_prompt_tokens`).
+
+Reads nothing; prints one JSON object: what each scenario saw.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+from kvxfer._exceptions import InvalidInputError, NotFoundError, PeerUnavailableError
+from kvxfer.core.layout import BlockId, BlockSpan, GroupId, GroupKind
+from kvxfer.core.requests import AbortState, PullDone, PullStatus, TransferParams
+from kvxfer.integrations import vllm as connector
+from kvxfer.integrations.vllm_params import KEY, params_to_dict
+
+
+class FaultyClient:
+    """`SyncEngineClient`'s pull and abort, failing as told: `pull_error` is raised by
+    every Pull (after the sidecar took it, or before), each of `aborts` answers one
+    Abort in turn (an AbortState, or an error raised)."""
+
+    def __init__(self, pull_error: Exception, aborts: list[AbortState | Exception]) -> None:
+        self.pull_error = pull_error
+        self.aborts = aborts
+        self.aborted: list[str] = []
+
+    def pull(self, params: TransferParams, local_spans: Any, computed_tokens: int) -> Any:
+        del params, local_spans, computed_tokens
+        raise self.pull_error
+
+    def abort(self, request_id: str) -> AbortState:
+        self.aborted.append(request_id)
+        answer = self.aborts.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def worker(client: FaultyClient) -> Any:
+    owner = SimpleNamespace(
+        _loop_choice={},
+        _kinds=(GroupKind.FULL_ATTENTION,),
+        _reblock=1,
+        _state_cuts=(),
+        _ratio=SimpleNamespace(source=16, differs=False, grow=1, staged=False),
+    )
+    made = connector._Worker(owner, "unix:/nonexistent/kvxfer.sock", None)  # never dialled
+    made._client.close()
+    made._client = client
+    made.layout = SimpleNamespace(
+        tp_size=1, block_size=16, groups=(SimpleNamespace(num_kv_heads=None),)
+    )
+    made._local_block = 16  # what `register` sets from the engine's block size
+    return made
+
+
+def order() -> connector.PullOrder:
+    spans = (BlockSpan(GroupId(0), 0, (BlockId(1), BlockId(2))),)
+    params = TransferParams("127.0.0.1:5000", "engine-1", 3, 0, "req-7", 32, spans)
+    return connector.PullOrder("decode-7", params_to_dict(params), ([4, 5],), 0)
+
+
+def steps(made: Any, count: int) -> list[dict[str, list[str]]]:
+    """`count` engine steps of the worker: what each reported received and failed."""
+    seen = []
+    for _ in range(count):
+        results = made.results(set())
+        seen.append(
+            {
+                "recving": sorted(results.finished_recving or ()),
+                "failed": sorted(results.failed_recving or ()),
+            }
+        )
+    return seen
+
+
+def unanswered_pull(aborts: list[AbortState | Exception], then_done: bool) -> dict[str, Any]:
+    client = FaultyClient(PeerUnavailableError("Pull: no answer within 5s"), aborts)
+    made = worker(client)
+    made.pull(order())
+    seen = steps(made, 3)
+    if then_done:  # the sidecar had taken it: its PullDone comes once its reads ended
+        failed = {0: (0, 1)}
+        made._events.put(PullDone("req-7", PullStatus.ABORTED, failed, 0, 0, 0.1, "aborted"))
+        seen += steps(made, 1)
+    return {"steps": seen, "aborted": client.aborted}
+
+
+def refused_pull() -> dict[str, Any]:
+    client = FaultyClient(InvalidInputError("params.epoch", "stale"), [])
+    made = worker(client)
+    made.pull(order())
+    return {"steps": steps(made, 1), "aborted": client.aborted}
+
+
+def scheduler(params: object) -> dict[str, Any]:
+    """The scheduler's calls for one decode request, with `params` from the router."""
+    made = object.__new__(connector.KvxferConnector)
+    made._scheduler = SimpleNamespace(pending=[])
+    made._has_state = False
+    request = SimpleNamespace(request_id="r-1", kv_transfer_params=params, num_prompt_tokens=64)
+    connector.KvxferConnector.on_new_request(made, request)
+    matched = connector.KvxferConnector.get_num_new_matched_tokens(made, request, 0)
+    finished = connector.KvxferConnector.request_finished_all_groups(made, request, ([],))
+    return {
+        "matched": list(matched),
+        "finished": [finished[0], finished[1]],
+        "pending": len(made._scheduler.pending),
+        "params_after": request.kv_transfer_params,
+    }
+
+
+def main() -> None:
+    connector._UNSURE_RETRY_S = 0.0  # ask again at the next step
+    good = order().params
+    report = {
+        "taken": unanswered_pull([AbortState.PULLING], then_done=True),
+        "not_taken": unanswered_pull([NotFoundError("Abort: no request 'req-7'")], False),
+        "silent_then_not_taken": unanswered_pull(
+            [PeerUnavailableError("Abort: no answer"), NotFoundError("no 'req-7'")], False
+        ),
+        "refused": refused_pull(),
+        "schedule": {
+            "good": scheduler({"do_remote_prefill": True, KEY: good}),
+            "empty_part": scheduler({"do_remote_prefill": True, KEY: {}}),
+            "list_part": scheduler({"do_remote_prefill": True, KEY: []}),
+            "text_tokens": scheduler({"do_remote_prefill": True, KEY: {"num_tokens": "32"}}),
+            "not_an_object": scheduler(["do_remote_prefill"]),
+        },
+    }
+    json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
