@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVarTuple, Unpack
 
 import numpy as np
 import pytest
@@ -26,7 +28,7 @@ from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId, GroupKind
 from kvxfer.core.planner import plan_transfer
 from kvxfer.core.profiles import layout_for_model
-from kvxfer.dataplane.adapter import ChunkJob, TransferBackend, TransferStatus
+from kvxfer.dataplane.adapter import ChunkJob, NixlAgent, TransferBackend, TransferStatus
 from kvxfer.dataplane.executor import (
     ExecOptions,
     RequestStatus,
@@ -466,15 +468,15 @@ async def _thread_ended(backend: TransferBackend) -> bool:
 
 @contextlib.asynccontextmanager
 async def _batch_of_gpt_oss(
-    **job: Any,
+    backend: TransferBackend | None = None, **job: Any
 ) -> AsyncIterator[tuple[Pair, list[ChunkJob], LocalSide]]:
     """A gpt-oss-20b pair, the jobs of a 1000-token plan of 8-block chunks between it
-    (`job`: more ChunkJob fields), and the reading side they are for."""
+    (`job`: more ChunkJob fields), and the reading side they are for (on `backend`)."""
     p = Pair("gpt-oss-20b")
     try:
         src_spans = spans(p.src.layout, random.Random(4), 1000)
         plan = plan_transfer(p.src.layout, p.dst.layout, src_spans, src_spans, 1000, 0, 8)
-        async with LocalSide(p.dst.buffers) as local:
+        async with LocalSide(p.dst.buffers, backend) as local:
             peer = await local.backend.add_peer(p.peer.metadata)
             jobs = [
                 chunk_job(c, peer, local.buffers, p.peer.buffers, ExecOptions(), **job)
@@ -538,3 +540,133 @@ async def test_a_bug_mid_batch_severs_the_agent_before_the_batch_is_reported() -
         assert set(statuses[2:]) == {TransferStatus.CANCELLED}
         assert local.backend.closed and local.backend.abandoned
         assert await _thread_ended(local.backend)
+
+
+class _NixlFaking:
+    """The real nixl agent, except for the state it reports for chosen handles (by
+    creation order): "PROC" for ever (a hung transfer: only its deadline ends it) or
+    "ERR". Those handles are real and posted like the rest, and like every NIXL handle
+    each holds a reference to the agent's C++ object."""
+
+    def __init__(self, agent: Any, states: dict[int, str]) -> None:
+        self._agent = agent
+        self._states = states
+        self._created = 0
+        self._faked: dict[int, str] = {}  # id(handle) -> its state; until it is released
+
+    def initialize_xfer(self, *args: Any) -> Any:
+        handle = self._agent.initialize_xfer(*args)
+        if self._created in self._states:
+            self._faked[id(handle)] = self._states[self._created]
+        self._created += 1
+        return handle
+
+    def check_xfer_state(self, handle: Any) -> str:
+        return self._faked.get(id(handle)) or str(self._agent.check_xfer_state(handle))
+
+    def release_xfer_handle(self, handle: Any) -> None:
+        self._agent.release_xfer_handle(handle)
+        self._faked.pop(id(handle), None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+
+class _FaultyNixl(NixlAgent):
+    """A NixlAgent on a `_NixlFaking` agent; `binding` refers (weakly) to the C++ agent,
+    whose UCX workers and endpoints are what a late write needs."""
+
+    def __init__(self, states: dict[int, str]) -> None:
+        self._states = states
+        self.binding: weakref.ref[Any] | None = None
+        super().__init__("dst")
+
+    def _create_agent(self) -> Any:
+        agent = super()._create_agent()
+        self.binding = weakref.ref(agent.agent)
+        return _NixlFaking(agent, self._states)
+
+
+_Ts = TypeVarTuple("_Ts")
+
+
+class _HearingLoop(asyncio.SelectorEventLoop):
+    """Notes, at the moment a thread hands this loop the outcome of `watched` (which
+    `asyncio.wrap_future` does with `call_soon_threadsafe(set_state, future, ...)`),
+    whether the C++ agent `binding` refers to was gone by then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched: asyncio.Future[Any] | None = None
+        self.binding: weakref.ref[Any] | None = None
+        self.agent_gone: list[bool] = []
+
+    def call_soon_threadsafe(
+        self,
+        callback: Callable[[Unpack[_Ts]], object],
+        *args: *_Ts,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.Handle:
+        if args and args[0] is self.watched and self.binding is not None:
+            self.agent_gone.append(self.binding() is None)
+        return super().call_soon_threadsafe(callback, *args, context=context)
+
+
+_LONG_S = 60.0
+_FAILURES = {
+    # chunk 0 hangs until its deadline; chunk 1 hangs past it (SEVERED with it)
+    "timed-out": ({0: "PROC", 1: "PROC"}, {0: 0.3}, False),
+    # chunk 0 hangs; NIXL says chunk 1 failed as it is posted
+    "failed-at-post": ({0: "PROC", 1: "ERR"}, {}, False),
+    # chunk 0 hangs; chunk 1's on_post raises (a bug) after its handle was created
+    "bug-at-post": ({0: "PROC"}, {}, True),
+    # both chunks hang when the agent is closed
+    "closed": ({0: "PROC", 1: "PROC"}, {}, False),
+}
+_REPORTED = {
+    "timed-out": [TransferStatus.TIMED_OUT, TransferStatus.SEVERED],
+    "failed-at-post": [TransferStatus.SEVERED, TransferStatus.FAILED],
+    "bug-at-post": [TransferStatus.SEVERED, TransferStatus.FAILED],
+    "closed": [TransferStatus.CANCELLED, TransferStatus.CANCELLED],
+}
+
+
+@pytest.mark.parametrize("how", list(_FAILURES))
+def test_no_transfer_handle_keeps_the_agent_alive_when_its_failure_is_reported(
+    how: str,
+) -> None:
+    """When the NIXL thread hands the loop a failed (or cancelled) batch, the C++ agent
+    must be destroyed already: every NIXL handle holds it, so a handle still referenced
+    anywhere (the severed chunks, the list of failed ones) would keep its UCX worker
+    and endpoints alive while the engine is told it may reuse the blocks."""
+    states, deadlines, bug = _FAILURES[how]
+    posts = itertools.count()
+
+    def on_post() -> None:
+        if bug and next(posts) == 1:
+            raise RuntimeError("a bug in a post's callback")
+
+    async def main(loop: _HearingLoop) -> list[TransferStatus]:
+        backend = _FaultyNixl(states)
+        async with _batch_of_gpt_oss(backend, on_post=on_post) as (_, jobs, local):
+            # Two chunks: the batch is reported as the second one ends.
+            two = [
+                dataclasses.replace(job, deadline_s=deadlines.get(index, _LONG_S))
+                for index, job in enumerate(jobs[:2])
+            ]
+            assert backend.binding is not None and backend.binding() is not None
+            loop.binding = backend.binding
+            loop.watched = batch = local.backend.post_all(two)
+            if how == "closed":
+                await local.backend.close()
+            statuses = await asyncio.wait_for(batch, 10)
+            assert local.backend.closed and local.backend.abandoned
+            assert await _thread_ended(local.backend)
+        return statuses
+
+    with asyncio.Runner(loop_factory=_HearingLoop) as runner:
+        loop = runner.get_loop()
+        assert isinstance(loop, _HearingLoop)
+        statuses = runner.run(main(loop))
+    assert statuses == _REPORTED[how]
+    assert loop.agent_gone == [True], "the failure was reported with the NIXL agent alive"

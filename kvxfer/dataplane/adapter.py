@@ -17,7 +17,9 @@ its backend (the UCX worker and endpoints) ends them. So when a posted chunk
 ends any other way than DONE, the agent severs itself: it releases every
 handle, deregisters its memory and destroys the NIXL agent, and only then
 resolves the failed chunk and every other chunk in flight (SEVERED). A
-severed agent is closed: reads on it end CANCELLED at once. One agent per
+severed agent is closed: reads on it end CANCELLED at once. Every NIXL handle
+holds the C++ agent too, so no handle may outlive that teardown: each is taken
+out of its chunk as it is released (`_InFlight.take_handle`). One agent per
 peer and destination (`readers.py`) keeps one bad peer from severing
 transfers from the others.
 
@@ -38,6 +40,8 @@ import secrets
 import sys
 import threading
 import time
+import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,9 +158,15 @@ class TransferBackend(Protocol):
 
 @dataclass
 class _InFlight:
-    handle: Any
+    handle: Any  # None once released (or given up on at teardown)
     deadline: float
     end: Callable[[TransferStatus], None]  # how it ended, told on the NIXL thread
+
+    def take_handle(self) -> Any:
+        """The handle, no longer held here: a NIXL handle keeps its agent's C++ object
+        alive, and a chunk is still referenced while its end is being reported."""
+        handle, self.handle = self.handle, None
+        return handle
 
 
 class _Batch:
@@ -237,6 +247,23 @@ def _name_os_thread(name: str) -> None:
     name: the bench tells the CPU a copy takes from the rest by it."""
     with contextlib.suppress(OSError):
         Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_bytes(name.encode()[:15])
+
+
+def _without_locals(exc: BaseException) -> BaseException:
+    """`exc`, its frames' locals dropped, for logging: a NIXL handle in one of those frames
+    would keep its agent's C++ object alive for as long as a log handler keeps the record
+    (pytest's does), past the teardown that must destroy it. Tracebacks still print."""
+    traceback.clear_frames(exc.__traceback__)
+    return exc
+
+
+def _weakly(agent: Any) -> Callable[[], object]:
+    """A weak reference to the C++ agent behind nixl's Python one (what its handles hold),
+    or, where this nixl does not expose it, a reference that always reads None."""
+    try:
+        return weakref.ref(agent.agent)
+    except (AttributeError, TypeError):
+        return lambda: None
 
 
 def _is_disconnect(exc: BaseException) -> bool:
@@ -353,7 +380,7 @@ class NixlAgent:
                 still.append(item)
             elif status is TransferStatus.DONE:
                 item.end(status)  # the bytes are in: tell the loop first
-                self._release(state, item.handle)
+                self._release(state, item)
             else:
                 failed.append((item, status))
         state.inflight = still
@@ -378,11 +405,12 @@ class NixlAgent:
         return TransferStatus.FAILED
 
     @staticmethod
-    def _release(state: _State, handle: Any) -> None:
+    def _release(state: _State, item: _InFlight) -> None:
+        handle = item.take_handle()
         try:
             state.agent.release_xfer_handle(handle)
         except Exception as exc:  # still busy in the backend: try again later
-            log.debug("xfer handle not released yet: %s", exc)
+            log.debug("xfer handle not released yet: %s", _without_locals(exc))
             state.stuck.append(handle)
 
     def _sever(self, state: _State, failed: list[tuple[_InFlight, TransferStatus]]) -> None:
@@ -399,7 +427,7 @@ class NixlAgent:
         state.inflight = []
         self._abandoned = True
         self._stopping.set()
-        self._destroy(state, [item.handle for item, _ in outcomes])
+        self._destroy(state, [item for item, _ in outcomes])
         # Only now, with the backend's workers gone, may anyone hear that these failed.
         for item, status in outcomes:
             item.end(status)
@@ -423,36 +451,51 @@ class NixlAgent:
     def _shutdown(self, state: _State) -> None:
         pending, state.inflight = state.inflight, []
         self._abandoned = self._abandoned or bool(pending)
-        self._destroy(state, [item.handle for item in pending])
+        self._destroy(state, pending)
         for item in pending:  # reported only once nothing can write for them any more
             item.end(TransferStatus.CANCELLED)
         with self._queueing:  # a command queued since the loop last looked fails now
             self._exited = True
             self._run_commands(state, None)
 
-    @staticmethod
-    def _destroy(state: _State, handles: list[Any]) -> None:
-        """Release `handles`, deregister all memory and destroy the NIXL agent. Destroying
-        it tears down the backend's workers and endpoints, which is what ends requests
-        that releasing their handle leaves running (see the module docstring)."""
+    def _destroy(self, state: _State, items: Sequence[_InFlight]) -> None:
+        """Release the handles of `items` (taking them out of the chunks, which the caller
+        still holds to report them) and every stuck one, deregister all memory and destroy
+        the NIXL agent. Destroying it tears down the backend's workers and endpoints, which
+        is what ends requests that releasing their handle leaves running (see the module
+        docstring)."""
         if state.agent is None:
             return
-        for handle in [*handles, *state.stuck]:
-            try:
-                state.agent.release_xfer_handle(handle)
-            except Exception as exc:
-                log.debug("xfer handle not released before teardown: %s", exc)
+        handles = [*(item.take_handle() for item in items), *state.stuck]
         state.stuck = []
+        while handles:  # popped: once released, no name here holds a handle
+            self._release_for_teardown(state, handles.pop())
         for descs in state.registered.values():
             try:
                 state.agent.deregister_memory(descs)
             except Exception as exc:
                 log.warning("deregistering memory failed: %s", exc)
         state.registered.clear()
-        # The only reference: dropping it destroys the agent and its backends here. (No
-        # gc.collect(): it would run other objects' finalizers, gRPC's among them, on this
-        # thread.)
+        # Every NIXL handle holds the C++ agent (nixl_xfer_handle._agent) besides this
+        # wrapper; with each handle dropped above (a handle not yet released tries once
+        # more as it goes), this is the last reference, and dropping it destroys the agent
+        # and its backends here, before any chunk of it is reported. (No gc.collect(): it
+        # would run other objects' finalizers, gRPC's among them, on this thread.)
+        binding = _weakly(state.agent)
         state.agent = None
+        if binding() is not None:
+            log.error(
+                "NIXL agent %s outlived its teardown: something still holds it, and its "
+                "transfers may still write into memory reported failed",
+                self._name,
+            )
+
+    @staticmethod
+    def _release_for_teardown(state: _State, handle: Any) -> None:
+        try:
+            state.agent.release_xfer_handle(handle)
+        except Exception as exc:
+            log.debug("xfer handle not released before teardown: %s", _without_locals(exc))
 
     # -- the asyncio side --------------------------------------------------
 
@@ -562,8 +605,12 @@ class NixlAgent:
                 end = batch.ender(index)
                 try:
                     self._post(state, job, end)
-                except Exception:  # a bug: chunks of this batch may be in flight
-                    log.exception("posting a chunk to %s failed; severing the agent", job.peer)
+                except Exception as exc:  # a bug: chunks of this batch may be in flight
+                    log.error(
+                        "posting a chunk to %s failed; severing the agent",
+                        job.peer,
+                        exc_info=_without_locals(exc),  # the failed post's frames hold its handle
+                    )
                     # Nothing is reported before what was posted can no longer land; the
                     # rest of the batch then ends CANCELLED, unposted.
                     self._sever(state, [])
@@ -580,8 +627,8 @@ class NixlAgent:
         if state.agent is None:
             end(TransferStatus.CANCELLED)
             return
-        try:
-            handle = self._create(state, job)
+        try:  # the handle goes straight into its chunk, which gives it up to a teardown
+            item = _InFlight(self._create(state, job), time.monotonic() + job.deadline_s, end)
         except PeerDisconnectedError:
             end(TransferStatus.DISCONNECTED)
             return
@@ -589,7 +636,6 @@ class NixlAgent:
             log.warning("chunk to %s not created: %s", job.peer, exc)
             end(TransferStatus.FAILED)
             return
-        item = _InFlight(handle, time.monotonic() + job.deadline_s, end)
         if job.on_post is not None:
             job.on_post()
         status = self._start(state, item, job.peer)
@@ -601,7 +647,7 @@ class NixlAgent:
             state.inflight.append(item)
         elif status is TransferStatus.DONE:
             item.end(status)
-            self._release(state, item.handle)
+            self._release(state, item)
         else:  # part of the handle may have been posted before NIXL gave up
             self._sever(state, [(item, status)])
 
@@ -623,7 +669,7 @@ class NixlAgent:
         try:
             status = state.agent.transfer(item.handle)
         except Exception as exc:
-            log.warning("chunk to %s failed to post: %s", peer, exc)
+            log.warning("chunk to %s failed to post: %s", peer, _without_locals(exc))
             return TransferStatus.DISCONNECTED if _is_disconnect(exc) else TransferStatus.FAILED
         if status == "ERR":
             log.warning("NIXL refused the transfer to %s", peer)
