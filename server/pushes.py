@@ -80,13 +80,14 @@ class Push:
     posted: int = 0
     task: asyncio.Task[None] | None = None
     # False once a chunk posted by the agent this push wrote with ended without
-    # completing: its bytes may still reach the decode side (EndWrite says so).
+    # completing, or a chunk's end went unheard: its bytes may still reach the decode
+    # side (EndWrite says so).
     settled: bool = True
     why: str = ""  # why it was stopped
-    # Set once its Pushed is out: every chunk it posted has ended (on the exceptional
-    # paths, a cancelled task or an internal error, one may still be posted; retiring
-    # destroys the engine's agents before it unmaps). What its task does after,
-    # EndWrite, uses no engine memory.
+    # Set once its Pushed is out: every chunk it posted has ended, also when its task was
+    # cancelled or raised (`_drain`; only chunk tasks cancelled themselves, as at event
+    # loop teardown, go unheard, and retiring destroys the engine's agents before it
+    # unmaps). What its task does after, EndWrite, uses no engine memory.
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -154,6 +155,23 @@ async def _first(*events: asyncio.Event, timeout_s: float | None = None) -> bool
     finally:
         for wait in waits:
             wait.cancel()
+
+
+async def _drain(push: Push, poster: ChunkPoster) -> None:
+    """Posting or waiting raised, or the push was cancelled: chunks it posted before may
+    still be writing from our engine's blocks into the peer's. Nothing may be reported
+    until each has ended (its stall deadline ends it); the ones not yet handed to NIXL
+    end CANCELLED, unposted. A cancellation meanwhile is passed on only after that."""
+    push.cancel.set()
+    cancelled = False
+    while True:
+        try:
+            await poster.drain()
+            break
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 class Pushes:
@@ -280,7 +298,8 @@ class Pushes:
             if self._pushes.get(key) is push:
                 del self._pushes[key]
             push.finished.set()
-        # Every chunk has ended (failed ones severed their agent): our blocks are free.
+        # Every chunk has ended (failed ones severed their agent; on the exceptional paths
+        # too: `_drain`): our blocks are free.
         self._emit(push.engine.engine_id, done)
         observe(push.plan, done, self._metrics, peer, "write")
         if not push.lease_lost:
@@ -311,10 +330,17 @@ class Pushes:
         renewing = asyncio.create_task(heartbeat(push, self._links, push.ttl_s))
         try:
             await self._post_as_ready(push, poster)
-            statuses = await poster.wait()
+            # Shielded: cancelling this push must not cancel the chunks' own tasks, whose
+            # ends `_drain` waits for.
+            statuses = await asyncio.shield(poster.wait())
+        except BaseException:
+            await _drain(push, poster)
+            raise
         finally:
             await stop_heartbeat(renewing)
-            push.settled = not writer.backend.abandoned
+            # Settled only when every chunk it posted is known to have ended, complete: the
+            # decode side revokes our access otherwise, before its engine hears the end.
+            push.settled = poster.all_ended() and not writer.backend.abandoned
         result = summarize(
             push.plan,
             in_plan_order(push.plan, statuses),

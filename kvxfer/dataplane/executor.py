@@ -210,6 +210,22 @@ class ChunkPoster:
         statuses = await asyncio.gather(*(self._tasks[c] for c in chunks))
         return dict(zip(chunks, statuses, strict=True))
 
+    async def drain(self) -> None:
+        """Wait until every chunk handed in has ended, whatever its outcome. Cancelling
+        this wait leaves the chunks running (`wait` would cancel them with it)."""
+        running = {task for task in self._tasks.values() if not task.done()}
+        if running:
+            await asyncio.wait(running)
+
+    def all_ended(self) -> bool:
+        """Every chunk handed in ended with a status: none is still posted, and none has
+        an end nobody heard (its task cancelled, or raised), which may still be running
+        in NIXL."""
+        return all(
+            task.done() and not task.cancelled() and task.exception() is None
+            for task in self._tasks.values()
+        )
+
 
 def _first_post(future: asyncio.Future[None]) -> Callable[[], None]:
     """The `on_post` of a poster's chunks: the first call, on the NIXL thread, settles
