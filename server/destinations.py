@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from kvxfer._exceptions import InvalidInputError, NotFoundError, PlanError
+from kvxfer._exceptions import InvalidInputError, LeaseError, NotFoundError, PlanError
 from kvxfer.core.layout import BlockSpan, EngineLayout
 from kvxfer.core.planner import check_groups_request, plan_blocks
 from kvxfer.core.recompute import valid_tokens
@@ -196,10 +196,14 @@ class Destinations:
         except PlanError as exc:
             raise InvalidInputError("failed_blocks", exc.detail) from exc
         check_reader(lease, end.writer, end.token)  # before anything is revoked for it
+        if lease.ending:  # a retry while its first call revokes: that call reports
+            raise LeaseError(
+                f"request {request_id!r} is being ended by an earlier EndWrite of its "
+                "writer (revoking remote access), which reports the write"
+            )
         gave_up = failed or reason is ReleaseReason.ABORTED or lease.state is LeaseState.ABORTED
         if gave_up and not end.settled:
-            await self._backend.revoke(f"the writer of {request_id!r} gave up on chunks")
-            self._metrics.push_revocations.inc()
+            await self._revoke(lease, f"the writer of {request_id!r} gave up on chunks")
         lease = self._leases.end_read(engine.engine_id, request_id, end.writer, end.token)
         aborted = reason is ReleaseReason.ABORTED or lease.state is LeaseState.ABORTED
         if aborted and not bytes_written and not end.failed:  # nothing was written
@@ -212,6 +216,17 @@ class Destinations:
         self._metrics.bytes_received.inc(bytes_written)
         self._report(lease, status, failed, valid, bytes_written, detail)
         return valid
+
+    async def _revoke(self, lease: Lease, why: str) -> None:
+        """Revoke with the lease marked ending: while we wait, the sweeper must not expire
+        it (it would revoke again and report it failed, and this EndWrite's outcome would
+        be lost) nor a retried EndWrite revoke again (the agent that replaced this one)."""
+        lease.ending = True
+        try:
+            await self._backend.revoke(why)
+        finally:  # cancelled (the writer's call gave up): the lease expires as usual
+            lease.ending = False
+        self._metrics.push_revocations.inc()
 
     async def expired(self, lease: Lease) -> None:
         """A destination lease's TTL passed without heartbeat or EndWrite. A writer that

@@ -89,6 +89,9 @@ class Lease:
     # reader fields are then the writer's (READING: being written).
     push: bool = False
     computed_tokens: int = 0
+    # Its writer's EndWrite is revoking remote access before it reports: nothing else
+    # ends the lease meanwhile (the sweeper passes it over; a second EndWrite is refused).
+    ending: bool = False
 
     @property
     def blocks(self) -> int:
@@ -214,7 +217,9 @@ class LeaseTable:
 
     def expire(self) -> list[Lease]:
         now = self._clock()
-        gone = [key for key, lease in self._leases.items() if lease.expires <= now]
+        gone = [
+            key for key, lease in self._leases.items() if lease.expires <= now and not lease.ending
+        ]
         return [self._remove(key) for key in gone]
 
     def drop_engine(self, engine_id: str) -> list[Lease]:
