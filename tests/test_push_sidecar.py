@@ -169,6 +169,13 @@ async def test_wire_validation_names_each_field(pair: Pair) -> None:
             await d.expect("has space", 100, _blocks(100, 0))
         with pytest.raises(InvalidInputError, match="computed_tokens"):
             await d.expect("c", 100, _blocks(100, 0), 200)
+        # Refused by the planner's bounds before anything is held (named as sent).
+        with pytest.raises(InvalidInputError, match=r"^num_tokens: must be in \[1, "):
+            await d.expect("huge", 1 << 41, _blocks(100, 0))
+        await d.expect("huge", 100, _blocks(100, 0))  # the id was never held
+        assert await d.abort("huge") is AbortState.EXPECTED
+        dropped = await d_events.next()
+        assert isinstance(dropped, Received) and dropped.request_id == "huge"
         with pytest.raises(InvalidInputError, match=r"spans\[1\].group_id"):
             await d.expect("dup", 100, spans({0: [1]}) + spans({0: [2]}))
         with pytest.raises(InvalidInputError, match=r"spans\[0\]"):
