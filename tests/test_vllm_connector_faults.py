@@ -7,6 +7,9 @@ under .venv-vllm in tests/vllm_connector_faults.py, which imports vLLM's connect
   pull; it took it (its PullDone ends the request, failed), or it knows no such pull
   (received, failed, at once), or it does not answer (asked again). A refused Pull
   took nothing: failed at once, nothing asked.
+- A sidecar that does not answer a Publish would hold vLLM's scheduler for the call's
+  deadline on every finished request: after one, nothing is published for a while
+  (those requests are not handed off; their decode prefills them).
 - Malformed kv_transfer_params from the router reach vLLM's scheduler, where anything
   raised would end the engine with every request on it: the request is prefilled
   locally instead, its params marked as pulling nothing.
@@ -66,3 +69,11 @@ def test_malformed_params_are_prefilled_locally_not_raised(report: dict[str, Any
         assert bad["params_after"]["do_remote_prefill"] is False, (case, bad)
     other = schedule["not_an_object"]
     assert other["matched"] == [0, False] and other["params_after"] is None
+
+
+def test_after_an_unanswered_publish_the_scheduler_does_not_wait_on_each_request(
+    report: dict[str, Any],
+) -> None:
+    silent = report["silent_publisher"]
+    assert silent["answers"] == [[False, None]] * 3  # none handed off
+    assert silent["called"] == ["p-1", "p-3"]  # p-2 came during the pause: not called

@@ -25,14 +25,28 @@ from kvxfer.integrations.vllm_params import KEY, params_to_dict
 
 
 class FaultyClient:
-    """`SyncEngineClient`'s pull and abort, failing as told: `pull_error` is raised by
-    every Pull (after the sidecar took it, or before), each of `aborts` answers one
-    Abort in turn (an AbortState, or an error raised)."""
+    """`SyncEngineClient`'s pull, abort and publish, failing as told: `pull_error` is
+    raised by every Pull (after the sidecar took it, or before), each of `aborts`
+    answers one Abort in turn (an AbortState, or an error raised), and every Publish
+    raises `publish_error`."""
 
-    def __init__(self, pull_error: Exception, aborts: list[AbortState | Exception]) -> None:
+    def __init__(
+        self,
+        pull_error: Exception,
+        aborts: list[AbortState | Exception],
+        publish_error: Exception | None = None,
+    ) -> None:
         self.pull_error = pull_error
         self.aborts = aborts
         self.aborted: list[str] = []
+        self.publish_error = publish_error
+        self.published: list[str] = []
+
+    def publish(self, request_id: str, num_tokens: int, spans: Any) -> TransferParams:
+        del num_tokens, spans
+        self.published.append(request_id)
+        assert self.publish_error is not None
+        raise self.publish_error
 
     def pull(self, params: TransferParams, local_spans: Any, computed_tokens: int) -> Any:
         del params, local_spans, computed_tokens
@@ -103,6 +117,35 @@ def refused_pull() -> dict[str, Any]:
     return {"steps": steps(made, 1), "aborted": client.aborted}
 
 
+def silent_publisher() -> dict[str, Any]:
+    """A prefill scheduler whose sidecar does not answer Publish: the finished requests
+    after the first are not handed off (and do not wait on it) until the pause ends."""
+    client = FaultyClient(PeerUnavailableError("unused"), [], PeerUnavailableError("no answer"))
+    owner = SimpleNamespace(
+        _tp_size=1,
+        _state_cuts=(),
+        _kinds=(GroupKind.FULL_ATTENTION,),
+        _vllm_config=SimpleNamespace(
+            model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 8)
+        ),
+    )
+    made = connector._Scheduler(owner, "unix:/nonexistent/kvxfer.sock")
+    made._clients[0] = client
+    answers = []
+    for name in ("p-1", "p-2", "p-3"):
+        if name == "p-3":
+            made._paused_until = 0.0  # the pause is over
+        request = SimpleNamespace(
+            request_id=name,
+            status=connector.RequestStatus.FINISHED_LENGTH_CAPPED,
+            num_computed_tokens=32,
+            num_prompt_tokens=32,
+            kv_transfer_params={"do_remote_decode": True},
+        )
+        answers.append(list(made.publish(request, ([1, 2],))))
+    return {"answers": answers, "called": client.published}
+
+
 def scheduler(params: object) -> dict[str, Any]:
     """The scheduler's calls for one decode request, with `params` from the router."""
     made = object.__new__(connector.KvxferConnector)
@@ -130,6 +173,7 @@ def main() -> None:
             [PeerUnavailableError("Abort: no answer"), NotFoundError("no 'req-7'")], False
         ),
         "refused": refused_pull(),
+        "silent_publisher": silent_publisher(),
         "schedule": {
             "good": scheduler({"do_remote_prefill": True, KEY: good}),
             "empty_part": scheduler({"do_remote_prefill": True, KEY: {}}),

@@ -181,6 +181,10 @@ _LAY_OUT_BUDGET = 32 << 20
 # How often a worker asks its sidecar to abort a pull whose Pull call got no answer, until
 # the sidecar says whether it took it (see `_Worker._settle_unsure`).
 _UNSURE_RETRY_S = 1.0
+# After a Publish call went unanswered, how long the prefill scheduler publishes nothing:
+# each call blocks vLLM's scheduler up to its deadline, and a sidecar that did not answer
+# one would hold every finished request that long, one after another.
+_PUBLISH_PAUSE_S = 5.0
 
 
 @dataclass
@@ -465,6 +469,7 @@ class _Scheduler:
         self.handshakes: dict[int, KvxferHandshake] = {}  # TP rank -> its registration
         self.pending: list[PullOrder] = []
         self.published: dict[str, dict[int, list[str]]] = {}  # for the next metadata
+        self._paused_until = 0.0  # publishing nothing until then (_PUBLISH_PAUSE_S)
 
     def publish(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -474,6 +479,8 @@ class _Scheduler:
             RequestStatus.FINISHED_STOPPED,
         ):
             return False, None  # aborted: nothing to hand off
+        if time.monotonic() < self._paused_until:
+            return False, None  # not handed off: its decode prefills it (logged at the pause)
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
         tp_size = self._owner._tp_size
         try:
@@ -488,6 +495,14 @@ class _Scheduler:
             published = self._publish_per_reader(
                 request.request_id, num_tokens, spans, readers, heads, cuts
             )
+        except PeerUnavailableError as exc:
+            self._paused_until = time.monotonic() + _PUBLISH_PAUSE_S
+            log.error(
+                "kvxfer: publish of %s got no answer (%s): publishing nothing for %.0f s, so "
+                "vLLM's scheduler does not wait on the sidecar for every finished request",
+                request.request_id, exc, _PUBLISH_PAUSE_S,
+            )  # fmt: skip
+            return False, None
         except KvxferError as exc:
             log.error("kvxfer: publish of %s failed: %s", request.request_id, exc)
             return False, None
