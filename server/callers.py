@@ -48,7 +48,9 @@ def claimed_pid(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | Non
     for key, value in metadata or ():
         if key == PID_METADATA:
             text = value.decode(errors="replace") if isinstance(value, bytes) else value
-            if not (text.isascii() and text.isdigit()) or not 0 < int(text) < 1 << 22:
+            # At most 7 digits (pids stay below 2^22) before int(), which refuses over 4300.
+            digits = text.isascii() and text.isdigit() and len(text) <= 7
+            if not digits or not 0 < int(text) < 1 << 22:
                 raise InvalidInputError(PID_METADATA, f"must be a process id, got {text[:32]!r}")
             return int(text)
     return None

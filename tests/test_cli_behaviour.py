@@ -94,6 +94,9 @@ def test_server_help_has_readable_metavars_and_each_default_once() -> None:
         (["plan", "--model", "llama-3.1-8b", "--tokens", "0"], 2, None),  # argparse
         (["plan", "--model", "nope", "--tokens", "10"], 2, "model"),  # bad input
         (["status", "--sidecar", "nohost"], 2, "--sidecar"),
+        # a port past int()'s 4300 digits: a field error, not a ValueError traceback
+        (["status", "--sidecar", "127.0.0.1:" + "1" * 4400], 2, "--sidecar"),
+        (["handshake", "--peer", "h:" + "1" * 4400, "--layout", "llama-3.1-8b"], 2, "--peer"),
         (["plan", "--model", "llama-3.1-8b"], 2, None),  # a required flag missing
     ],
 )

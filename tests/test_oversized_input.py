@@ -1,0 +1,124 @@
+"""Values from the wire far longer than any valid one, at a real sidecar over real gRPC.
+
+A port or pid of thousands of digits must be refused naming its field, not reach
+`int()` (which raises a plain ValueError above 4300 digits: INTERNAL). Every answer
+stays a clear status, and the sidecar serves on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from sidecars import spans
+
+from kvxfer._exceptions import InvalidInputError
+from kvxfer.cli.fleet import EngineView, Fleet, Proc
+from kvxfer.client.engine import EngineClient
+from kvxfer.client.shm import ShmKVCache
+from kvxfer.core.profiles import layout_for_model
+from kvxfer.core.requests import check_address
+from kvxfer.server.callers import PID_METADATA, claimed_pid
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.layout import layout_to_proto
+from kvxfer.wire.sidecar import handle_to_proto, params_to_proto
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+MODEL = "llama-3.1-8b"  # one full-attention group
+DIGITS = "1" * 4301  # one past Python's int() limit for decimal strings
+
+
+@dataclass
+class Setup:
+    sidecar: Proc
+    engine: EngineView
+
+    @property
+    def address(self) -> str:
+        return str(self.sidecar.ready["engine_address"])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    fleet = Fleet(tmp_path_factory.mktemp("oversized"))
+    try:
+        sidecar = fleet.sidecar("s")
+        yield Setup(sidecar, fleet.engine(sidecar, MODEL, "prefill", "--num-blocks", "16"))
+    finally:
+        fleet.close()
+
+
+def _field_violation(error: grpc.RpcError) -> str:
+    """The field a refused call's rich status names (INVALID_ARGUMENT only)."""
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, error  # type: ignore[attr-defined]
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None
+    for detail in status.details:
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            [violation] = bad.field_violations
+            return str(violation.field)
+    raise AssertionError(f"no BadRequest in {status}")
+
+
+async def _still_serves(setup: Setup) -> None:
+    async with EngineClient(setup.address, engine_id=setup.engine.engine_id) as client:
+        params = await client.publish("after-oversized", 32, spans({0: [0, 1]}))
+        assert await client.abort(params.request_id) == "held"
+
+
+def test_a_port_or_pid_of_thousands_of_digits_is_a_field_error() -> None:
+    with pytest.raises(InvalidInputError) as port:
+        check_address(f"h:{DIGITS}", "params.peer_address")
+    assert port.value.field == "params.peer_address"
+    with pytest.raises(InvalidInputError) as padded:  # no port is written in 6 digits
+        check_address("h:000080", "params.peer_address")
+    assert padded.value.field == "params.peer_address"
+    assert check_address("h:65535", "x") == "h:65535"
+    with pytest.raises(InvalidInputError) as pid:
+        claimed_pid([(PID_METADATA, DIGITS)])
+    assert pid.value.field == PID_METADATA
+    assert claimed_pid([(PID_METADATA, "4194303")]) == (1 << 22) - 1
+
+
+@pytest.mark.parametrize("method", ["Pull", "Push"])
+async def test_a_peer_port_of_thousands_of_digits_is_invalid_argument(
+    setup: Setup, method: str
+) -> None:
+    async with EngineClient(setup.address, engine_id=setup.engine.engine_id) as client:
+        params = await client.publish(f"digits-{method}", 32, spans({0: [2, 3]}))
+        await client.abort(params.request_id)
+    wire = params_to_proto(params)
+    wire.peer_address = f"h:{DIGITS}"
+    request_type = pb.PullRequest if method == "Pull" else pb.PushRequest
+    request = request_type(engine_id=setup.engine.engine_id, params=wire)
+    async with grpc.aio.insecure_channel(setup.address) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await getattr(stub, method)(request, timeout=30)
+    assert _field_violation(refused.value) == "params.peer_address"
+    await _still_serves(setup)
+
+
+async def test_an_engine_pid_of_thousands_of_digits_is_invalid_argument(setup: Setup) -> None:
+    cache = ShmKVCache(layout_for_model(MODEL, tp_size=2, tp_rank=1), 4, "oversized")
+    try:
+        request = pb.RegisterEngineRequest(
+            layout=layout_to_proto(cache.layout),
+            buffers=[handle_to_proto(h) for h in cache.buffers],
+        )
+        async with grpc.aio.insecure_channel(setup.address) as channel:
+            stub = pb_grpc.EngineServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.RegisterEngine(request, metadata=((PID_METADATA, DIGITS),), timeout=30)
+    finally:
+        cache.close()
+    assert _field_violation(refused.value) == PID_METADATA
+    await _still_serves(setup)
