@@ -21,13 +21,28 @@
         └── TransferError                     a transfer could not be posted or failed
 
 Errors from lower libraries (nixl, grpc, OS) are translated at the module that
-calls them and re-raised `from exc`, so callers only ever catch these.
+calls them and re-raised `from exc`, so callers only ever catch these. A message
+that quotes a value from outside quotes it with `shown`, so it stays short however
+long the value was.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+SHOWN_CHARS = 64  # of a quoted value: enough to recognise it, short enough to log and send
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """`value` quoted for an error message: its repr, or for a string or bytes longer
+    than `limit` the repr of its start and how long it was. An error about a
+    9000-character id must not carry the id: a message travels in gRPC trailers,
+    which have a size limit, and ends up in logs."""
+    if not isinstance(value, str | bytes) or len(value) <= limit:
+        return repr(value)
+    unit = "characters" if isinstance(value, str) else "bytes"
+    return f"{value[:limit]!r}... ({len(value)} {unit})"
 
 
 class KvxferError(Exception):

@@ -31,7 +31,7 @@ import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvxfer._exceptions import InvalidInputError, RegistrationError
+from kvxfer._exceptions import InvalidInputError, RegistrationError, shown
 
 PID_METADATA = "kvxfer-engine-pid"
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -51,7 +51,7 @@ def claimed_pid(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | Non
             # At most 7 digits (pids stay below 2^22) before int(), which refuses over 4300.
             digits = text.isascii() and text.isdigit() and len(text) <= 7
             if not digits or not 0 < int(text) < 1 << 22:
-                raise InvalidInputError(PID_METADATA, f"must be a process id, got {text[:32]!r}")
+                raise InvalidInputError(PID_METADATA, f"must be a process id, got {shown(text)}")
             return int(text)
     return None
 

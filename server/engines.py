@@ -19,7 +19,7 @@ import collections
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from kvxfer._exceptions import InvalidInputError, LayoutError, NotFoundError
+from kvxfer._exceptions import InvalidInputError, LayoutError, NotFoundError, shown
 from kvxfer.core.buffers import BoundBuffer, BufferHandle
 from kvxfer.core.layout import BlockSpan, EngineLayout, GroupKind
 from kvxfer.core.planner import check_span_ids, group_blocks
@@ -101,17 +101,18 @@ def check_regions_fit(layout: EngineLayout, handles: list[BufferHandle]) -> None
     sizes: dict[str, int] = {}
     for i, handle in enumerate(handles):
         if handle.name in sizes:
-            raise LayoutError(f"buffers[{i}].name", f"buffer name {handle.name!r} repeats")
+            raise LayoutError(f"buffers[{i}].name", f"buffer name {shown(handle.name)} repeats")
         sizes[handle.name] = handle.size_bytes
     for region in layout.regions:
         size = sizes.get(region.buffer)
         where = f"layout.regions['{region.name}']"
         if size is None:
-            raise LayoutError(f"{where}.buffer", f"names unknown buffer {region.buffer!r}")
+            raise LayoutError(f"{where}.buffer", f"names unknown buffer {shown(region.buffer)}")
         if region.end_bytes > size:
             raise LayoutError(
                 where,
-                f"ends at byte {region.end_bytes}, past buffer {region.buffer!r} ({size} bytes)",
+                f"ends at byte {region.end_bytes}, "
+                f"past buffer {shown(region.buffer)} ({size} bytes)",
             )
 
 

@@ -34,7 +34,7 @@ import grpc.aio
 from google.protobuf.message import Message
 from google.rpc import status_pb2
 
-from kvxfer._exceptions import InvalidInputError
+from kvxfer._exceptions import InvalidInputError, shown
 from kvxfer.server.guard import LOG_EVERY_S, Refusals, checked_decode
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.servicers import EngineServicer
@@ -382,7 +382,7 @@ def unimplemented(lane: str, method: str, served: Iterable[str]) -> _Aborted:
     return _Aborted(
         status_pb2.Status(
             code=grpc.StatusCode.UNIMPLEMENTED.value[0],
-            message=f"method: the {lane} serves {', '.join(sorted(served))}, not {method!r}",
+            message=f"method: the {lane} serves {', '.join(sorted(served))}, not {shown(method)}",
         )
     )
 

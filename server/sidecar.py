@@ -23,6 +23,7 @@ from kvxfer._exceptions import (
     LimitExceededError,
     NotFoundError,
     ShuttingDownError,
+    shown,
 )
 from kvxfer.core.buffers import BufferHandle
 from kvxfer.core.layout import BlockSpan, EngineLayout
@@ -338,7 +339,7 @@ class Sidecar:
     def engine(self, engine_id: str) -> Engine:
         engine = self._engines.get(engine_id)
         if engine is None:
-            raise NotFoundError(f"engine {engine_id!r} is not registered with this sidecar")
+            raise NotFoundError(f"engine {shown(engine_id)} is not registered with this sidecar")
         engine.check_live()
         return engine
 
@@ -492,7 +493,7 @@ class Sidecar:
         retiring (its process died) is waited for."""
         engine = self._engines.get(engine_id)
         if engine is None:
-            raise NotFoundError(f"engine {engine_id!r} is not registered with this sidecar")
+            raise NotFoundError(f"engine {shown(engine_id)} is not registered with this sidecar")
         if engine.retired is None:
             engine.retired = asyncio.create_task(
                 self._retire(engine, "unregistered", reads_deadline_s)

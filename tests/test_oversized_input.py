@@ -1,8 +1,11 @@
 """Values from the wire far longer than any valid one, at a real sidecar over real gRPC.
 
 A port or pid of thousands of digits must be refused naming its field, not reach
-`int()` (which raises a plain ValueError above 4300 digits: INTERNAL). Every answer
-stays a clear status, and the sidecar serves on.
+`int()` (which raises a plain ValueError above 4300 digits: INTERNAL). A refused id
+of thousands of characters must come back as the error naming its field, not be
+echoed into a status too large for gRPC's trailers (the client then sees only
+RESOURCE_EXHAUSTED "Stream removed"). Every answer stays a clear status, and the
+sidecar serves on.
 """
 
 from __future__ import annotations
@@ -17,13 +20,15 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from sidecars import spans
 
-from kvxfer._exceptions import InvalidInputError
+from kvxfer._exceptions import InvalidInputError, NotFoundError
 from kvxfer.cli.fleet import EngineView, Fleet, Proc
 from kvxfer.client.engine import EngineClient
 from kvxfer.client.shm import ShmKVCache
+from kvxfer.core.negotiation import PROTOCOL_VERSION
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import check_address
 from kvxfer.server.callers import PID_METADATA, claimed_pid
+from kvxfer.v1 import layout_pb2
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.layout import layout_to_proto
@@ -121,4 +126,43 @@ async def test_an_engine_pid_of_thousands_of_digits_is_invalid_argument(setup: S
     finally:
         cache.close()
     assert _field_violation(refused.value) == PID_METADATA
+    await _still_serves(setup)
+
+
+LONG_ID = "x" * 9000 + " "  # refused; echoed whole, its error overflowed gRPC's trailers
+
+
+async def test_a_long_request_id_is_a_field_error_over_grpc(setup: Setup) -> None:
+    """Not RESOURCE_EXHAUSTED "Stream removed (received metadata size exceeds hard
+    limit)": the request id was echoed, twice, into the status trailers."""
+    async with EngineClient(setup.address, engine_id=setup.engine.engine_id, lane=False) as c:
+        with pytest.raises(InvalidInputError) as refused:
+            await c.publish(LONG_ID, 32, spans({0: [0, 1]}))
+    assert refused.value.field == "request_id"
+    assert "(9001 characters)" in refused.value.detail and len(str(refused.value)) < 200
+    async with grpc.aio.insecure_channel(setup.address) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        request = pb.PublishRequest(engine_id=setup.engine.engine_id, request_id=LONG_ID)
+        with pytest.raises(grpc.aio.AioRpcError) as raw:
+            await stub.Publish(request, timeout=30)
+    assert _field_violation(raw.value) == "request_id"
+    async with EngineClient(setup.address, engine_id="e" * 9000, lane=False) as stranger:
+        with pytest.raises(NotFoundError, match=r"\(9000 characters\) is not registered"):
+            await stranger.abort("r")
+    await _still_serves(setup)
+
+
+async def test_a_long_name_in_a_field_path_still_fits_the_status(setup: Setup) -> None:
+    """A region name is part of the field path of its error; whatever a message holds,
+    the status is cut to fit (kvxfer.wire.errors.STATUS_BYTES)."""
+    name = "r\n" * 6000
+    layout = layout_pb2.EngineLayout(regions=[layout_pb2.Region(name=name, buffer="")])
+    async with grpc.aio.insecure_channel(setup.sidecar.ready["peer_address"]) as channel:
+        stub = pb_grpc.PeerServiceStub(channel)
+        request = pb.HandshakeRequest(protocol_version=PROTOCOL_VERSION, layout=layout)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Handshake(request, timeout=30)
+    field = _field_violation(refused.value)
+    assert field.startswith("layout.region 'r\n") and field.endswith(" bytes)")
+    assert len(field.encode()) <= 256
     await _still_serves(setup)

@@ -29,7 +29,13 @@ from kvxfer.server.status import status_for
 from kvxfer.v1 import layout_pb2
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
-from kvxfer.wire.errors import DOMAIN, error_status, on_the_wire, rpc_error, trailers_for
+from kvxfer.wire.errors import (
+    DOMAIN,
+    error_status,
+    on_the_wire,
+    rpc_error,
+    trailers_for,
+)
 from kvxfer.wire.layout import span_to_proto
 from kvxfer.wire.sidecar import params_to_proto
 
@@ -209,6 +215,46 @@ def test_every_kvxfer_error_survives_the_wire(exc: KvxferError) -> None:
         assert back.mismatches == exc.mismatches and str(back) == str(exc)
     else:
         assert str(back) == f"publish at sidecar unix:/x: {exc}"
+
+
+def _huge_error(cls: type[KvxferError]) -> KvxferError:
+    """An error of `cls` whose every text is far beyond what gRPC's trailers hold, with
+    control characters (percent-encoded in grpc-message, escaped in JSON)."""
+    text = "\x00é" * 6000
+    if issubclass(cls, InvalidInputError):
+        return cls(f"layout.region {text!r}.buffer", text)
+    if cls is NegotiationError:
+        return NegotiationError([Mismatch(f"layout.{i}", text, text, text) for i in range(300)])
+    return cls(text)
+
+
+def _trailer_bytes(status: status_pb2.Status) -> int:
+    """The trailers' bytes as gRPC counts them against its limits: grpc-message
+    percent-encoded, grpc-status-details-bin decoded (each with its key)."""
+    message = sum(1 if 0x20 <= b < 0x7F and b != 0x25 else 3 for b in status.message.encode())
+    return len("grpc-message") + message + len("grpc-status-details-bin") + status.ByteSize()
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [type(e) for e in _every_error()],
+    ids=lambda c: c.__name__,
+)
+def test_a_status_fits_grpcs_trailers_whatever_its_error_holds(cls: type[KvxferError]) -> None:
+    exc = _huge_error(cls)
+    code = status_for(exc)
+    status = error_status(exc, code)
+    assert _trailer_bytes(status) < 7.5 * 1024  # gRPC refuses some beyond 8 KiB, all at 16
+    trailers = grpc.aio.Metadata(*trailers_for(status))
+    failed = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers, details=status.message)
+    back = rpc_error(failed, "publish at sidecar unix:/x")
+    assert type(back) is on_the_wire(type(exc))
+    if isinstance(exc, InvalidInputError):
+        assert isinstance(back, InvalidInputError)
+        assert back.field.startswith("layout.region ") and back.field.endswith(" bytes)")
+    if isinstance(exc, NegotiationError):
+        assert isinstance(back, NegotiationError) and back.mismatches
+        assert back.mismatches[0].field == "layout.0"
 
 
 def test_a_status_from_grpc_itself_still_maps_by_code(tmp_path: Path) -> None:

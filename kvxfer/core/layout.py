@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NewType
 
-from kvxfer._exceptions import LayoutError
+from kvxfer._exceptions import LayoutError, shown
 
 GroupId = NewType("GroupId", int)
 BlockId = NewType("BlockId", int)
@@ -52,7 +52,7 @@ def dtype_bytes(kv_dtype: str, field_name: str = "kv_dtype") -> int:
         return KV_DTYPE_BYTES[kv_dtype]
     except KeyError:
         known = ", ".join(KV_DTYPE_BYTES)
-        raise LayoutError(field_name, f"unknown dtype {kv_dtype!r} (known: {known})") from None
+        raise LayoutError(field_name, f"unknown dtype {shown(kv_dtype)} (known: {known})") from None
 
 
 def check_int(name: str, value: int, lo: int, hi: int = MAX_BYTES) -> None:

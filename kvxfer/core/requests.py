@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvxfer._exceptions import InvalidInputError
+from kvxfer._exceptions import InvalidInputError, shown
 from kvxfer.core.layout import BlockSpan, check_int
 
 # Matched with fullmatch: a `$` pattern also accepts a trailing newline.
@@ -27,7 +27,7 @@ MAX_EPOCH = (1 << 53) - 1  # exact in a float, so it can be a Prometheus sample 
 def check_request_id(value: str, field: str = "request_id") -> str:
     if not isinstance(value, str) or not _REQUEST_ID.fullmatch(value):
         raise InvalidInputError(
-            field, f"must be 1-256 printable ASCII characters without spaces, got {value!r}"
+            field, f"must be 1-256 printable ASCII characters without spaces, got {shown(value)}"
         )
     return value
 
@@ -39,7 +39,9 @@ def check_address(
     free one) only for addresses this process binds."""
     if allow_unix and value.startswith("unix:"):
         if len(value) <= len("unix:") or len(value) > 108 + len("unix:"):
-            raise InvalidInputError(field, f"unix socket path must be 1-108 bytes, got {value!r}")
+            raise InvalidInputError(
+                field, f"unix socket path must be 1-108 bytes, got {shown(value)}"
+            )
         return value
     host, sep, port = value.rpartition(":")
     lowest = 0 if allow_port_zero else 1
@@ -49,15 +51,15 @@ def check_address(
     if not sep or not digits or not lowest <= int(port) < 65536:
         form = "HOST:PORT or unix:PATH" if allow_unix else "HOST:PORT"
         raise InvalidInputError(
-            field, f"must be {form} with a port in {lowest}-65535, got {value!r}"
+            field, f"must be {form} with a port in {lowest}-65535, got {shown(value)}"
         )
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError as exc:
-            raise InvalidInputError(field, f"bad IPv6 address in {value!r}") from exc
+            raise InvalidInputError(field, f"bad IPv6 address in {shown(value)}") from exc
     elif not _HOST.fullmatch(host):
-        raise InvalidInputError(field, f"bad host in {value!r}")
+        raise InvalidInputError(field, f"bad host in {shown(value)}")
     return value
 
 

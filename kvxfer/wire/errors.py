@@ -12,6 +12,11 @@ any language read it without kvxfer's code:
 - `PreconditionFailure`: one `LAYOUT_MISMATCH` violation per mismatch (subject:
   the layout field), for a negotiation failure.
 
+A status always fits gRPC's limit on trailers (`MESSAGE_BYTES`, `STATUS_BYTES`):
+one that did not would reach the client as RESOURCE_EXHAUSTED "Stream removed",
+without its code, field or message. Texts too long are cut, saying how long they
+were; of a negotiation failure's mismatches, as many as fit are sent.
+
 The calling side maps a failure back (`rpc_error`), so engines and the CLI catch
 the same exception, field and message as library users. A status without
 kvxfer's ErrorInfo (from gRPC itself: deadline, unreachable) is mapped by code.
@@ -25,7 +30,7 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import asdict
+from dataclasses import asdict, astuple
 from typing import TypeVar
 
 import grpc
@@ -106,31 +111,85 @@ _INPUT_BY_REASON = {reason(cls): cls for cls in _INPUT_CLASSES}
 _OTHER_BY_REASON = {reason(cls): cls for cls in _OTHER_CLASSES}
 
 
+# gRPC refuses received metadata above 8 KiB at random and above 16 KiB always
+# (grpc.max_metadata_size, grpc.absolute_max_metadata_size), counting a -bin trailer
+# decoded. A status travels twice: its message as grpc-message (percent-encoded, up to
+# 3 bytes a byte) and the whole status in DETAILS_TRAILER. A status goes as it is when
+# it fits (a negotiation failure of 7 mismatches is some 7 KiB in all); one that does
+# not (a value from the wire echoed whole, many mismatches) has its texts cut, and
+# keeps as many mismatches as fit: a client rebuilds the message from them.
+TRAILER_BYTES = 7 << 10  # grpc-message and the status together; 1 KiB left for the rest
+MESSAGE_BYTES = 1024  # a cut status.message, and a cut field violation's description
+FIELD_BYTES = 256  # a cut field path (it may hold a name taken from the request)
+MISMATCH_BYTES = 512  # each text of a mismatch, when cut (the peer's come from the wire)
+
+
 def error_status(exc: KvxferError, code: grpc.StatusCode) -> status_pb2.Status:
-    """The rich status a servicer ends a call with when `exc` was raised."""
+    """The rich status a servicer ends a call with when `exc` was raised; it always
+    fits in gRPC's trailers (`trailer_bytes` at most TRAILER_BYTES)."""
+    mismatches = list(exc.mismatches) if isinstance(exc, NegotiationError) else []
+    whole = _status(exc, code, mismatches, cut=False)
+    if trailer_bytes(whole) <= TRAILER_BYTES:
+        return whole
+    if not mismatches:
+        return _status(exc, code, [])  # its texts cut: fits by MESSAGE_BYTES and FIELD_BYTES
+    # Mismatches are what makes a negotiation status long: as many as fit, their texts
+    # cut shorter when not even one does (JSON writes a control character in 6 bytes).
+    for limit in (MISMATCH_BYTES, MISMATCH_BYTES // 16):
+        cut = [Mismatch(*(clip(t, limit) for t in astuple(m))) for m in mismatches]
+        for count in range(len(cut), 0, -1):
+            status = _status(exc, code, cut[:count])
+            if trailer_bytes(status) <= TRAILER_BYTES:
+                return status
+    return status  # one mismatch of 32-byte texts: fits, though its texts were cut
+
+
+def trailer_bytes(status: status_pb2.Status) -> int:
+    """What `status` adds to a call's trailers as gRPC counts them: grpc-message
+    percent-encoded, the serialized status as it is."""
+    printable = sum(0x20 <= b < 0x7F and b != 0x25 for b in status.message.encode())
+    return 3 * len(status.message.encode()) - 2 * printable + status.ByteSize()
+
+
+def _status(
+    exc: KvxferError, code: grpc.StatusCode, mismatches: list[Mismatch], cut: bool = True
+) -> status_pb2.Status:
+    """The status of `exc` with these mismatches; with `cut`, its texts cut to size."""
+    field_bytes, message_bytes = (FIELD_BYTES, MESSAGE_BYTES) if cut else (None, None)
     info = error_details_pb2.ErrorInfo(reason=reason(on_the_wire(type(exc))), domain=DOMAIN)
     details: list[error_details_pb2.BadRequest | error_details_pb2.PreconditionFailure] = []
     if isinstance(exc, InvalidInputError):
-        info.metadata["field"] = exc.field
+        field = clip(exc.field, field_bytes)
+        info.metadata["field"] = field
         violation = error_details_pb2.BadRequest.FieldViolation(
-            field=exc.field, description=exc.detail, reason=info.reason
+            field=field, description=clip(exc.detail, message_bytes), reason=info.reason
         )
         details.append(error_details_pb2.BadRequest(field_violations=[violation]))
-    if isinstance(exc, NegotiationError):
-        info.metadata["mismatches"] = json.dumps([asdict(m) for m in exc.mismatches])
+    if mismatches:
+        info.metadata["mismatches"] = json.dumps([asdict(m) for m in mismatches])
         violations = [
             error_details_pb2.PreconditionFailure.Violation(
                 type=MISMATCH_TYPE,
                 subject=m.field,
                 description=f"local {m.local}, peer {m.peer} ({m.hint})",
             )
-            for m in exc.mismatches
+            for m in mismatches
         ]
         details.append(error_details_pb2.PreconditionFailure(violations=violations))
-    status = status_pb2.Status(code=code.value[0], message=str(exc))
+    status = status_pb2.Status(code=code.value[0], message=clip(str(exc), message_bytes))
     for message in (info, *details):
         status.details.add().Pack(message)
     return status
+
+
+def clip(text: str, limit: int | None) -> str:
+    """`text` in at most `limit` bytes of UTF-8 (None: no limit), ending with how long
+    it was if cut."""
+    data = text.encode(errors="replace")  # a lone surrogate could not be sent at all
+    if limit is None or len(data) <= limit:
+        return data.decode()
+    note = f"... ({len(data)} bytes)"
+    return data[: max(0, limit - len(note))].decode(errors="ignore") + note
 
 
 def trailers_for(status: status_pb2.Status) -> tuple[tuple[str, bytes], ...]:

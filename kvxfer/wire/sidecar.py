@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kvxfer._exceptions import InvalidInputError
+from kvxfer._exceptions import InvalidInputError, shown
 from kvxfer.core.buffers import BoundBuffer, BufferHandle, MemoryKind
 from kvxfer.core.layout import EngineLayout
 from kvxfer.core.negotiation import PROTOCOL_VERSION
@@ -135,7 +135,9 @@ def bound_from_proto(
     for i, message in enumerate(messages):
         where = f"{field}[{i}]"
         if not message.name or message.name in bound:
-            raise InvalidInputError(f"{where}.name", f"empty or repeated name {message.name!r}")
+            raise InvalidInputError(
+                f"{where}.name", f"empty or repeated name {shown(message.name)}"
+            )
         if message.address == 0 or message.size_bytes == 0:
             raise InvalidInputError(where, "address and size_bytes must be non-zero")
         if message.address + message.size_bytes > 1 << 64:
@@ -368,7 +370,8 @@ def hello_from_proto(message: pb.HandshakeResponse, dry_run: bool) -> PeerHello:
         for region in layout.regions:
             if region.buffer not in buffers:
                 raise InvalidInputError(
-                    "handshake.buffers", f"region '{region.name}' names unknown {region.buffer!r}"
+                    "handshake.buffers",
+                    f"region {shown(region.name)} names unknown {shown(region.buffer)}",
                 )
     if message.epoch == 0:
         raise InvalidInputError("handshake.epoch", "must be non-zero")
