@@ -20,7 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -144,6 +152,14 @@ class LimitSettings(_Group):
     )
 
 
+def _no_empty_entries(values: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma list's entries, refused if one is empty: `a,,b` or `UCX,` is a typo."""
+    for index, value in enumerate(values):
+        if not value.strip():
+            raise ValueError(f"entry {index + 1} of {len(values)} is empty (a stray comma?)")
+    return values
+
+
 class NixlSettings(_Group):
     backends: tuple[str, ...] = Field(("UCX",), min_length=1, description="NIXL backends")
     num_threads: int = Field(
@@ -158,18 +174,44 @@ class NixlSettings(_Group):
         default_factory=dict, description="extra backend parameters, e.g. num_workers"
     )
 
+    @field_validator("backends")
+    @classmethod
+    def _backends(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return _no_empty_entries(value)
+
+    @field_validator("backend_params")
+    @classmethod
+    def _params(cls, value: dict[str, str]) -> dict[str, str]:
+        if any(not key.strip() for key in value):
+            raise ValueError("a parameter has an empty name: expected KEY=VALUE[,KEY=VALUE...]")
+        return value
+
 
 class TlsSettings(_Group):
     cert_file: Path | None = Field(None, description="server/client certificate (PEM)")
     key_file: Path | None = Field(None, description="private key (PEM)")
     ca_file: Path | None = Field(None, description="CA that signs peer certificates (PEM)")
     allowed_peers: tuple[str, ...] = Field(
-        (), description="peer certificate common names allowed (empty: any the CA signed)"
+        (),
+        description="peer certificate common names allowed (empty: any the CA signed); "
+        "only with mTLS (tls.cert_file, tls.key_file, tls.ca_file)",
     )
 
     @property
     def enabled(self) -> bool:
         return self.cert_file is not None
+
+    @field_validator("allowed_peers")
+    @classmethod
+    def _peers(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        # Without a certificate no peer has a name to check, and every peer call would
+        # be refused at runtime: refused here instead.
+        if value and "cert_file" in info.data and info.data["cert_file"] is None:
+            raise ValueError(
+                "names peers by their certificates, but mTLS is off: set tls.cert_file, "
+                "tls.key_file and tls.ca_file too, or leave tls.allowed_peers empty"
+            )
+        return _no_empty_entries(value)
 
     @model_validator(mode="after")
     def _complete(self) -> TlsSettings:

@@ -96,7 +96,8 @@ class EnvSource(EnvSettingsSource):
         origin = typing.get_origin(field.annotation) if field is not None else None
         if text is None or text.startswith(("[", "{")) or origin not in (tuple, list, dict):
             return super().decode_complex_value(field_name, field, value)
-        items = [item.strip() for item in text.split(",") if item.strip()]
+        # Empty entries are kept, for the setting to refuse: `a,,b` is a typo, not `a,b`.
+        items = [item.strip() for item in text.split(",")] if text else []
         if origin is not dict:
             return items
         pairs = {}

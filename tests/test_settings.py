@@ -97,8 +97,21 @@ def test_non_loopback_peer_port_is_refused_without_tls(
     assert load_settings(["--peer-address", f"{host}:7500"]).insecure_peer_port
 
 
-def test_list_settings_take_comma_lists_from_env_and_flags() -> None:
-    env = {"KVXFER_NIXL__BACKENDS": "UCX", "KVXFER_TLS__ALLOWED_PEERS": "decode-0, decode-1"}
+def _tls_files(tmp_path: Path) -> dict[str, str]:
+    """KVXFER_TLS__* naming files that exist (settings only check that they do)."""
+    env = {}
+    for name in ("cert", "key", "ca"):
+        (tmp_path / f"{name}.pem").write_text("PEM")
+        env[f"KVXFER_TLS__{name.upper()}_FILE"] = str(tmp_path / f"{name}.pem")
+    return env
+
+
+def test_list_settings_take_comma_lists_from_env_and_flags(tmp_path: Path) -> None:
+    env = {
+        **_tls_files(tmp_path),
+        "KVXFER_NIXL__BACKENDS": "UCX",
+        "KVXFER_TLS__ALLOWED_PEERS": "decode-0, decode-1",
+    }
     s = load_settings([], environ=env)
     assert s.nixl.backends == ("UCX",) and s.tls.allowed_peers == ("decode-0", "decode-1")
     s = load_settings(["--tls.allowed-peers", "a,b", "--nixl.backends", "UCX,GDS"], environ=env)
@@ -112,6 +125,38 @@ def test_list_settings_take_comma_lists_from_env_and_flags() -> None:
     assert load_settings([], environ=one).nixl.backend_params == {"num_workers": "4"}
     with pytest.raises(InvalidInputError, match="KVXFER_NIXL__BACKEND_PARAMS: expected KEY=VALUE"):
         load_settings([], environ={"KVXFER_NIXL__BACKEND_PARAMS": "num_workers"})
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "field"),
+    [
+        # Accepted, then every peer call was refused at runtime: no certificate to check.
+        (["--tls.allowed-peers", "a"], {}, "tls.allowed_peers"),
+        ([], {"KVXFER_TLS__ALLOWED_PEERS": "a"}, "tls.allowed_peers"),
+        # A stray comma is a typo, not a shorter list (flags kept '', variables dropped it).
+        (["--nixl.backends", ","], {}, "nixl.backends"),
+        (["--nixl.backends", "UCX,,GDS"], {}, "nixl.backends"),
+        ([], {"KVXFER_NIXL__BACKENDS": "UCX,"}, "nixl.backends"),
+        ([], {"KVXFER_NIXL__BACKENDS": '["UCX", ""]'}, "nixl.backends"),
+        (["--nixl.backend-params", "=1"], {}, "nixl.backend_params"),
+        ([], {"KVXFER_NIXL__BACKEND_PARAMS": "a=1,,b=2"}, "KVXFER_NIXL__BACKEND_PARAMS"),
+    ],
+)
+def test_nonsense_lists_are_refused_naming_the_setting(
+    argv: list[str], environ: dict[str, str], field: str
+) -> None:
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(argv, environ=environ)
+    assert err.value.field.startswith(field), err.value
+
+
+def test_an_allow_list_needs_mtls_and_no_empty_entry(tmp_path: Path) -> None:
+    tls = _tls_files(tmp_path)
+    allowed = load_settings(["--tls.allowed-peers", "a,b"], environ=tls).tls.allowed_peers
+    assert allowed == ("a", "b")
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(["--tls.allowed-peers", "a,,b"], environ=tls)
+    assert err.value.field.startswith("tls.allowed_peers") and "entry 2 of 3" in str(err.value)
 
 
 def test_environment_is_the_one_given() -> None:
@@ -230,7 +275,7 @@ def test_server_serves_with_comma_list_variables(tmp_path: Path) -> None:
     env = {
         **os.environ,
         "KVXFER_NIXL__BACKENDS": "UCX",
-        "KVXFER_TLS__ALLOWED_PEERS": "decode-0,decode-1",
+        "KVXFER_TRANSFER__MODES": "pull,push",
     }
     argv = [
         str(BIN / "kvxfer-server"),
