@@ -114,6 +114,20 @@ def test_bad_input_exits_2_and_is_json_under_json(
     assert error["error"] in plain.stderr
 
 
+@pytest.mark.parametrize("timeout", ["nan", "-1", "0", "inf", "1e300"])
+@pytest.mark.parametrize("command", ["status", "peers", "handshake"])
+def test_a_timeout_that_is_no_wait_is_a_usage_error(command: str, timeout: str) -> None:
+    """nan, -1 and 0 were taken, and ended as "unreachable (no answer within nans)";
+    1e300 was a deadline gRPC took as already past."""
+    target = ["--peer", "127.0.0.1:1", "--layout", "llama-3.1-8b"]
+    if command != "handshake":
+        target = ["--sidecar", "127.0.0.1:1"]
+    result = run(CLI, command, *target, "--timeout", timeout)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"kvxfer-cli {command}: error: argument --timeout: ")
+    assert len(result.stderr.splitlines()) == 1
+
+
 @pytest.fixture
 def closed_port() -> int:
     """A loopback port nothing listens on."""

@@ -94,6 +94,9 @@ def test_layout_json_and_table() -> None:
             "computed_tokens: must be a multiple of block_size 16",
         ),
         (["plan", "--model", "llama-3.1-8b", "--tokens", "0"], "--tokens: must be at least 1"),
+        # an OverflowError traceback, then accepted up to any length: the sidecar's 2^40
+        (["plan", "--model", "llama-3.1-8b", "--tokens", str(10**21)], "--tokens: must be at most"),
+        (["plan", "--model", "llama-3.1-8b", "--tokens", str(2**40 + 1)], "--tokens: must be at"),
         (["plan", "--model", "nope", "--tokens", "10"], "'nope' is neither a built-in profile"),
         (["layout", "--model", "deepseek-v2-lite", "--block-size", "0"], "--block-size"),
         (["plan", "--model", "llama-3.1-8b", "--tokens", "ten"], "not an integer: 'ten'"),
@@ -108,6 +111,13 @@ def test_bad_input_is_one_line_without_traceback(args: list[str], needle: str) -
     assert len(lines) == 1, result.stderr
     assert needle in lines[0]
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("tokens", [str(2**40 + 1), str(10**21)])
+def test_tokens_beyond_the_sidecars_limit_are_a_usage_error(tokens: str) -> None:
+    refused = run("plan", "--model", "llama-3.1-8b", "--tokens", tokens)
+    assert refused.returncode == 2 and "argument --tokens" in refused.stderr, refused.stderr
+    assert run("plan", "--model", "llama-3.1-8b", "--tokens", str(2**40)).returncode == 0
 
 
 def test_state_dtype_flag_sizes_the_state_a_config_leaves_open() -> None:

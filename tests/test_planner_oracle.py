@@ -12,7 +12,14 @@ from oracle import oracle_blocks, oracle_layer_blocks
 from strategies import PROFILES, layouts, requests
 
 from kvxfer._exceptions import LayoutError, PlanError
-from kvxfer.core.layout import EngineLayout, GroupId, GroupKind, KVGroup, TensorSpec
+from kvxfer.core.layout import (
+    MAX_TOKENS,
+    EngineLayout,
+    GroupId,
+    GroupKind,
+    KVGroup,
+    TensorSpec,
+)
 from kvxfer.core.planner import (
     full_attention_blocks,
     full_attention_bytes,
@@ -225,6 +232,16 @@ def test_chunk_start_moves_nothing_and_chunk_end_moves_the_chunk() -> None:
 def test_chunked_needs_its_chunk_size() -> None:
     with pytest.raises(PlanError, match="chunk_size"):
         needed_blocks(GroupKind.CHUNKED_LOCAL, None, 300, 0, 16)
+
+
+def test_a_request_longer_than_max_tokens_is_a_plan_error() -> None:
+    """Not an OverflowError from len(range) at 10^21 tokens: the sidecar's own limit."""
+    layout = layout_for_model("llama-3.1-8b")
+    assert plan_blocks(layout, MAX_TOKENS, 0)[0].blocks.stop == MAX_TOKENS // 16
+    for tokens in (MAX_TOKENS + 1, 10**21):
+        with pytest.raises(PlanError) as refused:
+            plan_blocks(layout, tokens, 0)
+        assert refused.value.field == "num_tokens"
 
 
 @st.composite

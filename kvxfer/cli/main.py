@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvxfer._exceptions import InvalidInputError, KvxferError, PeerUnavailableError
+from kvxfer._exceptions import InvalidInputError, KvxferError, PeerUnavailableError, shown
 from kvxfer._version import version
 
 if TYPE_CHECKING:
@@ -158,6 +158,28 @@ def positive_float(text: str) -> float:
     return value
 
 
+MAX_TIMEOUT_S = 3600.0
+
+
+def timeout_s(text: str) -> float:
+    """`--timeout`: seconds to wait, above 0 and at most MAX_TIMEOUT_S. NaN waited not at
+    all, and gRPC takes a deadline beyond some 1e9 s as one already past."""
+    value = positive_float(text)
+    if value > MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT_S:g} seconds, got {text}")
+    return value
+
+
+def token_count(text: str) -> int:
+    """`--tokens`: a request's length, 1..MAX_TOKENS (the sidecar takes no longer one)."""
+    from kvxfer.core.layout import MAX_TOKENS  # noqa: PLC0415
+
+    value = positive_int(text)
+    if value > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TOKENS} (2^40), got {value}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     value = _int(text)
     if value < 0:
@@ -260,7 +282,7 @@ def _int(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not an integer: {shown(text)}") from None
 
 
 def add_layout_args(parser: argparse.ArgumentParser) -> None:
@@ -354,7 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="what moves for one request")
     add_layout_args(plan)
-    plan.add_argument("--tokens", type=positive_int, required=True, help="prompt tokens N")
+    plan.add_argument(
+        "--tokens", type=token_count, required=True, help="prompt tokens N (up to 2^40)"
+    )
     plan.add_argument(
         "--computed", type=non_negative_int, default=0, help="tokens decode already holds C"
     )
@@ -447,7 +471,9 @@ def _add_sidecar_commands(commands: Any) -> None:
         type=non_negative_int,
         help="the peer's TP rank to ask (default: --tp-rank; another with different TP sizes)",
     )
-    handshake.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+    handshake.add_argument(
+        "--timeout", type=timeout_s, default=5.0, help="seconds to wait (at most 3600)"
+    )
     handshake.add_argument("--json", action="store_true", help="print one JSON object")
     handshake.add_argument("--tls-cert", help="client certificate (PEM) for an mTLS peer")
     handshake.add_argument("--tls-key", help="client private key (PEM)")
@@ -461,7 +487,9 @@ def _add_sidecar_commands(commands: Any) -> None:
         sub.add_argument(
             "--sidecar", required=True, help="sidecar address (HOST:PORT or unix:PATH)"
         )
-        sub.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+        sub.add_argument(
+            "--timeout", type=timeout_s, default=5.0, help="seconds to wait (at most 3600)"
+        )
         sub.add_argument("--json", action="store_true", help="print one JSON object")
         sub.set_defaults(run=_lazy("kvxfer.cli.admin", f"run_{name}"))
 

@@ -26,6 +26,7 @@ BlockId = NewType("BlockId", int)
 # against hostile input from the wire.
 MAX_BLOCKS = 1 << 32
 MAX_BYTES = 1 << 50
+MAX_TOKENS = 1 << 40  # of one request
 
 
 class GroupKind(enum.StrEnum):

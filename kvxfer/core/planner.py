@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from kvxfer._exceptions import LayoutError, PlanError
 from kvxfer.core.identity import IdentityMemo
 from kvxfer.core.layout import (
+    MAX_TOKENS,
     BlockSpan,
     EngineLayout,
     GroupId,
@@ -74,17 +75,18 @@ from kvxfer.core.tp_map import (
 )
 
 DEFAULT_CHUNK_BLOCKS = 1024  # 16k tokens at B=16; see docs/dataplane.md "Chunks"
-MAX_NUM_TOKENS = 1 << 40  # what transfer params carry (kvxfer.core.requests)
 
 
 def check_request(num_tokens: int, computed_tokens: int, block_size: int) -> None:
-    """Raise PlanError unless 1 <= N <= MAX_NUM_TOKENS, 0 <= C <= N and C is a multiple
-    of B or N."""
+    """Raise PlanError unless 1 <= N <= MAX_TOKENS, 0 <= C <= N and C is a multiple of B
+    or N."""
     for name, value in (("num_tokens", num_tokens), ("computed_tokens", computed_tokens)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise PlanError(name, f"must be an integer, got {value!r}")
-    if not 1 <= num_tokens <= MAX_NUM_TOKENS:
-        raise PlanError("num_tokens", f"must be in [1, {MAX_NUM_TOKENS}], got {num_tokens}")
+    if num_tokens < 1:
+        raise PlanError("num_tokens", f"must be at least 1, got {num_tokens}")
+    if num_tokens > MAX_TOKENS:  # no request may be longer (TransferParams)
+        raise PlanError("num_tokens", f"must be at most {MAX_TOKENS}, got {num_tokens}")
     if not 0 <= computed_tokens <= num_tokens:
         raise PlanError(
             "computed_tokens", f"must be in [0, num_tokens={num_tokens}], got {computed_tokens}"

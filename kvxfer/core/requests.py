@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvxfer._exceptions import InvalidInputError, shown
-from kvxfer.core.layout import BlockSpan, check_int
+from kvxfer.core.layout import MAX_TOKENS, BlockSpan, check_int
 
 # Matched with fullmatch: a `$` pattern also accepts a trailing newline.
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII, no spaces
@@ -116,7 +116,7 @@ class TransferParams:
         check_int("params.epoch", self.epoch, 1, MAX_EPOCH)
         check_int("params.tp_rank", self.tp_rank, 0, 1 << 12)
         check_request_id(self.request_id, "params.request_id")
-        check_int("params.num_tokens", self.num_tokens, 1, 1 << 40)
+        check_int("params.num_tokens", self.num_tokens, 1, MAX_TOKENS)
 
 
 @dataclass(frozen=True)
