@@ -16,6 +16,12 @@ A connection that breaks the framing is closed and logged; the sidecar keeps
 serving every other. A lane with a connection limit (the peer lane's
 `limits.max_lane_connections`) turns a connection beyond it away before reading
 any of its calls: an ERROR frame on call id 0, then the connection closes.
+
+What a connection holds is bounded: it is not read while it runs
+`max_calls_per_connection` calls, nor while its answers wait unsent beyond its
+transport's high-water mark (asyncio's 64 KiB; 512 KiB with TLS), so it holds
+that much plus the answers of the calls already running, and a call's request
+only until it is decoded.
 """
 
 from __future__ import annotations
@@ -299,13 +305,8 @@ class _Connection:
 
     async def serve(self) -> None:
         try:
-            while (got := await read_frame(self._reader, self._lane.max_frame_bytes)) is not None:
-                self._dispatch(*got)
-                # Backpressure: a client that sends calls faster than it reads their
-                # answers stops being read (its calls wait for their answers to drain).
-                while len(self._calls) >= self._lane.max_calls_per_connection:
-                    self._slot.clear()
-                    await self._slot.wait()
+            while await self._next_call():
+                await self._backpressure()
         except LaneProtocolError as exc:
             self._lane.broken(exc)
         except (OSError, asyncio.CancelledError):  # the client went away (or broke TLS)
@@ -316,6 +317,24 @@ class _Connection:
             self._writer.close()
             with contextlib.suppress(OSError, asyncio.CancelledError):
                 await self._writer.wait_closed()
+
+    async def _next_call(self) -> bool:
+        """Read a frame and start (or cancel) its call; False at the end of the stream.
+        (The frame is not held past this: a call holds its own copy of its request.)"""
+        got = await read_frame(self._reader, self._lane.max_frame_bytes)
+        if got is None:
+            return False
+        self._dispatch(*got)
+        return True
+
+    async def _backpressure(self) -> None:
+        """A client that sends calls faster than it reads their answers stops being read:
+        while it runs as many calls as it may (each ends once its answer has drained),
+        and while its answers wait unsent beyond the transport's high-water mark."""
+        while len(self._calls) >= self._lane.max_calls_per_connection:
+            self._slot.clear()
+            await self._slot.wait()
+        await self._writer.drain()
 
     def _dispatch(self, call_id: int, kind: Kind, payload: bytes) -> None:
         if call_id == CONNECTION_ID:
@@ -330,8 +349,7 @@ class _Connection:
         if call_id in self._calls:
             raise LaneProtocolError(f"call id {call_id} is already in use")
         method, body = split_request(payload)
-        run = self._unary if kind is Kind.UNARY else self._stream
-        task = asyncio.create_task(run(call_id, method, body))
+        task = asyncio.create_task(self._call(call_id, method, body, kind is Kind.STREAM))
         self._calls[call_id] = task
         task.add_done_callback(lambda _: self._ended(call_id))
 
@@ -343,29 +361,13 @@ class _Connection:
         if not self._writer.is_closing():
             self._writer.write(frame(call_id, kind, payload))
 
-    async def _unary(self, call_id: int, method: str, body: bytes) -> None:
-        async def answer() -> None:
-            request = await self._lane.decode(method, body, stream=False)
-            reply = await self._lane.unary(method, request, self._context)
-            self._send(call_id, Kind.REPLY, reply.SerializeToString())
-
-        await self._answered(call_id, method, answer())
-
-    async def _stream(self, call_id: int, method: str, body: bytes) -> None:
-        async def answer() -> None:
-            request = await self._lane.decode(method, body, stream=True)
-            async for item in self._lane.stream(method, request, self._context):
-                self._send(call_id, Kind.ITEM, item.SerializeToString())
-                await self._writer.drain()
-            self._send(call_id, Kind.END)
-
-        await self._answered(call_id, method, answer())
-
-    async def _answered(self, call_id: int, method: str, call: Awaitable[None]) -> None:
+    async def _call(self, call_id: int, method: str, body: bytes, stream: bool) -> None:
         """Run one call; whatever it raises ends it with an ERROR frame, so no call is
         left without an answer (a lost connection has nobody left to answer)."""
+        answer = self._answer(call_id, method, body, stream)
+        del body  # `answer` holds it until it is decoded, not while the answer drains
         try:
-            await call
+            await answer
         except _Aborted as exc:
             self._send(call_id, Kind.ERROR, exc.status.SerializeToString())
         except ConnectionError:
@@ -373,9 +375,21 @@ class _Connection:
         except Exception:
             log.exception("%s %s failed", self._lane.name, method)
             self._send(call_id, Kind.ERROR, _internal(self._lane.name, method))
-        # The call ends once its answer is on its way (see serve: backpressure).
+        # The call ends once its answer is on its way (see _backpressure).
         with contextlib.suppress(OSError):
             await self._writer.drain()
+
+    async def _answer(self, call_id: int, method: str, body: bytes, stream: bool) -> None:
+        request = await self._lane.decode(method, body, stream)
+        del body  # decoded: no longer held by the call
+        if not stream:
+            reply = await self._lane.unary(method, request, self._context)
+            self._send(call_id, Kind.REPLY, reply.SerializeToString())
+            return
+        async for item in self._lane.stream(method, request, self._context):
+            self._send(call_id, Kind.ITEM, item.SerializeToString())
+            await self._writer.drain()
+        self._send(call_id, Kind.END)
 
 
 def unimplemented(lane: str, method: str, served: Iterable[str]) -> _Aborted:
