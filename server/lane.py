@@ -21,16 +21,24 @@ What a connection holds is bounded: it is not read while it runs
 `max_calls_per_connection` calls, nor while its answers wait unsent beyond its
 transport's high-water mark (asyncio's 64 KiB; 512 KiB with TLS), so it holds
 that much plus the answers of the calls already running, and a call's request
-only until it is decoded.
+only until it is decoded. On a lane with a `drain_deadline_s` (the peer lane's),
+a connection whose client takes not one byte of its answers for that long (as
+its socket counts them: a client reading slowly is making progress) is aborted,
+its calls cancelled: TCP never ends a client that keeps its window shut. The
+engine lane has none: its socket ends with the engine's process, and cutting off
+a busy engine would lose the events written to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import stat
+import struct
+import termios
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, NoReturn
@@ -76,6 +84,8 @@ TURN_AWAY_S = 1.0
 # Connections being turned away at once; beyond, one is closed at once, unanswered (a
 # client opening them faster than that gets no courtesy, and holds no socket for it).
 MAX_TURNING_AWAY = 64
+# Linux's SIOCOUTQ: the bytes a socket holds that the other end has not acknowledged.
+_SIOCOUTQ: int | None = getattr(termios, "TIOCOUTQ", None)
 
 
 class _Aborted(grpc.aio.AbortError):
@@ -128,6 +138,9 @@ class LaneListener:
     max_calls_per_connection = 4096
     # Connections served at once (None: no limit); one beyond is turned away.
     max_connections: int | None = None
+    # How long a connection may take none of its answers before it is aborted (None:
+    # never; see the module doc).
+    drain_deadline_s: float | None = None
 
     def __init__(self) -> None:
         self._server: asyncio.Server | None = None
@@ -150,6 +163,15 @@ class LaneListener:
         )
         self._warn("turned away", f"{self.name}: a connection turned away ({reason})")
         return reason
+
+    def stalled(self, unsent_bytes: int) -> None:
+        """A connection was aborted: its client took none of its answers for
+        `drain_deadline_s`."""
+        self._warn(
+            "stalled",
+            f"{self.name} connection closed, its calls cancelled: its client read none of "
+            f"its answers ({unsent_bytes} bytes unsent) for {self.drain_deadline_s:g}s",
+        )
 
     def _warn(self, kind: str, message: str) -> None:
         """At most one line of each `kind` per LOG_EVERY_S: a client sending junk, or
@@ -302,8 +324,12 @@ class _Connection:
         self._context = lane.context(writer)
         self._calls: dict[int, asyncio.Task[None]] = {}
         self._slot = asyncio.Event()  # set while fewer than max_calls_per_connection run
+        self._task: asyncio.Task[Any] | None = None  # the one serving it
+        self._written_bytes = 0  # of answers, since it opened
+        self._stalled = False
 
     async def serve(self) -> None:
+        self._task = asyncio.current_task()
         try:
             while await self._next_call():
                 await self._backpressure()
@@ -314,9 +340,9 @@ class _Connection:
         finally:
             for task in list(self._calls.values()):
                 task.cancel()
-            self._writer.close()
+            self._writer.close()  # after the answers already written, unless it stalls
             with contextlib.suppress(OSError, asyncio.CancelledError):
-                await self._writer.wait_closed()
+                await self._unless_stalled(self._writer.wait_closed())
 
     async def _next_call(self) -> bool:
         """Read a frame and start (or cancel) its call; False at the end of the stream.
@@ -334,7 +360,7 @@ class _Connection:
         while len(self._calls) >= self._lane.max_calls_per_connection:
             self._slot.clear()
             await self._slot.wait()
-        await self._writer.drain()
+        await self._drain()
 
     def _dispatch(self, call_id: int, kind: Kind, payload: bytes) -> None:
         if call_id == CONNECTION_ID:
@@ -359,7 +385,9 @@ class _Connection:
 
     def _send(self, call_id: int, kind: Kind, payload: bytes = b"") -> None:
         if not self._writer.is_closing():
-            self._writer.write(frame(call_id, kind, payload))
+            data = frame(call_id, kind, payload)
+            self._writer.write(data)
+            self._written_bytes += len(data)
 
     async def _call(self, call_id: int, method: str, body: bytes, stream: bool) -> None:
         """Run one call; whatever it raises ends it with an ERROR frame, so no call is
@@ -377,7 +405,7 @@ class _Connection:
             self._send(call_id, Kind.ERROR, _internal(self._lane.name, method))
         # The call ends once its answer is on its way (see _backpressure).
         with contextlib.suppress(OSError):
-            await self._writer.drain()
+            await self._drain()
 
     async def _answer(self, call_id: int, method: str, body: bytes, stream: bool) -> None:
         request = await self._lane.decode(method, body, stream)
@@ -388,8 +416,71 @@ class _Connection:
             return
         async for item in self._lane.stream(method, request, self._context):
             self._send(call_id, Kind.ITEM, item.SerializeToString())
-            await self._writer.drain()
+            await self._drain()
         self._send(call_id, Kind.END)
+
+    async def _drain(self) -> None:
+        """Until the transport takes more answers (at once unless its buffer passed the
+        high-water mark); raises ConnectionResetError if the connection is lost."""
+        if self._writer.transport.get_write_buffer_size() == 0:
+            await self._writer.drain()  # not paused: returns at once (no timer to arm)
+        else:
+            await self._unless_stalled(self._writer.drain())
+
+    async def _unless_stalled(self, waiting: Awaitable[None]) -> None:
+        """Await `waiting`; on a lane with a `drain_deadline_s`, a client that takes not
+        one byte of its answers for that long has its connection aborted and its calls
+        cancelled instead (ConnectionResetError). Each waiter watches its own window: a
+        client reading at any pace is never cut off."""
+        deadline_s = self._lane.drain_deadline_s
+        if deadline_s is None:
+            await waiting
+            return
+        task = asyncio.ensure_future(waiting)
+        try:
+            while True:
+                taken = self._taken_bytes()
+                done, _ = await asyncio.wait((task,), timeout=deadline_s)
+                if done:
+                    task.result()  # raises what the wait raised
+                    return
+                if self._taken_bytes() <= taken:
+                    self._abort_stalled()
+                    raise ConnectionResetError(f"the {self._lane.name} client stalled")
+        finally:
+            task.cancel()
+
+    def _taken_bytes(self) -> int:
+        """How much of its answers the client has taken: written, less what waits in the
+        transport and what the socket holds unacknowledged. Where the kernel cannot be
+        asked, what it holds counts as taken once handed to it, so a slow client may
+        look stalled (never a stalled one alive); with TLS, what waits below the TLS
+        layer is not seen (off by that transport's buffer at most)."""
+        unsent = self._writer.transport.get_write_buffer_size()
+        return self._written_bytes - unsent - _unacknowledged_bytes(self._writer)
+
+    def _abort_stalled(self) -> None:
+        if self._stalled:
+            return
+        self._stalled = True
+        self._lane.stalled(self._written_bytes - self._taken_bytes())
+        self._writer.transport.abort()  # no TLS goodbye: it would not be read either
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()  # serve ends, cancelling the calls
+
+
+def _unacknowledged_bytes(writer: asyncio.StreamWriter) -> int:
+    """What the connection's socket holds that the other end has not acknowledged (0 when
+    the kernel cannot be asked, or the socket is closed)."""
+    sock = writer.get_extra_info("socket")
+    fd = -1 if sock is None else sock.fileno()
+    if fd < 0 or _SIOCOUTQ is None:
+        return 0
+    try:
+        queued: int = struct.unpack("i", fcntl.ioctl(fd, _SIOCOUTQ, b"\0" * 4))[0]
+    except OSError:
+        return 0
+    return queued
 
 
 def unimplemented(lane: str, method: str, served: Iterable[str]) -> _Aborted:

@@ -16,7 +16,9 @@ A peer sidecar keeps one connection to it. At most
 `limits.max_lane_connections` are served at once: one beyond is turned away
 before any of its calls is read (counted as a `too_many_connections`
 refusal), and its caller, told so, makes those calls over gRPC. With TLS, a
-client has `transfer.rpc_timeout_s` (at most 60 s) to finish its handshake.
+client has `transfer.rpc_timeout_s` (at most 60 s) to finish its handshake; a
+client that takes none of its answers for as long is cut off, its calls
+cancelled (server/lane.py: what a connection may hold).
 
 It serves the per-request calls only (BeginRead, Heartbeat, EndRead,
 BeginWrite, EndWrite). The handshake stays on gRPC: it tells the peer this
@@ -94,6 +96,9 @@ class PeerLane(LaneListener):
         # A peer sidecar keeps one connection; a client opening them without end is
         # turned away beyond this, and a peer turned away calls over gRPC.
         self.max_connections = settings.limits.max_lane_connections
+        # A client that has taken none of its answers for a peer call's deadline has no
+        # call left waiting for one: its connection is aborted rather than held.
+        self.drain_deadline_s = settings.transfer.rpc_timeout_s
 
     def turned_away(self) -> str:
         self._metrics.refusals.labels("too_many_connections").inc()
