@@ -10,6 +10,7 @@ The mTLS side is in test_peer_security.py.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -262,6 +263,101 @@ async def test_a_connection_beyond_the_lane_limit_is_turned_away_and_its_peer_us
             await refused.close()
         lingering.close()
         assert "turned away" in pd.p.log_text() and "Traceback" not in pd.p.log_text()
+
+
+# A Heartbeat whose answer (an error naming its 1 MiB request id) is about 2 MiB.
+ECHOED = request_payload(
+    "Heartbeat",
+    pb.HeartbeatRequest(request_ids=["x" * (1 << 20)], read_tokens=[""]).SerializeToString(),
+)
+
+
+def _raw_client() -> socket.socket:
+    """A lane client whose kernel takes a few KiB of answers at most until it reads."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.setblocking(False)
+    return s
+
+
+async def test_a_client_that_reads_no_answers_is_cut_off_and_others_are_served(
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(tmp_path)
+    try:
+        # A few calls at once, so that without the deadline this holds some 32 MiB, not 1 GiB.
+        p = fleet.sidecar("p", "--transfer.rpc-timeout-s", "2", "--limits.max-calls-per-peer", "16")
+        loop = asyncio.get_running_loop()
+        nobody = pb.BeginReadRequest(request_id="nobody")
+        lane = _lane(p)
+        with _raw_client() as s:
+            await loop.sock_connect(s, ("127.0.0.1", p.ready["peer_lane_port"]))
+
+            async def call_until_cut_off() -> None:
+                for call_id in itertools.count(1):
+                    await loop.sock_sendall(s, frame(call_id, Kind.UNARY, ECHOED))
+
+            calling = asyncio.create_task(call_until_cut_off())
+            try:
+                await asyncio.sleep(0.5)  # its answers pile up, unread
+                with pytest.raises(NotFoundError):  # another client is served meanwhile
+                    await lane.call("BeginRead", nobody, pb.BeginReadResponse, 5, "begin read")
+                # Not read while its answers wait unsent, and cut off once none of them
+                # is taken for transfer.rpc_timeout_s (without that: blocked forever).
+                with pytest.raises(ConnectionError):
+                    await asyncio.wait_for(calling, 30)
+                with pytest.raises(NotFoundError):
+                    await lane.call("BeginRead", nobody, pb.BeginReadResponse, 5, "begin read")
+            finally:
+                calling.cancel()
+                await lane.close()
+        log = p.log_text()
+        assert "its client read none of its answers" in log and "for 2s" in log
+        assert "Traceback" not in log
+    finally:
+        fleet.close()
+
+
+async def test_a_client_reading_its_answers_slowly_gets_them_all(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    try:
+        p = fleet.sidecar("p", "--transfer.rpc-timeout-s", "2")
+        loop = asyncio.get_running_loop()
+        calls = 8  # 16 MiB of answers: far more than the kernels' buffers between them
+        with _raw_client() as s:
+            await loop.sock_connect(s, ("127.0.0.1", p.ready["peer_lane_port"]))
+            raw = b"".join(frame(i, Kind.UNARY, ECHOED) for i in range(1, calls + 1))
+            calling = asyncio.create_task(loop.sock_sendall(s, raw))
+            received = bytearray()
+
+            async def receive(size: int) -> None:
+                target = len(received) + size
+                while len(received) < target:
+                    chunk = await asyncio.wait_for(loop.sock_recv(s, 1 << 20), 10)
+                    assert chunk, "the sidecar closed the connection"
+                    received.extend(chunk)
+
+            # 64 KiB every half second, for four times the deadline: slow, never stopped.
+            for _ in range(16):
+                await asyncio.sleep(0.5)
+                await receive(64 << 10)
+            answered: list[tuple[int, Kind]] = []
+            offset = 0
+            while len(answered) < calls:
+                if len(received) - offset < HEADER.size:
+                    await receive(HEADER.size)
+                    continue
+                length, call_id, kind = HEADER.unpack_from(received, offset)
+                if len(received) - offset < HEADER.size + length:
+                    await receive(HEADER.size + length - (len(received) - offset))
+                    continue
+                answered.append((call_id, Kind(kind)))
+                offset += HEADER.size + length
+            await calling
+        assert answered == [(i, Kind.ERROR) for i in range(1, calls + 1)]
+        assert "read none of its answers" not in p.log_text()
+    finally:
+        fleet.close()
 
 
 async def test_a_peer_lane_nobody_serves_fails_the_call_as_unavailable() -> None:
