@@ -168,11 +168,11 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
                 try:
                     if stale:
                         await ctx.links.reload(link, pull.engine.layout)
-                    reader = await _reader(pull, ctx)
-                except KvxferError as exc:
+                    reading = _execute(pull, ctx, await _reader(pull, ctx))
+                except KvxferError as exc:  # binding its chunks too: the read is ended
                     pull.aborted = True
                     return _all_failed(pull, PullStatus.FAILED, str(exc)), True
-                result = await _execute(pull, ctx, reader)
+                result = await reading
         finally:
             # Cancelled at once (the lease is ours until EndRead), awaited after PullDone.
             renewing.cancel()

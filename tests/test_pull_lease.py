@@ -1,0 +1,290 @@
+"""A decode pull's read and its lease at the publisher (server/pulls.py `run_pull`).
+
+The pull runs in this process against a real NIXL agent serving real shared
+memory from a child process (tests/nixl_peer.py), through a real `Readers` and
+a real `PeerLinks` over gRPC on loopback. Two seams are faked, for fault
+injection only: the publisher's PeerService (`Publisher`: answers BeginRead as a
+sidecar would, and its heartbeats can be made to hang, as a partitioned control
+network or a stalled publisher leaves them) and, around the real agent, a data
+plane that is slow to read chosen chunks (`SlowPlane`: a chunk handed to it is
+read to the end whatever becomes of its waiter, as NIXL reads a posted handle).
+
+What must hold:
+- a begun read is always ended at the publisher (EndRead), also when its
+  chunks cannot be bound after BeginRead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import grpc.aio
+import numpy as np
+import pytest
+from nixl_peer import SourcePeer
+
+from kvxfer.client.shm import ShmKVCache
+from kvxfer.core.layout import BlockId, BlockSpan, GroupId
+from kvxfer.core.negotiation import PROTOCOL_VERSION
+from kvxfer.core.planner import plan_transfer
+from kvxfer.core.profiles import layout_for_model
+from kvxfer.core.requests import PullDone, PullStatus, TransferParams
+from kvxfer.dataplane.adapter import ChunkJob, NixlAgent, TransferBackend, TransferStatus
+from kvxfer.dataplane.executor import ExecOptions
+from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
+from kvxfer.dataplane.readers import Readers
+from kvxfer.server.engines import Engine, EventQueue
+from kvxfer.server.metrics import Metrics
+from kvxfer.server.peers import Dialer, PeerLink, PeerLinks
+from kvxfer.server.pulls import Pull, PullContext, run_pull
+from kvxfer.server.settings import load_settings
+from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
+from kvxfer.wire.layout import span_to_proto
+from kvxfer.wire.sidecar import PeerHello
+
+pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
+
+MODEL = "llama-3.1-8b"  # one full-attention group: a failed block fails its tokens only
+B = 16
+BLOCKS = 32
+TOKENS = BLOCKS * B
+EPOCH = 9
+SRC = [BlockSpan(GroupId(0), 0, tuple(BlockId(b) for b in reversed(range(BLOCKS))))]
+DST = [BlockSpan(GroupId(0), 0, tuple(BlockId(b) for b in range(BLOCKS)))]
+
+
+class Publisher(pb_grpc.PeerServiceServicer):
+    """The publisher's PeerService: BeginRead answers what was published, with its TTL;
+    Heartbeat answers HELD, or hangs while `answering` is clear (the caller's deadline
+    ends it); EndRead is recorded."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.answering = asyncio.Event()
+        self.answering.set()
+        self.begun = asyncio.Event()
+        self.ended: list[pb.EndReadRequest] = []
+
+    async def BeginRead(
+        self, request: pb.BeginReadRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.BeginReadResponse:
+        self.begun.set()
+        return pb.BeginReadResponse(
+            num_tokens=TOKENS,
+            spans=[span_to_proto(s) for s in SRC],
+            lease_ttl_ms=round(self.ttl_s * 1000),
+            registration_version=1,
+            read_token="token",
+        )
+
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.HeartbeatResponse:
+        await self.answering.wait()
+        return pb.HeartbeatResponse(states=[pb.LEASE_STATE_HELD] * len(request.request_ids))
+
+    async def EndRead(
+        self, request: pb.EndReadRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.EndReadResponse:
+        self.ended.append(request)
+        return pb.EndReadResponse()
+
+
+class SlowPlane:
+    """A TransferBackend around a real agent that hands the batches it is given from the
+    `slow_from`-th chunk on to that agent only once `go` is set. A batch handed in is read
+    to its end whatever becomes of the future returned for it (cancelling that future
+    cancels nobody's read, as with NIXL); `ended` counts the chunks read to their end."""
+
+    def __init__(self, inner: NixlAgent, slow_from: int) -> None:
+        self._inner = inner
+        self.slow_from = slow_from
+        self.go = asyncio.Event()
+        self.handed = 0
+        self.ended = 0
+        self._reads: set[asyncio.Task[None]] = set()
+
+    def post_all(self, jobs: Sequence[ChunkJob]) -> asyncio.Future[list[TransferStatus]]:
+        slow = self.handed + len(jobs) > self.slow_from
+        self.handed += len(jobs)
+        answer: asyncio.Future[list[TransferStatus]] = asyncio.get_running_loop().create_future()
+
+        async def read() -> None:
+            if slow:
+                await self.go.wait()
+            statuses = await self._inner.post_all(jobs)
+            self.ended += len(jobs)
+            if not answer.done():
+                answer.set_result(statuses)
+
+        task = asyncio.create_task(read())
+        self._reads.add(task)
+        task.add_done_callback(self._reads.discard)
+        return answer
+
+    async def read(self, job: ChunkJob) -> TransferStatus:
+        (status,) = await self.post_all([job])
+        return status
+
+    @property
+    def name(self) -> str:
+        return self._inner.name
+
+    async def metadata(self) -> bytes:
+        return await self._inner.metadata()
+
+    async def register(self, buffers: Sequence[MappedBuffer]) -> None:
+        await self._inner.register(buffers)
+
+    async def deregister(self, buffers: Sequence[MappedBuffer]) -> None:
+        await self._inner.deregister(buffers)
+
+    async def add_peer(self, metadata: bytes) -> str:
+        return await self._inner.add_peer(metadata)
+
+    async def remove_peer(self, peer: str) -> None:
+        await self._inner.remove_peer(peer)
+
+    async def notify(self, peer: str, message: bytes) -> None:
+        await self._inner.notify(peer, message)
+
+    def on_notification(self, callback: Callable[[str, bytes], None]) -> None:
+        self._inner.on_notification(callback)
+
+    async def close(self) -> None:
+        self.go.set()
+        if self._reads:
+            await asyncio.wait(self._reads)
+        await self._inner.close()
+
+    @property
+    def abandoned(self) -> bool:
+        return self._inner.abandoned
+
+    @property
+    def closed(self) -> bool:
+        return self._inner.closed
+
+    @property
+    def alive(self) -> bool:
+        return self._inner.alive
+
+
+@dataclass
+class Source:
+    cache: ShmKVCache
+    peer: SourcePeer
+
+
+@pytest.fixture(scope="module")
+def source() -> Iterator[Source]:
+    cache = ShmKVCache(layout_for_model(MODEL, block_size=B), BLOCKS, "t-lease-src", 1)
+    for i, handle in enumerate(cache.buffers):
+        view = cache.view(handle.name)
+        view[:] = np.resize(((np.arange(251) * 131 + i) % 251).astype(np.uint8), view.size)
+    peer = SourcePeer(cache.buffers)
+    yield Source(cache, peer)
+    peer.stop()
+    cache.close()
+
+
+@dataclass
+class Decode:
+    """One pull of all BLOCKS from `publisher` into a fresh decode engine."""
+
+    publisher: Publisher
+    plane: list[SlowPlane]
+    pull: Pull
+    ctx: PullContext
+    dst: ShmKVCache
+    reports: list[tuple[PullDone, int]] = field(default_factory=list)
+
+    def report(self, done: PullDone) -> None:
+        """A PullDone, with how many chunks had been read to their end by then."""
+        self.reports.append((done, self.plane[0].ended if self.plane else 0))
+
+    def moved_equal_source(self, source: ShmKVCache, failed: Sequence[int]) -> None:
+        for logical in sorted(set(range(BLOCKS)) - set(failed)):
+            for tensor in self.dst.layout.groups[0].tensors:
+                want = source.block(tensor.name, SRC[0].block_id(logical))
+                got = self.dst.block(tensor.name, DST[0].block_id(logical))
+                assert np.array_equal(got, want), f"{tensor.name} block {logical} differs"
+
+
+@contextlib.asynccontextmanager
+async def decode(
+    source: Source,
+    *,
+    ttl_s: float,
+    slow_from: int,
+    chunk_blocks: int = BLOCKS,
+    max_inflight: int = 32,
+    hello_buffers: Callable[[dict[str, Any]], dict[str, Any]] = lambda b: b,
+) -> AsyncIterator[Decode]:
+    publisher = Publisher(ttl_s)
+    server = grpc.aio.server()
+    pb_grpc.add_PeerServiceServicer_to_server(publisher, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    settings = load_settings(["--transfer.rpc-timeout-s", "5"], environ={})
+    dialer = Dialer(settings)
+    links = PeerLinks(settings=settings, backend=None, metrics=Metrics(),  # type: ignore[arg-type]
+                      dialer=dialer, sidecar_id="decode", epoch=7)  # fmt: skip
+    planes: list[SlowPlane] = []
+
+    def agent(name: str) -> TransferBackend:
+        planes.append(SlowPlane(NixlAgent(name), slow_from))
+        return planes[-1]
+
+    readers = Readers(agent)
+    layout = source.cache.layout
+    dst = ShmKVCache(layout_for_model(MODEL, block_size=B), BLOCKS, "t-lease-dst", 1)
+    mapped = [open_buffer(h) for h in dst.buffers]
+    engine = Engine("decode", "decode", dst.layout, mapped, EventQueue(16, lambda: None))
+    engine.bound = bind(mapped)
+    hello = PeerHello(PROTOCOL_VERSION, EPOCH, "prefill", "p", layout,
+                      hello_buffers(dict(source.peer.buffers)), source.peer.metadata,
+                      ttl_s, 1)  # fmt: skip
+    params = TransferParams(address, "prefill", EPOCH, 0, "r1", TOKENS, tuple(SRC))
+    plan = plan_transfer(layout, dst.layout, SRC, DST, TOKENS, 0, chunk_blocks)
+    options = ExecOptions(stall_deadline_s=10, max_inflight=max_inflight, handle_blocks=1)
+    pull = Pull(engine, params, PeerLink(address, 0, hello, "prefill-agent"), plan)
+    ctx = PullContext(readers, links, Metrics(), options, "decode")
+    try:
+        yield Decode(publisher, planes, pull, ctx, dst)
+    finally:
+        publisher.answering.set()
+        await readers.close()
+        await dialer.close()
+        await server.stop(None)
+        for buffer in mapped:
+            buffer.close()
+        dst.close()
+
+
+async def test_a_read_whose_chunks_cannot_be_bound_after_beginread_is_ended(
+    source: Source,
+) -> None:
+    """The publisher's registration does not cover the published blocks (its buffer is
+    smaller than the layout says): binding fails before BeginRead and again after it.
+    The read was begun, so it is ended (aborted) at once, not left to expire there."""
+
+    def shrunk(buffers: dict[str, Any]) -> dict[str, Any]:
+        name = next(iter(buffers))
+        buffers[name] = dataclasses.replace(buffers[name], size_bytes=1)
+        return buffers
+
+    async with decode(source, ttl_s=30, slow_from=BLOCKS, hello_buffers=shrunk) as d:
+        await asyncio.wait_for(run_pull(d.pull, d.ctx, d.report), 30)
+    [(done, _)] = d.reports
+    assert done.status is PullStatus.FAILED, done
+    assert "internal error" not in done.reason, done
+    assert done.failed_blocks == {0: tuple(range(BLOCKS))}, done
+    assert [e.reason for e in d.publisher.ended] == [pb.RELEASE_REASON_ABORTED]
