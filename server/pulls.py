@@ -55,6 +55,7 @@ class Pull:
     aborted: bool = False
     lease_lost: bool = False
     task: asyncio.Task[None] | None = None
+    reading: asyncio.Task[TransferResult] | None = None  # its read, once chunks are handed on
     renewing: asyncio.Task[None] | None = None  # its heartbeat, cancelled once read
     result: TransferResult | None = None  # the executed read, for its metrics
     slotted: float | None = None  # when it got its running slot (monotonic)
@@ -116,8 +117,10 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
     publisher overlaps the copy instead of preceding it. Until BeginRead answers, the
     blocks are still held by their publication (a publication the publisher released
     makes BeginRead fail); what was read is trusted only once BeginRead confirms the
-    lease, and a refused or mismatched read fails every block, reported only after
-    every posted chunk has ended, so nothing lands in a block reported failed."""
+    lease, and a refused or mismatched read fails every block. Whatever the outcome,
+    even when this is cancelled or fails unexpectedly, it is known only once every
+    posted chunk has ended (NIXL cannot cancel one), so nothing lands in a block
+    reported failed."""
     link, params = pull.link, pull.params
     if pull.leaving.is_set():  # its engine began retiring while it waited for a slot
         return _all_failed(pull, PullStatus.ABORTED, "its engine is going away"), False
@@ -128,63 +131,102 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
             f"the publisher restarted: params are from epoch {params.epoch}, "
             f"peer {params.peer_address} is now epoch {link.epoch}",
         ), False
-    reading: asyncio.Future[TransferResult] | None = None
     posted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     # Without a reader (the peer's metadata may have changed: BeginRead says so) the
     # read waits for BeginRead.
     with contextlib.suppress(KvxferError):
-        reading = _execute(pull, ctx, await _reader(pull, ctx), posted)
+        pull.reading = _execute(pull, ctx, await _reader(pull, ctx), posted)
     try:
-        if reading is not None:
-            # The loop idles until the NIXL thread posts the first chunk: BeginRead's
-            # gRPC call would hold the GIL the thread needs to build and post it.
-            await asyncio.wait((posted,), timeout=POST_WAIT_S)
-        asked = time.monotonic()
-        try:
-            begun = await ctx.links.begin_read(link, params.request_id, ctx.reader_id)
-        except KvxferError as exc:
-            return await _refused(pull, reading, str(exc)), False
-        finally:
-            pull.begin_read_s = time.monotonic() - asked
-        renewing = asyncio.create_task(heartbeat(pull, ctx.links, begun.lease_ttl_ms / 1000))
-        try:
-            try:
-                check_held(params, begun)
-            except KvxferError as exc:
-                pull.aborted = True  # the read was begun: end it as aborted to free the lease
-                return await _refused(pull, reading, str(exc)), True
-            # PullDone goes out only after this returns: by then every chunk that failed
-            # has severed its agent (adapter.py), so no byte can land in a block reported
-            # failed.
-            result = None if reading is None else await reading
-            stale = begun.registration_version != link.hello.registration_version
-            if result is None or stale:
-                # Not read yet, or read by the publisher's old registrations: (re)load
-                # its metadata and read by the new ones, unless it was cancelled (its
-                # engine may be retiring: no agent may register its memory now).
-                if pull.cancel.is_set():
-                    pull.aborted = True
-                    return _all_failed(pull, PullStatus.ABORTED, "aborted during the pull"), True
-                try:
-                    if stale:
-                        await ctx.links.reload(link, pull.engine.layout)
-                    reading = _execute(pull, ctx, await _reader(pull, ctx))
-                except KvxferError as exc:  # binding its chunks too: the read is ended
-                    pull.aborted = True
-                    return _all_failed(pull, PullStatus.FAILED, str(exc)), True
-                result = await reading
-        finally:
-            # Cancelled at once (the lease is ours until EndRead), awaited after PullDone.
-            renewing.cancel()
-            pull.renewing = renewing
-    except BaseException:  # cancelled: the read begun beside BeginRead goes with it
-        if reading is not None:
-            reading.cancel()
+        return await _begin(pull, ctx, posted)
+    except BaseException as exc:  # cancelled, or a bug: the read begun beside BeginRead ends first
+        pull.cancel.set()  # chunks not yet posted are not posted
+        if pull.reading is not None:
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            with contextlib.suppress(Exception):
+                await _ended(pull.reading, ctx, cancelled=cancelled)
         raise
+
+
+async def _begin(
+    pull: Pull, ctx: PullContext, posted: asyncio.Future[None]
+) -> tuple[PullDone, bool]:
+    """Begin the read at the publisher and, once it is begun, keep its lease alive
+    while the read runs."""
+    if pull.reading is not None:
+        # The loop idles until the NIXL thread posts the first chunk: BeginRead's gRPC
+        # call would hold the GIL the thread needs to build and post it.
+        await asyncio.wait((posted,), timeout=POST_WAIT_S)
+    asked = time.monotonic()
+    try:
+        begun = await ctx.links.begin_read(pull.link, pull.request_id, ctx.reader_id)
+    except KvxferError as exc:
+        return await _refused(pull, ctx, str(exc)), False
+    finally:
+        pull.begin_read_s = time.monotonic() - asked
+    renewing = asyncio.create_task(heartbeat(pull, ctx.links, begun.lease_ttl_ms / 1000))
+    try:
+        return await _read(pull, ctx, begun), True
+    finally:
+        # Cancelled at once (the lease is ours until EndRead), awaited after PullDone.
+        renewing.cancel()
+        pull.renewing = renewing
+
+
+async def _read(pull: Pull, ctx: PullContext, begun: pb.BeginReadResponse) -> PullDone:
+    """The outcome of a begun read (ended as aborted unless it was read)."""
+    link = pull.link
+    try:
+        check_held(pull.params, begun)
+    except KvxferError as exc:
+        pull.aborted = True  # the read was begun: end it as aborted to free the lease
+        return await _refused(pull, ctx, str(exc))
+    # PullDone goes out only after this returns: by then every chunk that failed has
+    # severed its agent (adapter.py), so no byte can land in a block reported failed.
+    result = None if pull.reading is None else await _ended(pull.reading, ctx)
+    stale = begun.registration_version != link.hello.registration_version
+    if result is None or stale:
+        # Not read yet, or read by the publisher's old registrations: (re)load its
+        # metadata and read by the new ones, unless it was cancelled (its engine may be
+        # retiring: no agent may register its memory now).
+        if pull.cancel.is_set():
+            pull.aborted = True
+            return _all_failed(pull, PullStatus.ABORTED, "aborted during the pull")
+        try:
+            if stale:
+                await ctx.links.reload(link, pull.engine.layout)
+            pull.reading = _execute(pull, ctx, await _reader(pull, ctx))
+        except KvxferError as exc:  # binding its chunks too: the read is ended, as aborted
+            pull.aborted = True
+            return _all_failed(pull, PullStatus.FAILED, str(exc))
+        result = await _ended(pull.reading, ctx)
     if TransferStatus.DISCONNECTED in result.chunk_statuses:
         ctx.links.invalidate(link)
     pull.result = result
-    return _from_result(pull, result), True
+    return _from_result(pull, result)
+
+
+async def _ended(
+    reading: asyncio.Task[TransferResult], ctx: PullContext, *, cancelled: bool = False
+) -> TransferResult:
+    """The read's result, once every chunk it posted has ended (each does by its stall
+    deadline). Cancelling this (or `cancelled`: the caller was) does not cancel the read,
+    which would not stop NIXL, only the waiting for it: the cancellation is passed on
+    once the read has ended, or a stall deadline later (only a NIXL thread stuck in a
+    call ends no chunk by then, and the sidecar's exit must not wait for that)."""
+    give_up = time.monotonic() + ctx.options.stall_deadline_s + 1
+    while not reading.done():
+        left = give_up - time.monotonic() if cancelled else None
+        if left is not None and left <= 0:
+            log.error("a cancelled pull's read did not end within its stall deadline")
+            break
+        try:
+            await asyncio.wait((reading,), timeout=left)
+        except asyncio.CancelledError:
+            if not cancelled:
+                cancelled, give_up = True, time.monotonic() + ctx.options.stall_deadline_s + 1
+    if cancelled:
+        raise asyncio.CancelledError
+    return reading.result()
 
 
 def _observe_phases(pull: Pull, metrics: Metrics, peer: str) -> None:
@@ -235,14 +277,12 @@ def _execute(
     )
 
 
-async def _refused(
-    pull: Pull, reading: asyncio.Future[TransferResult] | None, reason: str
-) -> PullDone:
+async def _refused(pull: Pull, ctx: PullContext, reason: str) -> PullDone:
     """Every block failed, reported once the read begun beside BeginRead has ended."""
     pull.cancel.set()  # chunks not yet posted are not posted
-    if reading is not None:
+    if pull.reading is not None:
         with contextlib.suppress(Exception):
-            await reading
+            await _ended(pull.reading, ctx)
     return _all_failed(pull, PullStatus.FAILED, reason)
 
 

@@ -10,6 +10,7 @@ plane that is slow to read chosen chunks (`SlowPlane`: a chunk handed to it is
 read to the end whatever becomes of its waiter, as NIXL reads a posted handle).
 
 What must hold:
+- a pull whose task is cancelled reports only once every posted chunk ended;
 - a begun read is always ended at the publisher (EndRead), also when its
   chunks cannot be bound after BeginRead.
 """
@@ -61,21 +62,23 @@ DST = [BlockSpan(GroupId(0), 0, tuple(BlockId(b) for b in range(BLOCKS)))]
 
 
 class Publisher(pb_grpc.PeerServiceServicer):
-    """The publisher's PeerService: BeginRead answers what was published, with its TTL;
-    Heartbeat answers HELD, or hangs while `answering` is clear (the caller's deadline
-    ends it); EndRead is recorded."""
+    """The publisher's PeerService: BeginRead answers what was published, with its TTL,
+    once `beginning` is set; Heartbeat answers HELD, or hangs while `answering` is clear
+    (the caller's deadline ends it); EndRead is recorded."""
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
-        self.answering = asyncio.Event()
+        self.beginning, self.answering = asyncio.Event(), asyncio.Event()
+        self.beginning.set()
         self.answering.set()
-        self.begun = asyncio.Event()
+        self.begun = asyncio.Event()  # a BeginRead arrived
         self.ended: list[pb.EndReadRequest] = []
 
     async def BeginRead(
         self, request: pb.BeginReadRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.BeginReadResponse:
         self.begun.set()
+        await self.beginning.wait()
         return pb.BeginReadResponse(
             num_tokens=TOKENS,
             spans=[span_to_proto(s) for s in SRC],
@@ -260,6 +263,7 @@ async def decode(
     try:
         yield Decode(publisher, planes, pull, ctx, dst)
     finally:
+        publisher.beginning.set()
         publisher.answering.set()
         await readers.close()
         await dialer.close()
@@ -267,6 +271,31 @@ async def decode(
         for buffer in mapped:
             buffer.close()
         dst.close()
+
+
+@pytest.mark.parametrize("in_beginread", [True, False], ids=["in-beginread", "begun"])
+async def test_a_cancelled_pull_reports_once_its_posted_chunks_ended(
+    source: Source, in_beginread: bool
+) -> None:
+    """The pull's task is cancelled (the sidecar's loop going away) while its one batch
+    is posted and being read, BeginRead still unanswered or answered: NIXL goes on
+    reading into the engine's blocks, so the PullDone that lets the engine reuse them
+    waits until the read has ended."""
+    async with decode(source, ttl_s=30, slow_from=0) as d:
+        if in_beginread:
+            d.publisher.beginning.clear()
+        task = asyncio.create_task(run_pull(d.pull, d.ctx, d.report))
+        await asyncio.wait_for(d.publisher.begun.wait(), 30)
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.sleep(0.5)
+        assert not d.reports, f"PullDone while a chunk was still posted: {d.reports}"
+        d.plane[0].go.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)
+    [(done, ended)] = d.reports
+    assert ended == 1, "reported before the read ended"
+    assert done.status is PullStatus.ABORTED, done
 
 
 async def test_a_read_whose_chunks_cannot_be_bound_after_beginread_is_ended(
