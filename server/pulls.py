@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -27,7 +28,7 @@ from kvxfer.core.planner import TransferPlan
 from kvxfer.core.recompute import valid_tokens
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
 from kvxfer.dataplane.adapter import TransferStatus
-from kvxfer.dataplane.executor import ExecOptions, TransferResult, execute_plan
+from kvxfer.dataplane.executor import ExecOptions, TransferResult, execute_plan, summarize
 from kvxfer.dataplane.readers import Reader, Readers
 from kvxfer.server.engines import Engine
 from kvxfer.server.metrics import Metrics
@@ -38,6 +39,46 @@ from kvxfer.wire.layout import spans_from_proto
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 POST_WAIT_S = 0.005  # the longest BeginRead waits for the read's first post
+
+
+class LeaseWatch:
+    """Until when the publisher surely holds a begun read's lease, as far as the reader
+    can know: its TTL after the latest BeginRead or Heartbeat it answered, counted from
+    when that call was sent (the publisher renews on receipt, never earlier). Past
+    `held_until` the lease may have lapsed there and its engine reused the blocks, so a
+    chunk seen ending later may have read anything: its blocks fail, and no chunk is
+    posted any more. Nothing is undone after that: a late answer renews nothing."""
+
+    def __init__(self, ttl_s: float, sent: float) -> None:
+        """`sent`: when the BeginRead that answered `ttl_s` was sent (time.monotonic())."""
+        self.ttl_s = ttl_s
+        self.held_until = sent + ttl_s
+        self.lapsed = False
+
+    def renewed(self, sent: float) -> None:
+        """A call sent at `sent` (time.monotonic()) was answered: the lease was held."""
+        if not self.lapsed:
+            self.held_until = max(self.held_until, sent + self.ttl_s)
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Set `stop` once the lease may have lapsed (cancelled when the read is over)."""
+        while (left := self.held_until - time.monotonic()) > 0:
+            await asyncio.sleep(left)
+        self.lapsed = True
+        stop.set()
+
+    def confirmed(self, result: TransferResult) -> tuple[TransferStatus, ...]:
+        """Each chunk's status, CANCELLED where it was seen ending past `held_until`."""
+        return tuple(
+            status if end <= self.held_until else TransferStatus.CANCELLED
+            for status, end in zip(result.chunk_statuses, result.ended, strict=True)
+        )
+
+    def lapse_reason(self) -> str:
+        return (
+            f"the publisher's lease may have lapsed: no BeginRead or Heartbeat was answered "
+            f"within its TTL ({self.ttl_s:g} s), so blocks read after that are not trusted"
+        )
 
 
 @dataclass
@@ -150,8 +191,8 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
 async def _begin(
     pull: Pull, ctx: PullContext, posted: asyncio.Future[None]
 ) -> tuple[PullDone, bool]:
-    """Begin the read at the publisher and, once it is begun, keep its lease alive
-    while the read runs."""
+    """Begin the read at the publisher and, once it is begun, keep its lease alive and
+    watch it while the read runs."""
     if pull.reading is not None:
         # The loop idles until the NIXL thread posts the first chunk: BeginRead's gRPC
         # call would hold the GIL the thread needs to build and post it.
@@ -163,16 +204,21 @@ async def _begin(
         return await _refused(pull, ctx, str(exc)), False
     finally:
         pull.begin_read_s = time.monotonic() - asked
-    renewing = asyncio.create_task(heartbeat(pull, ctx.links, begun.lease_ttl_ms / 1000))
+    lease = LeaseWatch(begun.lease_ttl_ms / 1000, asked)
+    renewing = asyncio.create_task(heartbeat(pull, ctx.links, lease.ttl_s, lease.renewed))
+    watching = asyncio.create_task(lease.watch(pull.cancel))
     try:
-        return await _read(pull, ctx, begun), True
+        return await _read(pull, ctx, begun, lease), True
     finally:
+        watching.cancel()
         # Cancelled at once (the lease is ours until EndRead), awaited after PullDone.
         renewing.cancel()
         pull.renewing = renewing
 
 
-async def _read(pull: Pull, ctx: PullContext, begun: pb.BeginReadResponse) -> PullDone:
+async def _read(
+    pull: Pull, ctx: PullContext, begun: pb.BeginReadResponse, lease: LeaseWatch
+) -> PullDone:
     """The outcome of a begun read (ended as aborted unless it was read)."""
     link = pull.link
     try:
@@ -186,8 +232,11 @@ async def _read(pull: Pull, ctx: PullContext, begun: pb.BeginReadResponse) -> Pu
     stale = begun.registration_version != link.hello.registration_version
     if result is None or stale:
         # Not read yet, or read by the publisher's old registrations: (re)load its
-        # metadata and read by the new ones, unless it was cancelled (its engine may be
-        # retiring: no agent may register its memory now).
+        # metadata and read by the new ones, unless the lease may have lapsed or the pull
+        # was cancelled (its engine may be retiring: no agent may register its memory now).
+        if lease.lapsed and not pull.aborted:
+            pull.aborted = True
+            return _all_failed(pull, PullStatus.FAILED, lease.lapse_reason())
         if pull.cancel.is_set():
             pull.aborted = True
             return _all_failed(pull, PullStatus.ABORTED, "aborted during the pull")
@@ -202,7 +251,7 @@ async def _read(pull: Pull, ctx: PullContext, begun: pb.BeginReadResponse) -> Pu
     if TransferStatus.DISCONNECTED in result.chunk_statuses:
         ctx.links.invalidate(link)
     pull.result = result
-    return _from_result(pull, result)
+    return _from_result(pull, result, lease)
 
 
 async def _ended(
@@ -311,17 +360,27 @@ class Renewed(Protocol):
     def request_id(self) -> str: ...
 
 
-async def heartbeat(transfer: Renewed, links: PeerLinks, ttl_s: float) -> None:
+async def heartbeat(
+    transfer: Renewed,
+    links: PeerLinks,
+    ttl_s: float,
+    renewed: Callable[[float], None] | None = None,
+) -> None:
     """Renew the peer's lease every TTL/3 until cancelled; a lease the peer aborted or
-    no longer holds cancels the transfer."""
+    no longer holds cancels the transfer. `renewed` hears when each heartbeat the peer
+    answered holding the lease was sent. A failed one is tried again at the next beat:
+    what a lease that lapses meanwhile means is the caller's to watch (LeaseWatch)."""
     interval = max(ttl_s / 3, 0.05)
     while True:
         await asyncio.sleep(interval)
+        sent = time.monotonic()
         try:
             state = await links.heartbeat(transfer.link, transfer.request_id)
         except KvxferError as exc:
             log.warning("heartbeat for %s failed: %s", transfer.request_id, exc)
             continue
+        if renewed is not None and state in (pb.LEASE_STATE_HELD, pb.LEASE_STATE_ABORTED):
+            renewed(sent)
         if state == pb.LEASE_STATE_ABORTED:
             transfer.aborted = True
             transfer.cancel.set()
@@ -393,11 +452,18 @@ async def end_patiently(call: Callable[[], Awaitable[T]], what: str, patience_s:
         pause = min(pause * 2, 2.0)
 
 
-def _from_result(pull: Pull, result: TransferResult) -> PullDone:
+def _from_result(pull: Pull, result: TransferResult, lease: LeaseWatch) -> PullDone:
     if pull.lease_lost:
         return _all_failed(pull, PullStatus.FAILED, "the publisher's lease ended during the read")
     aborted = "aborted during the pull" if pull.aborted else None
-    return outcome(result, pull.request_id, pull.started, aborted)
+    statuses = lease.confirmed(result)
+    if statuses == result.chunk_statuses:
+        return outcome(result, pull.request_id, pull.started, aborted)
+    # Read past the point the lease may have lapsed: only what ended before it stands.
+    block_size = pull.engine.layout.block_size
+    trusted = summarize(pull.plan, statuses, block_size, time.perf_counter())
+    done = outcome(trusted, pull.request_id, pull.started, aborted)
+    return done if aborted else dataclasses.replace(done, reason=lease.lapse_reason())
 
 
 def outcome(

@@ -10,6 +10,10 @@ plane that is slow to read chosen chunks (`SlowPlane`: a chunk handed to it is
 read to the end whatever becomes of its waiter, as NIXL reads a posted handle).
 
 What must hold:
+- once the publisher may have let the lease lapse (no BeginRead or Heartbeat
+  answered within its TTL, counted from when it was sent: its engine may reuse
+  the blocks), the pull posts no more chunks and reports every block not read
+  before then as failed, never OK, and only after every posted chunk ended;
 - a pull whose task is cancelled reports only once every posted chunk ended;
 - a begun read is always ended at the publisher (EndRead), also when its
   chunks cannot be bound after BeginRead.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -271,6 +276,72 @@ async def decode(
         for buffer in mapped:
             buffer.close()
         dst.close()
+
+
+async def test_a_read_that_outlives_its_unrenewed_lease_fails_its_blocks(source: Source) -> None:
+    """Every heartbeat hangs (a partitioned control network); the one batch of chunks
+    is read only after the publisher's TTL: the publisher may have expired the lease
+    and reused the blocks, so none of them may be reported as read."""
+    ttl_s = 0.6
+    async with decode(source, ttl_s=ttl_s, slow_from=0) as d:
+        d.publisher.answering.clear()
+        task = asyncio.create_task(run_pull(d.pull, d.ctx, d.report))
+        await asyncio.wait_for(d.publisher.begun.wait(), 30)
+        await asyncio.sleep(ttl_s + 0.3)
+        d.plane[0].go.set()
+        await asyncio.wait_for(task, 30)
+    [(done, ended)] = d.reports
+    assert d.plane[0].ended == ended == 1, "reported before the read ended"
+    assert done.status is PullStatus.FAILED, done
+    assert done.failed_blocks == {0: tuple(range(BLOCKS))}, done
+    assert (done.valid_tokens, done.bytes_moved) == (0, 0), done
+    assert "lease may have lapsed" in done.reason, done
+    assert [e.request_id for e in d.publisher.ended] == ["r1"], "the read was not ended"
+
+
+async def test_chunks_stop_at_the_lease_and_only_those_read_before_it_stand(
+    source: Source,
+) -> None:
+    """More handles than may be in flight: they are posted one by one as earlier ones
+    end. The first four are read at once; the fifth only after the lease may have
+    lapsed. The blocks of the first four stand (and hold the source's bytes), the fifth's
+    fail with every later one, and no chunk is posted after the lapse."""
+    ttl_s, chunk_blocks, fast = 0.8, 2, 4
+    async with decode(
+        source, ttl_s=ttl_s, slow_from=fast, chunk_blocks=chunk_blocks, max_inflight=1
+    ) as d:
+        d.publisher.answering.clear()
+        task = asyncio.create_task(run_pull(d.pull, d.ctx, d.report))
+        await asyncio.wait_for(d.publisher.begun.wait(), 30)
+        begun = time.monotonic()
+        await asyncio.sleep(ttl_s + 0.3)
+        plane = d.plane[0]
+        assert plane.ended == fast, f"{plane.ended} chunks read within {time.monotonic() - begun}"
+        plane.go.set()
+        await asyncio.wait_for(task, 30)
+        [(done, _)] = d.reports
+        read = fast * chunk_blocks
+        assert plane.handed == fast + 1, f"{plane.handed} posted, {fast + 1} before the lapse"
+        assert done.status is PullStatus.PARTIAL, done
+        assert done.failed_blocks == {0: tuple(range(read, BLOCKS))}, done
+        assert done.valid_tokens == read * B, done
+        assert done.bytes_moved == read * source.cache.layout.groups[0].bytes_per_block, done
+        d.moved_equal_source(source.cache, done.failed_blocks[0])
+
+
+async def test_a_renewed_lease_reads_to_the_end(source: Source) -> None:
+    """The same slow read with heartbeats answered: the lease holds, the pull is OK."""
+    ttl_s = 0.6
+    async with decode(source, ttl_s=ttl_s, slow_from=0) as d:
+        task = asyncio.create_task(run_pull(d.pull, d.ctx, d.report))
+        await asyncio.wait_for(d.publisher.begun.wait(), 30)
+        await asyncio.sleep(2 * ttl_s)
+        d.plane[0].go.set()
+        await asyncio.wait_for(task, 30)
+        [(done, _)] = d.reports
+        assert done.status is PullStatus.OK, done
+        d.moved_equal_source(source.cache, ())
+    assert [e.reason for e in d.publisher.ended] == [pb.RELEASE_REASON_CONSUMED]
 
 
 @pytest.mark.parametrize("in_beginread", [True, False], ids=["in-beginread", "begun"])

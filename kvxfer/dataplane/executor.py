@@ -64,6 +64,9 @@ class TransferResult:
     descriptors: int = 0
     bind_s: float = 0.0  # building every chunk's descriptor arrays, before the first post
     notified: bool = False  # the consumed notification reached NIXL for the remote agent
+    # When the loop saw each chunk end (time.monotonic(), plan order; never before it
+    # really ended): what a reader holding a lease on its source checks against it.
+    ended: tuple[float, ...] = ()
 
 
 def execute_plan(
@@ -96,7 +99,7 @@ def execute_plan(
     cannot be told (gone, say) leaves `notified` False; the result stands."""
     options = options or ExecOptions()
     start = time.perf_counter()
-    ending: Callable[[], Awaitable[Sequence[TransferStatus]]]
+    ending: Callable[[], Awaitable[tuple[Sequence[TransferStatus], Sequence[float]]]]
     first = None if posted is None else _first_post(posted)
     # Every chunk bound before any is posted: a bad address raises here.
     handles = handle_jobs(plan.chunks, peer, local, remote, options, on_post=first)
@@ -106,8 +109,9 @@ def execute_plan(
         posting = ChunkPoster(backend, peer, local, remote, options, cancel=cancel, posted=posted)
         posting.post_handles(plan.chunks, handles)
 
-        async def ending() -> Sequence[TransferStatus]:
-            return in_plan_order(plan, await posting.wait())
+        async def ending() -> tuple[Sequence[TransferStatus], Sequence[float]]:
+            statuses = in_plan_order(plan, await posting.wait())
+            return statuses, posting.ended()  # handed in in plan order
 
     else:  # all at once: one hand-off to the NIXL thread and one back for them all
         jobs = [job for job, _ in handles]
@@ -117,9 +121,10 @@ def execute_plan(
         ending = functools.partial(_at_once, counts, batch, posted)
 
     async def finish() -> TransferResult:
-        statuses = await ending()
+        statuses, ended = await ending()
         notified = notify is not None and await _notify(backend, peer, notify)
-        return summarize(plan, statuses, block_size, start, bind_s, descriptors, notified)
+        result = summarize(plan, statuses, block_size, start, bind_s, descriptors, notified)
+        return dataclasses.replace(result, ended=tuple(ended))
 
     return asyncio.create_task(finish())
 
@@ -128,14 +133,16 @@ async def _at_once(
     counts: Sequence[int],
     batch: asyncio.Future[list[TransferStatus]] | None,
     posted: asyncio.Future[None] | None,
-) -> list[TransferStatus]:
+) -> tuple[list[TransferStatus], list[float]]:
     """The chunks' statuses once their batch has ended, each its handle's (`counts`:
-    chunks per handle; no batch: never posted, CANCELLED)."""
+    chunks per handle; no batch: never posted, CANCELLED), and when that was seen (the
+    loop hears of a batch once, when its last chunk has ended)."""
     try:
         if batch is None:
-            return [TransferStatus.CANCELLED] * sum(counts)
+            return [TransferStatus.CANCELLED] * sum(counts), [time.monotonic()] * sum(counts)
         statuses = await batch
-        return [s for s, count in zip(statuses, counts, strict=True) for _ in range(count)]
+        ended = [time.monotonic()] * sum(counts)
+        return [s for s, count in zip(statuses, counts, strict=True) for _ in range(count)], ended
     finally:  # none was posted, or this was cancelled: nobody is to wait for a post
         if posted is not None and not posted.done():
             posted.set_result(None)
@@ -165,6 +172,8 @@ class ChunkPoster:
         self._posted = posted
         self._gate = asyncio.Semaphore(options.max_inflight)
         self._tasks: dict[Chunk, asyncio.Task[TransferStatus]] = {}
+        self._handed: list[asyncio.Task[TransferStatus]] = []  # each chunk's, in order
+        self._ended: dict[asyncio.Task[TransferStatus], float] = {}
         self.bind_s = 0.0
         self.descriptors = 0
 
@@ -188,6 +197,8 @@ class ChunkPoster:
         for job, count in handles:
             self.descriptors += len(job.local)
             task = asyncio.create_task(self._run(job))
+            task.add_done_callback(self._note_end)
+            self._handed += [task] * count
             for chunk in itertools.islice(ahead, count):
                 self._tasks[chunk] = task
 
@@ -201,8 +212,17 @@ class ChunkPoster:
             if self._posted is not None and not self._posted.done():
                 self._posted.set_result(None)
 
+    def _note_end(self, task: asyncio.Task[TransferStatus]) -> None:
+        self._ended[task] = time.monotonic()  # run after the task ended: never early
+
     def posted(self, chunk: Chunk) -> bool:
         return chunk in self._tasks
+
+    def ended(self) -> list[float]:
+        """When the loop saw each chunk handed in end, in the order they were handed in
+        (once `wait` has returned: each has)."""
+        now = time.monotonic()
+        return [self._ended.get(task, now) for task in self._handed]
 
     async def wait(self) -> dict[Chunk, TransferStatus]:
         """Every posted chunk's status, once each has ended."""
