@@ -43,7 +43,8 @@ from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import PullDone, PullStatus, TransferParams
 from kvxfer.dataplane.adapter import ChunkJob, NixlAgent, TransferBackend, TransferStatus
 from kvxfer.dataplane.executor import ExecOptions
-from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
+from kvxfer.dataplane.faults import WrappedBackend
+from kvxfer.dataplane.memory import bind, open_buffer
 from kvxfer.dataplane.readers import Readers
 from kvxfer.server.engines import Engine, EventQueue
 from kvxfer.server.metrics import Metrics
@@ -105,14 +106,14 @@ class Publisher(pb_grpc.PeerServiceServicer):
         return pb.EndReadResponse()
 
 
-class SlowPlane:
+class SlowPlane(WrappedBackend):
     """A TransferBackend around a real agent that hands the batches it is given from the
     `slow_from`-th chunk on to that agent only once `go` is set. A batch handed in is read
     to its end whatever becomes of the future returned for it (cancelling that future
     cancels nobody's read, as with NIXL); `ended` counts the chunks read to their end."""
 
     def __init__(self, inner: NixlAgent, slow_from: int) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self.slow_from = slow_from
         self.go = asyncio.Event()
         self.handed = 0
@@ -137,52 +138,11 @@ class SlowPlane:
         task.add_done_callback(self._reads.discard)
         return answer
 
-    async def read(self, job: ChunkJob) -> TransferStatus:
-        (status,) = await self.post_all([job])
-        return status
-
-    @property
-    def name(self) -> str:
-        return self._inner.name
-
-    async def metadata(self) -> bytes:
-        return await self._inner.metadata()
-
-    async def register(self, buffers: Sequence[MappedBuffer]) -> None:
-        await self._inner.register(buffers)
-
-    async def deregister(self, buffers: Sequence[MappedBuffer]) -> None:
-        await self._inner.deregister(buffers)
-
-    async def add_peer(self, metadata: bytes) -> str:
-        return await self._inner.add_peer(metadata)
-
-    async def remove_peer(self, peer: str) -> None:
-        await self._inner.remove_peer(peer)
-
-    async def notify(self, peer: str, message: bytes) -> None:
-        await self._inner.notify(peer, message)
-
-    def on_notification(self, callback: Callable[[str, bytes], None]) -> None:
-        self._inner.on_notification(callback)
-
     async def close(self) -> None:
         self.go.set()
         if self._reads:
             await asyncio.wait(self._reads)
         await self._inner.close()
-
-    @property
-    def abandoned(self) -> bool:
-        return self._inner.abandoned
-
-    @property
-    def closed(self) -> bool:
-        return self._inner.closed
-
-    @property
-    def alive(self) -> bool:
-        return self._inner.alive
 
 
 @dataclass

@@ -59,12 +59,12 @@ def fail_chunks(failing: Collection[int], stalling: Collection[int] = ()) -> Chu
     return rule
 
 
-class FaultInjectingBackend:
-    def __init__(self, inner: TransferBackend, rule: ChunkRule) -> None:
+class WrappedBackend:
+    """A TransferBackend passing every call to the one it wraps: what a backend wrapping
+    a real one at the seam (this module's, a test's) leaves as it is."""
+
+    def __init__(self, inner: TransferBackend) -> None:
         self._inner = inner
-        self._rule = rule
-        self._posted = 0
-        self.injected: list[tuple[int, TransferStatus]] = []
 
     @property
     def name(self) -> str:
@@ -88,6 +88,38 @@ class FaultInjectingBackend:
     async def read(self, job: ChunkJob) -> TransferStatus:
         (status,) = await self.post_all([job])
         return status
+
+    def post_all(self, jobs: Sequence[ChunkJob]) -> asyncio.Future[list[TransferStatus]]:
+        return self._inner.post_all(jobs)
+
+    async def notify(self, peer: str, message: bytes) -> None:
+        await self._inner.notify(peer, message)
+
+    def on_notification(self, callback: Callable[[str, bytes], None]) -> None:
+        self._inner.on_notification(callback)
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._inner.closed
+
+    @property
+    def abandoned(self) -> bool:
+        return self._inner.abandoned
+
+    @property
+    def alive(self) -> bool:
+        return self._inner.alive
+
+
+class FaultInjectingBackend(WrappedBackend):
+    def __init__(self, inner: TransferBackend, rule: ChunkRule) -> None:
+        super().__init__(inner)
+        self._rule = rule
+        self._posted = 0
+        self.injected: list[tuple[int, TransferStatus]] = []
 
     def post_all(self, jobs: Sequence[ChunkJob]) -> asyncio.Future[list[TransferStatus]]:
         """The chunks the rule passes go to the real backend as one batch, now; the
@@ -114,24 +146,3 @@ class FaultInjectingBackend:
         if verdict is not None:
             self.injected.append((index, verdict))
         return verdict
-
-    async def notify(self, peer: str, message: bytes) -> None:
-        await self._inner.notify(peer, message)
-
-    def on_notification(self, callback: Callable[[str, bytes], None]) -> None:
-        self._inner.on_notification(callback)
-
-    async def close(self) -> None:
-        await self._inner.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._inner.closed
-
-    @property
-    def abandoned(self) -> bool:  # an injected failure was never posted
-        return self._inner.abandoned
-
-    @property
-    def alive(self) -> bool:
-        return self._inner.alive
