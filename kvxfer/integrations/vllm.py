@@ -178,9 +178,11 @@ SIDECAR_LOST = _Lost()
 _WATCH_PAUSE_S = 0.2
 # Bytes of pages laid out again per engine step (vllm_reblock): ~10 ms on one core here.
 _LAY_OUT_BUDGET = 32 << 20
-# How often a worker asks its sidecar to abort a pull whose Pull call got no answer, until
-# the sidecar says whether it took it (see `_Worker._settle_unsure`).
+# How soon a worker asks its sidecar again to abort a pull whose Pull call got no answer,
+# after an Abort that got none either: doubling up to the most (each unanswered call holds
+# vLLM's step for the client's deadline; see `_Worker._settle_unsure`).
 _UNSURE_RETRY_S = 1.0
+_UNSURE_RETRY_MAX_S = 30.0
 # After a Publish call went unanswered, how long the prefill scheduler publishes nothing:
 # each call blocks vLLM's scheduler up to its deadline, and a sidecar that did not answer
 # one would hold every finished request that long, one after another.
@@ -671,8 +673,9 @@ class _Worker:
         self._waiting: collections.deque[PullOrder] = collections.deque()
         self._staged: dict[str, dict[int, tuple[int, list[int]]]] = {}
         # Pulls whose Pull call got no answer (the sidecar may have taken them): pull id ->
-        # when to ask the sidecar to abort it again.
+        # when to ask the sidecar to abort it again; and the pause after an unanswered one.
         self._unsure: dict[str, float] = {}
+        self._unsure_pause = _UNSURE_RETRY_S
         self._local_block = 0
         # Requests whose pages are being laid out again, a budget of bytes per engine step.
         self._laying: collections.deque[tuple[_Receiving, Iterator[int]]] = collections.deque()
@@ -1038,9 +1041,10 @@ class _Worker:
         """Ask the sidecar to abort each pull whose Pull call got no answer, until it says
         whether it took it: it did (its PullDone comes once every read it posted ended),
         or it knows no such pull (nothing can land: the request is received, failed). A
-        sidecar that does not answer is asked again a second later; one that is gone
-        fails them all (`_sidecar_lost`). The calls block vLLM's step: only after a Pull
-        call already went unanswered, and at most one unanswered call per step."""
+        sidecar that does not answer is asked again a second after its call gave up, then
+        two, up to 30; one that is gone fails them all (`_sidecar_lost`). The calls block
+        vLLM's step: only after a Pull call already went unanswered, and at most one
+        unanswered call per step."""
         for pull_id, when in list(self._unsure.items()):
             receiving = self._pulls.get(pull_id)
             if receiving is None:  # its PullDone came, or the sidecar is gone
@@ -1053,9 +1057,14 @@ class _Worker:
             except NotFoundError:
                 state = None
             except KvxferError as exc:  # no answer again: the others would wait as long
-                log.warning("kvxfer: abort of unanswered pull %s: %s; asking again", pull_id, exc)
-                self._unsure[pull_id] = now + _UNSURE_RETRY_S
+                log.warning("kvxfer: abort of unanswered pull %s: %s; asking again in %.0f s",
+                            pull_id, exc, self._unsure_pause)  # fmt: skip
+                # From now (the call may have waited its whole deadline), and less often
+                # while the sidecar stays silent.
+                self._unsure[pull_id] = time.monotonic() + self._unsure_pause
+                self._unsure_pause = min(2 * self._unsure_pause, _UNSURE_RETRY_MAX_S)
                 return
+            self._unsure_pause = _UNSURE_RETRY_S
             del self._unsure[pull_id]
             if state is AbortState.PULLING:
                 continue  # taken, and now cancelled: its PullDone ends it
