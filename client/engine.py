@@ -34,7 +34,7 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
-from kvxfer._exceptions import InvalidInputError, KvxferError, PeerUnavailableError
+from kvxfer._exceptions import InvalidInputError, PeerUnavailableError
 from kvxfer.core.buffers import BufferHandle
 from kvxfer.core.layout import BlockSpan, EngineLayout
 from kvxfer.core.requests import (
@@ -329,7 +329,10 @@ class SyncEngineClient:
             return future.result(self._timeout_s + 5)
         except concurrent.futures.TimeoutError as exc:
             future.cancel()
-            raise KvxferError(f"sidecar call did not finish in {self._timeout_s}s") from exc
+            # No answer: the sidecar may have acted on it, as after a deadline.
+            raise PeerUnavailableError(
+                f"sidecar call did not finish in {self._timeout_s}s"
+            ) from exc
 
     @property
     def engine_id(self) -> str:
