@@ -83,9 +83,12 @@ def test_a_port_or_pid_of_thousands_of_digits_is_a_field_error() -> None:
     with pytest.raises(InvalidInputError) as port:
         check_address(f"h:{DIGITS}", "params.peer_address")
     assert port.value.field == "params.peer_address"
-    with pytest.raises(InvalidInputError) as padded:  # no port is written in 6 digits
-        check_address("h:000080", "params.peer_address")
-    assert padded.value.field == "params.peer_address"
+    # Leading zeros are read as before, however many (only significant digits count).
+    assert check_address("h:000080", "x") == "h:000080"
+    assert check_address("h:" + "0" * 5000 + "80", "x").endswith("080")
+    with pytest.raises(InvalidInputError) as wide:
+        check_address("h:0123456", "params.peer_address")
+    assert wide.value.field == "params.peer_address"
     assert check_address("h:65535", "x") == "h:65535"
     with pytest.raises(InvalidInputError) as pid:
         claimed_pid([(PID_METADATA, DIGITS)])

@@ -45,10 +45,11 @@ def check_address(
         return value
     host, sep, port = value.rpartition(":")
     lowest = 0 if allow_port_zero else 1
-    # At most 5 digits before int(): Python refuses to convert over 4300 (a ValueError
-    # no caller expects), and no port needs more.
-    digits = port.isascii() and port.isdigit() and len(port) <= 5
-    if not sep or not digits or not lowest <= int(port) < 65536:
+    # At most 5 significant digits before int(): Python refuses to convert over 4300 (a
+    # ValueError no caller expects), and no port needs more (leading zeros as before).
+    number = port.lstrip("0") or "0"
+    digits = port.isascii() and port.isdigit() and len(number) <= 5
+    if not sep or not digits or not lowest <= int(number) < 65536:
         form = "HOST:PORT or unix:PATH" if allow_unix else "HOST:PORT"
         raise InvalidInputError(
             field, f"must be {form} with a port in {lowest}-65535, got {shown(value)}"
