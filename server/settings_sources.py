@@ -97,7 +97,8 @@ class EnvSource(EnvSettingsSource):
         if text is None or text.startswith(("[", "{")) or origin not in (tuple, list, dict):
             return super().decode_complex_value(field_name, field, value)
         # Empty entries are kept, for the setting to refuse: `a,,b` is a typo, not `a,b`.
-        items = [item.strip() for item in text.split(",")] if text else []
+        # One trailing comma, as templates emit (`a,b,`), ends the list.
+        items = [item.strip() for item in text.removesuffix(",").split(",")] if text else []
         if origin is not dict:
             return items
         pairs = {}

@@ -136,7 +136,7 @@ def test_list_settings_take_comma_lists_from_env_and_flags(tmp_path: Path) -> No
         # A stray comma is a typo, not a shorter list (flags kept '', variables dropped it).
         (["--nixl.backends", ","], {}, "nixl.backends"),
         (["--nixl.backends", "UCX,,GDS"], {}, "nixl.backends"),
-        ([], {"KVXFER_NIXL__BACKENDS": "UCX,"}, "nixl.backends"),
+        ([], {"KVXFER_NIXL__BACKENDS": "UCX,,"}, "nixl.backends"),
         ([], {"KVXFER_NIXL__BACKENDS": '["UCX", ""]'}, "nixl.backends"),
         (["--nixl.backend-params", "=1"], {}, "nixl.backend_params"),
         ([], {"KVXFER_NIXL__BACKEND_PARAMS": "a=1,,b=2"}, "KVXFER_NIXL__BACKEND_PARAMS"),
@@ -148,6 +148,14 @@ def test_nonsense_lists_are_refused_naming_the_setting(
     with pytest.raises(InvalidInputError) as err:
         load_settings(argv, environ=environ)
     assert err.value.field.startswith(field), err.value
+
+
+def test_one_trailing_comma_in_a_variable_ends_its_list() -> None:
+    """What templated deployments emit (`a,b,`): no entry is lost, so it is no typo."""
+    settings = load_settings([], environ={"KVXFER_NIXL__BACKENDS": "UCX,"})
+    assert settings.nixl.backends == ("UCX",)
+    params = {"KVXFER_NIXL__BACKEND_PARAMS": "num_workers=4,"}
+    assert load_settings([], environ=params).nixl.backend_params == {"num_workers": "4"}
 
 
 def test_an_allow_list_needs_mtls_and_no_empty_entry(tmp_path: Path) -> None:
