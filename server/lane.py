@@ -422,8 +422,11 @@ class _Connection:
     async def _drain(self) -> None:
         """Until the transport takes more answers (at once unless its buffer passed the
         high-water mark); raises ConnectionResetError if the connection is lost."""
-        if self._writer.transport.get_write_buffer_size() == 0:
-            await self._writer.drain()  # not paused: returns at once (no timer to arm)
+        transport = self._writer.transport
+        # At or below the low-water mark the transport is not paused (it resumes there):
+        # drain returns at once, and no stall watch (a task and a timer) is armed.
+        if transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[0]:
+            await self._writer.drain()
         else:
             await self._unless_stalled(self._writer.drain())
 
