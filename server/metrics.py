@@ -297,6 +297,12 @@ class Metrics:
             "turned the connection away (its limits.max_lane_connections)",
             registry=r,
         )
+        self.lane_stalled = Counter(
+            "kvxfer_peer_lane_stalled",
+            "Peer lane connections cut off, their calls cancelled, because their client took "
+            "none of their answers for transfer.rpc_timeout_s",
+            registry=r,
+        )
         self.active = ActiveClock()
         r.register(self.active)
         for release in ReleaseReason:

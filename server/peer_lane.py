@@ -100,6 +100,10 @@ class PeerLane(LaneListener):
         # call left waiting for one: its connection is aborted rather than held.
         self.drain_deadline_s = settings.transfer.rpc_timeout_s
 
+    def stalled(self, unsent_bytes: int) -> None:
+        self._metrics.lane_stalled.inc()
+        super().stalled(unsent_bytes)
+
     def turned_away(self) -> str:
         self._metrics.refusals.labels("too_many_connections").inc()
         return f"limits.max_lane_connections: {super().turned_away()}"

@@ -315,6 +315,7 @@ async def test_a_client_that_reads_no_answers_is_cut_off_and_others_are_served(
                 await lane.close()
         log = p.log_text()
         assert "its client read none of its answers" in log and "for 2s" in log
+        assert metric(scrape(p), "kvxfer_peer_lane_stalled_total") == 1
         assert "Traceback" not in log
     finally:
         fleet.close()
