@@ -97,6 +97,9 @@ class Pull:
     lease_lost: bool = False
     task: asyncio.Task[None] | None = None
     reading: asyncio.Task[TransferResult] | None = None  # its read, once chunks are handed on
+    # Cancelled, it waits for its read until then, once for all its waits (`_ended`).
+    give_up_at: float | None = None
+    gave_up: bool = False
     renewing: asyncio.Task[None] | None = None  # its heartbeat, cancelled once read
     result: TransferResult | None = None  # the executed read, for its metrics
     slotted: float | None = None  # when it got its running slot (monotonic)
@@ -184,7 +187,7 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
         if pull.reading is not None:
             cancelled = isinstance(exc, asyncio.CancelledError)
             with contextlib.suppress(Exception):
-                await _ended(pull.reading, ctx, cancelled=cancelled)
+                await _ended(pull, ctx, cancelled=cancelled)
         raise
 
 
@@ -228,7 +231,7 @@ async def _read(
         return await _refused(pull, ctx, str(exc))
     # PullDone goes out only after this returns: by then every chunk that failed has
     # severed its agent (adapter.py), so no byte can land in a block reported failed.
-    result = None if pull.reading is None else await _ended(pull.reading, ctx)
+    result = None if pull.reading is None else await _ended(pull, ctx)
     stale = begun.registration_version != link.hello.registration_version
     if result is None or stale:
         # Not read yet, or read by the publisher's old registrations: (re)load its
@@ -247,32 +250,37 @@ async def _read(
         except KvxferError as exc:  # binding its chunks too: the read is ended, as aborted
             pull.aborted = True
             return _all_failed(pull, PullStatus.FAILED, str(exc))
-        result = await _ended(pull.reading, ctx)
+        result = await _ended(pull, ctx)
     if TransferStatus.DISCONNECTED in result.chunk_statuses:
         ctx.links.invalidate(link)
     pull.result = result
     return _from_result(pull, result, lease)
 
 
-async def _ended(
-    reading: asyncio.Task[TransferResult], ctx: PullContext, *, cancelled: bool = False
-) -> TransferResult:
-    """The read's result, once every chunk it posted has ended (each does by its stall
-    deadline). Cancelling this (or `cancelled`: the caller was) does not cancel the read,
-    which would not stop NIXL, only the waiting for it: the cancellation is passed on
-    once the read has ended, or a stall deadline later (only a NIXL thread stuck in a
-    call ends no chunk by then, and the sidecar's exit must not wait for that)."""
-    give_up = time.monotonic() + ctx.options.stall_deadline_s + 1
+async def _ended(pull: Pull, ctx: PullContext, *, cancelled: bool = False) -> TransferResult:
+    """The pull's read's result, once every chunk it posted has ended (each does by its
+    stall deadline). Cancelling this (or `cancelled`: the caller was) does not cancel the
+    read, which would not stop NIXL, only the waiting for it: the cancellation is passed
+    on once the read has ended, or a stall deadline after the pull was first cancelled
+    (only a NIXL thread stuck in a call ends no chunk by then, and the sidecar's exit
+    must not wait for that), whichever of its waits that falls in."""
+    reading = pull.reading
+    assert reading is not None
     while not reading.done():
-        left = give_up - time.monotonic() if cancelled else None
+        if cancelled and pull.give_up_at is None:
+            pull.give_up_at = time.monotonic() + ctx.options.stall_deadline_s + 1
+        left = (
+            None if pull.give_up_at is None or not cancelled else pull.give_up_at - time.monotonic()
+        )
         if left is not None and left <= 0:
-            log.error("a cancelled pull's read did not end within its stall deadline")
+            if not pull.gave_up:
+                log.error("a cancelled pull's read did not end within its stall deadline")
+                pull.gave_up = True
             break
         try:
             await asyncio.wait((reading,), timeout=left)
         except asyncio.CancelledError:
-            if not cancelled:
-                cancelled, give_up = True, time.monotonic() + ctx.options.stall_deadline_s + 1
+            cancelled = True
     if cancelled:
         raise asyncio.CancelledError
     return reading.result()
@@ -331,7 +339,7 @@ async def _refused(pull: Pull, ctx: PullContext, reason: str) -> PullDone:
     pull.cancel.set()  # chunks not yet posted are not posted
     if pull.reading is not None:
         with contextlib.suppress(Exception):
-            await _ended(pull.reading, ctx)
+            await _ended(pull, ctx)
     return _all_failed(pull, PullStatus.FAILED, reason)
 
 
