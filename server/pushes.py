@@ -157,18 +157,29 @@ async def _first(*events: asyncio.Event, timeout_s: float | None = None) -> bool
             wait.cancel()
 
 
-async def _drain(push: Push, poster: ChunkPoster) -> None:
+async def _drain(push: Push, poster: ChunkPoster, patience_s: float, cancelled: bool) -> None:
     """Posting or waiting raised, or the push was cancelled: chunks it posted before may
     still be writing from our engine's blocks into the peer's. Nothing may be reported
     until each has ended (its stall deadline ends it); the ones not yet handed to NIXL
-    end CANCELLED, unposted. A cancellation meanwhile is passed on only after that."""
+    end CANCELLED, unposted. A cancellation (`cancelled`: the caller's) is passed on
+    only after that, or `patience_s` after it came (only a NIXL thread stuck in a call
+    ends no chunk by then, and the sidecar's exit must not wait for that: the push is
+    then not settled, and the decode side revokes our access before it reports)."""
     push.cancel.set()
-    cancelled = False
+    give_up = time.monotonic() + patience_s if cancelled else None
     while True:
-        try:
-            await poster.drain()
+        left = None if give_up is None else give_up - time.monotonic()
+        if left is not None and left <= 0:
+            log.error("a cancelled push's chunks did not end within its stall deadline")
             break
+        try:
+            await asyncio.wait_for(poster.drain(), left)
+            break
+        except TimeoutError:
+            continue
         except asyncio.CancelledError:
+            if give_up is None:
+                give_up = time.monotonic() + patience_s
             cancelled = True
     if cancelled:
         raise asyncio.CancelledError
@@ -333,8 +344,9 @@ class Pushes:
             # Shielded: cancelling this push must not cancel the chunks' own tasks, whose
             # ends `_drain` waits for.
             statuses = await asyncio.shield(poster.wait())
-        except BaseException:
-            await _drain(push, poster)
+        except BaseException as exc:
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            await _drain(push, poster, self._options.stall_deadline_s + 1, cancelled)
             raise
         finally:
             await stop_heartbeat(renewing)
