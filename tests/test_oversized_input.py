@@ -10,6 +10,7 @@ sidecar serves on.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,11 +33,12 @@ from kvxfer.v1 import layout_pb2
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.layout import layout_to_proto
-from kvxfer.wire.sidecar import handle_to_proto, params_to_proto
+from kvxfer.wire.sidecar import MAX_BUFFERS, handle_to_proto, params_to_proto
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 MODEL = "llama-3.1-8b"  # one full-attention group
+ME = ((PID_METADATA, str(os.getpid())),)  # this process, as an engine claims itself
 DIGITS = "1" * 4301  # one past Python's int() limit for decimal strings
 
 
@@ -168,4 +170,28 @@ async def test_a_long_name_in_a_field_path_still_fits_the_status(setup: Setup) -
     field = _field_violation(refused.value)
     assert field.startswith("layout.region 'r\n") and field.endswith(" bytes)")
     assert len(field.encode()) <= 256
+    await _still_serves(setup)
+
+
+async def test_an_engine_registering_more_buffers_than_the_limit_is_refused(
+    setup: Setup,
+) -> None:
+    """Each buffer is mapped and registered with NIXL: a list without end would walk the
+    sidecar toward the kernel's map limit. Refused before any is opened, naming it."""
+    cache = ShmKVCache(layout_for_model(MODEL, tp_size=2, tp_rank=1), 4, "too-many")
+    try:
+        real = [handle_to_proto(h) for h in cache.buffers]
+        spare = [pb.BufferHandle(name=f"spare-{i}") for i in range(MAX_BUFFERS)]
+        request = pb.RegisterEngineRequest(
+            layout=layout_to_proto(cache.layout), buffers=[*real, *spare]
+        )
+        async with grpc.aio.insecure_channel(setup.address) as channel:
+            stub = pb_grpc.EngineServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.RegisterEngine(request, metadata=ME, timeout=30)
+    finally:
+        cache.close()
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert _field_violation(refused.value) == "buffers"
+    assert f"exceed the limit of {MAX_BUFFERS}" in (refused.value.details() or "")
     await _still_serves(setup)

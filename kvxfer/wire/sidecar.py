@@ -7,7 +7,7 @@ so a bad message is a field-named InvalidInputError and never half-decoded.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvxfer._exceptions import InvalidInputError, shown
@@ -92,7 +92,17 @@ def handle_to_proto(handle: BufferHandle) -> pb.BufferHandle:
     )
 
 
-def handles_from_proto(messages: Iterable[pb.BufferHandle], field: str) -> list[BufferHandle]:
+# Buffers one engine registers: each is mapped and registered with NIXL, so a list without
+# end would walk the sidecar toward the kernel's map limit (vm.max_map_count, 65530 by
+# default). Engines register one per KV pool or per layer tensor, far fewer.
+MAX_BUFFERS = 4096
+
+
+def handles_from_proto(messages: Sequence[pb.BufferHandle], field: str) -> list[BufferHandle]:
+    if len(messages) > MAX_BUFFERS:
+        raise InvalidInputError(
+            field, f"{len(messages)} buffers exceed the limit of {MAX_BUFFERS} per engine"
+        )
     handles = []
     for i, message in enumerate(messages):
         where = f"{field}[{i}]"
