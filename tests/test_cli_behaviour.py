@@ -98,6 +98,9 @@ def test_server_help_has_readable_metavars_and_each_default_once() -> None:
         (["status", "--sidecar", "127.0.0.1:" + "1" * 4400], 2, "--sidecar"),
         (["handshake", "--peer", "h:" + "1" * 4400, "--layout", "llama-3.1-8b"], 2, "--peer"),
         (["plan", "--model", "llama-3.1-8b"], 2, None),  # a required flag missing
+        # the demo's prompt lengths are bounded as every other command's (argparse)
+        (["demo", "--tokens", str(1 << 41)], 2, None),
+        (["demo", "--tokens-range", f"1:{1 << 41}"], 2, None),
     ],
 )
 def test_bad_input_exits_2_and_is_json_under_json(

@@ -275,7 +275,7 @@ def _range(text: str) -> tuple[int, int]:
     low, high = _int(lo), _int(hi) if sep else -1
     if not 1 <= low <= high:
         raise argparse.ArgumentTypeError(f"expected LO:HI with 1 <= LO <= HI, got {text!r}")
-    return low, high
+    return low, token_count(str(high))
 
 
 def _int(text: str) -> int:
@@ -513,7 +513,7 @@ def _add_demo(commands: Any) -> None:
     )
     demo.add_argument("--requests", type=positive_int, help="requests to run (sim 24, vllm 4)")
     size = demo.add_mutually_exclusive_group()
-    size.add_argument("--tokens", type=positive_int, help="every prompt this long")
+    size.add_argument("--tokens", type=token_count, help="every prompt this long")
     size.add_argument(
         "--tokens-range",
         type=_range,
