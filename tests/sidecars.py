@@ -266,3 +266,28 @@ def thaw(sidecar: Proc) -> None:
     for pid in process_tree(sidecar.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
+
+
+@dataclass
+class OneEngine:
+    """A sidecar with one simulated prefill engine registered (`one_engine`)."""
+
+    fleet: Fleet
+    sidecar: Proc
+    engine: EngineSim
+
+    @property
+    def address(self) -> str:
+        return str(self.sidecar.ready["engine_address"])
+
+
+@contextlib.contextmanager
+def one_engine(directory: Path, model: str, num_blocks: int = 16) -> Iterator[OneEngine]:
+    """A sidecar process and one engine-sim of `model` on it, stopped on the way out."""
+    fleet = Fleet(directory)
+    try:
+        sidecar = fleet.sidecar("s")
+        engine = fleet.engine(sidecar, model, "prefill", "--num-blocks", str(num_blocks))
+        yield OneEngine(fleet, sidecar, engine)
+    finally:
+        fleet.close()

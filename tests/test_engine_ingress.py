@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
-from sidecars import scrape, spans
+from sidecars import OneEngine, one_engine, scrape, spans
 
 from kvxfer._exceptions import InvalidInputError, RegistrationError
 from kvxfer.cli.fleet import BIN, ChildDiedError, EngineView, Fleet, Proc, metric, spawn
@@ -45,26 +45,10 @@ B = 16
 ME = (("kvxfer-engine-pid", str(os.getpid())),)
 
 
-@dataclasses.dataclass
-class Setup:
-    fleet: Fleet
-    sidecar: Proc
-    engine: EngineView
-
-    @property
-    def address(self) -> str:
-        return str(self.sidecar.ready["engine_address"])
-
-
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    fleet = Fleet(tmp_path_factory.mktemp("ingress"))
-    try:
-        sidecar = fleet.sidecar("s")
-        engine = fleet.engine(sidecar, MODEL, "prefill", "--num-blocks", "16")
-        yield Setup(fleet, sidecar, engine)
-    finally:
-        fleet.close()
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OneEngine]:
+    with one_engine(tmp_path_factory.mktemp("ingress"), MODEL) as made:
+        yield made
 
 
 @pytest.fixture
@@ -77,7 +61,9 @@ def rank1() -> Iterator[ShmKVCache]:
         cache.close()
 
 
-async def test_failed_register_leaves_no_nixl_registration(setup: Setup, rank1: ShmKVCache) -> None:
+async def test_failed_register_leaves_no_nixl_registration(
+    setup: OneEngine, rank1: ShmKVCache
+) -> None:
     spec = setup.engine.ready["buffers"][0]
     taken = BufferHandle(spec["name"], MemoryKind.DRAM, spec["size_bytes"], spec["shm_name"])
     async with EngineClient(setup.address) as client:
@@ -92,7 +78,7 @@ async def test_failed_register_leaves_no_nixl_registration(setup: Setup, rank1: 
     assert metric(samples, "kvxfer_registered_engines") == 1
 
 
-async def test_publish_must_cover_its_tokens(setup: Setup) -> None:
+async def test_publish_must_cover_its_tokens(setup: OneEngine) -> None:
     async with EngineClient(setup.address, engine_id=setup.engine.engine_id) as client:
         with pytest.raises(InvalidInputError, match=r"^spans\[0\]: covers logical blocks 0\.\.1"):
             await client.publish("huge", 10**6, spans({0: [0, 1]}))
@@ -119,7 +105,7 @@ def _request(cache: ShmKVCache, **changes: object) -> pb.RegisterEngineRequest:
 
 
 async def test_shared_memory_names_must_be_plain_owned_files(
-    setup: Setup, rank1: ShmKVCache, tmp_path: Path
+    setup: OneEngine, rank1: ShmKVCache, tmp_path: Path
 ) -> None:
     size = rank1.buffers[0].size_bytes
     secret = tmp_path / "root-only"

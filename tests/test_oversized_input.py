@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import grpc
 import grpc.aio
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from sidecars import spans
+from sidecars import OneEngine, one_engine, spans
 
 from kvxfer._exceptions import InvalidInputError, NotFoundError
-from kvxfer.cli.fleet import EngineView, Fleet, Proc
 from kvxfer.client.engine import EngineClient
 from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.negotiation import PROTOCOL_VERSION
@@ -42,24 +40,10 @@ ME = ((PID_METADATA, str(os.getpid())),)  # this process, as an engine claims it
 DIGITS = "1" * 4301  # one past Python's int() limit for decimal strings
 
 
-@dataclass
-class Setup:
-    sidecar: Proc
-    engine: EngineView
-
-    @property
-    def address(self) -> str:
-        return str(self.sidecar.ready["engine_address"])
-
-
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    fleet = Fleet(tmp_path_factory.mktemp("oversized"))
-    try:
-        sidecar = fleet.sidecar("s")
-        yield Setup(sidecar, fleet.engine(sidecar, MODEL, "prefill", "--num-blocks", "16"))
-    finally:
-        fleet.close()
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OneEngine]:
+    with one_engine(tmp_path_factory.mktemp("oversized"), MODEL) as made:
+        yield made
 
 
 def _field_violation(error: grpc.RpcError) -> str:
@@ -75,7 +59,7 @@ def _field_violation(error: grpc.RpcError) -> str:
     raise AssertionError(f"no BadRequest in {status}")
 
 
-async def _still_serves(setup: Setup) -> None:
+async def _still_serves(setup: OneEngine) -> None:
     async with EngineClient(setup.address, engine_id=setup.engine.engine_id) as client:
         params = await client.publish("after-oversized", 32, spans({0: [0, 1]}))
         assert await client.abort(params.request_id) == "held"
@@ -100,7 +84,7 @@ def test_a_port_or_pid_of_thousands_of_digits_is_a_field_error() -> None:
 
 @pytest.mark.parametrize("method", ["Pull", "Push"])
 async def test_a_peer_port_of_thousands_of_digits_is_invalid_argument(
-    setup: Setup, method: str
+    setup: OneEngine, method: str
 ) -> None:
     async with EngineClient(setup.address, engine_id=setup.engine.engine_id) as client:
         params = await client.publish(f"digits-{method}", 32, spans({0: [2, 3]}))
@@ -117,7 +101,7 @@ async def test_a_peer_port_of_thousands_of_digits_is_invalid_argument(
     await _still_serves(setup)
 
 
-async def test_an_engine_pid_of_thousands_of_digits_is_invalid_argument(setup: Setup) -> None:
+async def test_an_engine_pid_of_thousands_of_digits_is_invalid_argument(setup: OneEngine) -> None:
     cache = ShmKVCache(layout_for_model(MODEL, tp_size=2, tp_rank=1), 4, "oversized")
     try:
         request = pb.RegisterEngineRequest(
@@ -137,7 +121,7 @@ async def test_an_engine_pid_of_thousands_of_digits_is_invalid_argument(setup: S
 LONG_ID = "x" * 9000 + " "  # refused; echoed whole, its error overflowed gRPC's trailers
 
 
-async def test_a_long_request_id_is_a_field_error_over_grpc(setup: Setup) -> None:
+async def test_a_long_request_id_is_a_field_error_over_grpc(setup: OneEngine) -> None:
     """Not RESOURCE_EXHAUSTED "Stream removed (received metadata size exceeds hard
     limit)": the request id was echoed, twice, into the status trailers."""
     async with EngineClient(setup.address, engine_id=setup.engine.engine_id, lane=False) as c:
@@ -157,7 +141,7 @@ async def test_a_long_request_id_is_a_field_error_over_grpc(setup: Setup) -> Non
     await _still_serves(setup)
 
 
-async def test_a_long_name_in_a_field_path_still_fits_the_status(setup: Setup) -> None:
+async def test_a_long_name_in_a_field_path_still_fits_the_status(setup: OneEngine) -> None:
     """A region name is part of the field path of its error; whatever a message holds,
     the status is cut to fit (kvxfer.wire.errors.STATUS_BYTES)."""
     name = "r\n" * 6000
@@ -174,7 +158,7 @@ async def test_a_long_name_in_a_field_path_still_fits_the_status(setup: Setup) -
 
 
 async def test_an_engine_registering_more_buffers_than_the_limit_is_refused(
-    setup: Setup,
+    setup: OneEngine,
 ) -> None:
     """Each buffer is mapped and registered with NIXL: a list without end would walk the
     sidecar toward the kernel's map limit. Refused before any is opened, naming it."""

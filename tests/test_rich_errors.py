@@ -197,13 +197,18 @@ def _every_error() -> list[KvxferError]:
     return out
 
 
+def _round_trip(exc: KvxferError, status: status_pb2.Status) -> KvxferError:
+    """What a gRPC client makes of `exc` sent as `status` in its call's trailers."""
+    trailers = grpc.aio.Metadata(*trailers_for(status))
+    failed = grpc.aio.AioRpcError(
+        status_for(exc), grpc.aio.Metadata(), trailers, details=status.message
+    )
+    return rpc_error(failed, "publish at sidecar unix:/x")
+
+
 @pytest.mark.parametrize("exc", _every_error(), ids=lambda e: type(e).__name__)
 def test_every_kvxfer_error_survives_the_wire(exc: KvxferError) -> None:
-    code = status_for(exc)
-    status = error_status(exc, code)
-    trailers = grpc.aio.Metadata(*trailers_for(status))
-    failed = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers, details=status.message)
-    back = rpc_error(failed, "publish at sidecar unix:/x")
+    back = _round_trip(exc, error_status(exc, status_for(exc)))
     # A LaneUnreachableError (nothing of the call was sent) is true only where it was
     # raised: it arrives as the PeerUnavailableError it is a kind of.
     assert type(back) is on_the_wire(type(exc))
@@ -242,12 +247,9 @@ def _trailer_bytes(status: status_pb2.Status) -> int:
 )
 def test_a_status_fits_grpcs_trailers_whatever_its_error_holds(cls: type[KvxferError]) -> None:
     exc = _huge_error(cls)
-    code = status_for(exc)
-    status = error_status(exc, code)
+    status = error_status(exc, status_for(exc))
     assert _trailer_bytes(status) < 7.5 * 1024  # gRPC refuses some beyond 8 KiB, all at 16
-    trailers = grpc.aio.Metadata(*trailers_for(status))
-    failed = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers, details=status.message)
-    back = rpc_error(failed, "publish at sidecar unix:/x")
+    back = _round_trip(exc, status)
     assert type(back) is on_the_wire(type(exc))
     if isinstance(exc, InvalidInputError):
         assert isinstance(back, InvalidInputError)
