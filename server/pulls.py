@@ -54,18 +54,26 @@ class LeaseWatch:
         self.ttl_s = ttl_s
         self.held_until = sent + ttl_s
         self.lapsed = False
+        self._timer: asyncio.TimerHandle | None = None
 
     def renewed(self, sent: float) -> None:
         """A call sent at `sent` (time.monotonic()) was answered: the lease was held."""
         if not self.lapsed:
             self.held_until = max(self.held_until, sent + self.ttl_s)
 
-    async def watch(self, stop: asyncio.Event) -> None:
-        """Set `stop` once the lease may have lapsed (cancelled when the read is over)."""
-        while (left := self.held_until - time.monotonic()) > 0:
-            await asyncio.sleep(left)
+    def watch(self, stop: asyncio.Event) -> None:
+        """Set `stop` once the lease may have lapsed, unless `unwatch` came first (the
+        read is over). A timer, re-armed as renewals move `held_until`: no task per pull."""
+        left = self.held_until - time.monotonic()
+        if left > 0:
+            self._timer = asyncio.get_running_loop().call_later(left, self.watch, stop)
+            return
         self.lapsed = True
         stop.set()
+
+    def unwatch(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
     def confirmed(self, result: TransferResult) -> tuple[TransferStatus, ...]:
         """Each chunk's status, CANCELLED where it was seen ending past `held_until`."""
@@ -209,11 +217,11 @@ async def _begin(
         pull.begin_read_s = time.monotonic() - asked
     lease = LeaseWatch(begun.lease_ttl_ms / 1000, asked)
     renewing = asyncio.create_task(heartbeat(pull, ctx.links, lease.ttl_s, lease.renewed))
-    watching = asyncio.create_task(lease.watch(pull.cancel))
+    lease.watch(pull.cancel)
     try:
         return await _read(pull, ctx, begun, lease), True
     finally:
-        watching.cancel()
+        lease.unwatch()
         # Cancelled at once (the lease is ours until EndRead), awaited after PullDone.
         renewing.cancel()
         pull.renewing = renewing
