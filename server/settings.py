@@ -153,7 +153,8 @@ class LimitSettings(_Group):
 
 
 def _no_empty_entries(values: tuple[str, ...]) -> tuple[str, ...]:
-    """A comma list's entries, refused if one is empty: `a,,b` or `UCX,` is a typo."""
+    """A comma list's entries, refused if one is empty: `a,,b` is a typo (a variable's
+    one trailing comma is dropped before, `settings_sources`)."""
     for index, value in enumerate(values):
         if not value.strip():
             raise ValueError(f"entry {index + 1} of {len(values)} is empty (a stray comma?)")
