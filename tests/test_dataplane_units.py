@@ -23,6 +23,7 @@ from kvxfer.dataplane import descriptors
 from kvxfer.dataplane.descriptors import BoundBuffer, chunk_arrays
 from kvxfer.dataplane.executor import handle_ranges
 from kvxfer.dataplane.memory import open_buffer
+from kvxfer.dataplane.readers import Readers
 
 
 @given(st.data())
@@ -212,3 +213,43 @@ def test_vram_needs_a_gpu() -> None:
     tensor = torch.arange(1024, dtype=torch.uint8, device="cuda")
     handle = export_cuda_tensor("kv", tensor)
     assert handle.kind is MemoryKind.VRAM and handle.size_bytes == 1024
+
+
+class _Agent:
+    """The part of a TransferBackend `Readers` drives; the first one made is stuck in a
+    NIXL call (closed, its thread still alive), as a hung UCX call leaves one."""
+
+    made = 0
+
+    def __init__(self, prefix: str) -> None:
+        _Agent.made += 1
+        self.name = f"{prefix}-{_Agent.made}"
+        self.stuck = _Agent.made == 1
+        self.closed = False
+
+    @property
+    def alive(self) -> bool:
+        return self.stuck or not self.closed
+
+    async def register(self, buffers: object) -> None:
+        pass
+
+    async def add_peer(self, metadata: bytes) -> str:
+        return "peer"
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_replaced_reader_that_did_not_stop_keeps_its_engine_mapped() -> None:
+    """New peer metadata replaces a reader; one whose thread did not stop may still touch
+    the engine's buffers, so retiring that engine must not be told they can be unmapped
+    (it was: the replaced reader was forgotten)."""
+    _Agent.made = 0
+    readers = Readers(_Agent)  # type: ignore[arg-type]
+    await readers.get("peer", "engine", b"v1", [])
+    await readers.get("peer", "engine", b"v2", [])  # the first reader is replaced
+    assert await readers.get("peer", "other", b"v1", []) is not None
+    assert await readers.close_engine("other") is True  # nothing stuck touches it
+    assert await readers.close_engine("engine") is False
+    assert await readers.close() is False

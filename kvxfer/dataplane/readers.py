@@ -56,6 +56,9 @@ class Readers:
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._spare: asyncio.Future[TransferBackend] | None = None
         self._closed = False
+        # Replaced readers whose thread did not stop (stuck in a NIXL call): they may still
+        # touch their engine's buffers, which must then stay mapped (`close_engine`).
+        self._stuck: list[tuple[tuple[str, str], Reader]] = []
 
     def start(self) -> None:
         """Create a spare agent in the background, unless one is there or coming."""
@@ -83,6 +86,8 @@ class Readers:
                 return reader
             if reader is not None:
                 await reader.backend.close()  # severed or stale: its thread is done or ends
+                if reader.backend.alive:
+                    self._stuck.append((key, reader))
             self._readers[key] = reader = await self._open(key, metadata, buffers)
             return reader
 
@@ -116,7 +121,8 @@ class Readers:
         """Destroy every agent that reads into `engine_key`'s buffers. True when all are
         gone, so that nothing NIXL posted can touch those buffers any more."""
         keys = [key for key in self._readers if key[1] == engine_key]
-        return await self._close(keys)
+        gone = await self._close(keys)
+        return self._none_stuck(lambda key: key[1] == engine_key) and gone
 
     async def close(self) -> bool:
         self._closed = True
@@ -124,7 +130,8 @@ class Readers:
         if spare is not None:
             with contextlib.suppress(Exception):
                 await (await spare).close()
-        return await self._close(list(self._readers))
+        gone = await self._close(list(self._readers))
+        return self._none_stuck(lambda key: True) and gone
 
     async def _close(self, keys: list[tuple[str, str]]) -> bool:
         gone = True
@@ -136,6 +143,15 @@ class Readers:
                 log.error("reader %s did not stop: its memory stays mapped", reader.backend.name)
                 gone = False
         return gone
+
+    def _none_stuck(self, touches: Callable[[tuple[str, str]], bool]) -> bool:
+        """No replaced reader whose key `touches` still runs (those that stopped since
+        are forgotten)."""
+        self._stuck = [(key, reader) for key, reader in self._stuck if reader.backend.alive]
+        still = [reader.backend.name for key, reader in self._stuck if touches(key)]
+        if still:
+            log.error("readers %s did not stop: their memory stays mapped", ", ".join(still))
+        return not still
 
     def __len__(self) -> int:
         return sum(1 for r in self._readers.values() if not r.backend.closed)
