@@ -66,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # The NIXL threads and the event loop share the GIL: see the setting's description.
+    sys.setswitchinterval(settings.gil_switch_interval_s)
     try:
         return run_on(serve(settings), settings.event_loop)
     except KvxferError as exc:
@@ -126,6 +128,7 @@ async def serve(settings: Settings) -> int:
         "sidecar_id": sidecar.sidecar_id,
         "pid": os.getpid(),
         "event_loop": loop_name(loop),
+        "gil_switch_interval_s": sys.getswitchinterval(),
         "frozen_objects": settle_heap(),
     }
     print(json.dumps(ready), flush=True)

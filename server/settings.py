@@ -278,6 +278,14 @@ class Settings(BaseSettings):
         description="the sidecar's event loop: uvloop (libuv's: scheduling and socket I/O in "
         "C, a little faster here), or Python's own asyncio",
     )
+    gil_switch_interval_s: float = Field(
+        0.0001,
+        gt=0,
+        le=0.1,
+        description="how long the event loop may keep the GIL while a NIXL thread waits "
+        "for it (Python's default is 0.005): each post and end of a copy takes the GIL, so "
+        "while the loop is busy (a burst of pulls) every copy would wait that long, twice",
+    )
     insecure_peer_port: bool = Field(
         False,
         description="INSECURE: serve PeerService without mTLS on a non-loopback address; "

@@ -80,6 +80,15 @@ def test_an_unknown_event_loop_is_refused_naming_the_setting() -> None:
         load_settings([], environ={"KVXFER_EVENT_LOOP": "trio"})
 
 
+def test_the_gil_switch_interval_is_short_by_default_and_checked() -> None:
+    assert load_settings([], environ={}).gil_switch_interval_s == 0.0001
+    flag = load_settings(["--gil-switch-interval-s", "0.002"], environ={})
+    assert flag.gil_switch_interval_s == 0.002
+    for bad in ("0", "-1", "0.5", "fast"):
+        with pytest.raises(InvalidInputError, match="gil_switch_interval_s"):
+            load_settings([], environ={"KVXFER_GIL_SWITCH_INTERVAL_S": bad})
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.3.2.1", "[::1]", "localhost"])
 def test_loopback_peer_port_needs_no_tls(host: str) -> None:
     assert load_settings(["--peer-address", f"{host}:0"], environ={}).peer_address == f"{host}:0"

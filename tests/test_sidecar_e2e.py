@@ -118,6 +118,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         df = start_sidecar(
             tmp, "df", *LEASE, "--faults.fail-rate", "0.3", "--faults.stall-rate", "0.3",
             "--faults.seed", "7", "--transfer.chunk-blocks", "4", "--event-loop", "asyncio",
+            "--gil-switch-interval-s", "0.002",
         )  # fmt: skip
         procs.append(df)
         pe = start_engine(tmp, p, MODEL, "prefill", num_blocks=NUM_BLOCKS)
@@ -184,6 +185,14 @@ def test_sidecars_run_the_event_loop_they_are_set_to(fleet: Fleet) -> None:
     line says which."""
     assert fleet.p.ready["event_loop"] == fleet.d.ready["event_loop"] == "uvloop"
     assert fleet.df.ready["event_loop"] == "asyncio"
+
+
+def test_sidecars_run_with_the_gil_switch_interval_they_are_set_to(fleet: Fleet) -> None:
+    """0.1 ms by default (a NIXL thread waiting for the GIL beside a busy loop then waits
+    that long, not Python's 5 ms), another when told, and the ready line says which."""
+    assert fleet.p.ready["gil_switch_interval_s"] == fleet.d.ready["gil_switch_interval_s"]
+    assert fleet.d.ready["gil_switch_interval_s"] == pytest.approx(0.0001)
+    assert fleet.df.ready["gil_switch_interval_s"] == pytest.approx(0.002)
 
 
 def test_sidecars_freeze_their_start_up_heap_before_they_are_ready(fleet: Fleet) -> None:
