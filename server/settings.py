@@ -44,6 +44,7 @@ from kvxfer.server.settings_sources import (
     PREFIX,
     EnvSource,
     cli_source,
+    empty_entry,
     problems,
     read_file,
     unknown_env_names,
@@ -154,10 +155,11 @@ class LimitSettings(_Group):
 
 def _no_empty_entries(values: tuple[str, ...]) -> tuple[str, ...]:
     """A comma list's entries, refused if one is empty: `a,,b` is a typo (a variable's
-    one trailing comma is dropped before, `settings_sources`)."""
-    for index, value in enumerate(values):
-        if not value.strip():
-            raise ValueError(f"entry {index + 1} of {len(values)} is empty (a stray comma?)")
+    one trailing comma is dropped before; a map's entries and a flag's are checked
+    there too: `settings_sources.empty_entry`)."""
+    problem = empty_entry(values)
+    if problem:
+        raise ValueError(problem)
     return values
 
 

@@ -3,10 +3,15 @@
 - `EnvSource`: `KVXFER_*` variables of a given environment. List settings also take
   comma lists (`KVXFER_NIXL__BACKENDS=UCX,GDS`), map settings `KEY=VALUE` lists
   (`KVXFER_NIXL__BACKEND_PARAMS=num_workers=2`); JSON (`["UCX"]`) is still read.
+- `empty_entry`: the rule of every comma list, flag or variable: an empty entry
+  (`a,,b`, `,a`, `a,`) is a typo and refused, except one trailing comma in a variable
+  (`a,b,`, as templates emit), dropped before the entries are counted.
 - `unknown_env_names`: `KVXFER_*` names no setting has, each with the closest valid one.
 - `read_file`: the `--config` file, by extension: `.json`, `.toml`, `.yaml`/`.yml`.
 - `cli_source`: the flags, on an argparse root with `--version`, readable metavars
-  (`SECONDS`, `HOST:PORT`) and each default and variable named once.
+  (`SECONDS`, `HOST:PORT`) and each default and variable named once; a list or map
+  flag's empty entry is refused before pydantic-settings merges the values (it drops
+  one from a map, and from a list after a repeated flag's first value).
 - `problems`: a pydantic ValidationError as one (field, message) per failing field.
 
 Everything here takes the settings class as an argument: it never imports it.
@@ -19,14 +24,14 @@ import difflib
 import json
 import tomllib
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource
+from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource, SettingsError
 
 from kvxfer._exceptions import InvalidInputError
 from kvxfer._version import version
@@ -101,17 +106,30 @@ class EnvSource(EnvSettingsSource):
         items = [item.strip() for item in text.removesuffix(",").split(",")] if text else []
         if origin is not dict:
             return items
-        pairs = {}
-        for item in items:
-            key, sep, val = item.partition("=")
-            if not sep or not key.strip():
-                names = [env_name(p) for p in leaf_paths(self.settings_cls) if p[-1] == field_name]
-                raise InvalidInputError(
-                    " / ".join(names) or field_name,
-                    f"expected KEY=VALUE[,KEY=VALUE...], got {item!r}",
-                )
-            pairs[key.strip()] = val.strip()
-        return pairs
+        problem = empty_entry(items) or _not_a_pair(items)
+        if problem:
+            names = [env_name(p) for p in leaf_paths(self.settings_cls) if p[-1] == field_name]
+            raise InvalidInputError(" / ".join(names) or field_name, problem)
+        pairs = (item.partition("=") for item in items)
+        return {key.strip(): val.strip() for key, _, val in pairs}
+
+
+def empty_entry(entries: Sequence[str]) -> str | None:
+    """Why a comma list is refused if one of its entries is empty (`a,,b` is a typo,
+    not `a,b`), else None. A variable's one trailing comma is dropped before this."""
+    for index, entry in enumerate(entries):
+        if not entry.strip():
+            return f"entry {index + 1} of {len(entries)} is empty (a stray comma?)"
+    return None
+
+
+def _not_a_pair(entries: Sequence[str]) -> str | None:
+    """Why a map's entries are refused if one is not KEY=VALUE, else None."""
+    for entry in entries:
+        key, sep, _ = entry.partition("=")
+        if not sep or not key.strip():
+            return f"expected KEY=VALUE[,KEY=VALUE...], got {entry!r}"
+    return None
 
 
 def unknown_env_names(model: type[BaseModel], environ: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -178,7 +196,7 @@ def cli_source(settings_cls: type[BaseSettings], prog: str, epilog: str) -> CliS
         allow_abbrev=False,  # --lease.ttl is not --lease.ttl-s
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    source: CliSettingsSource[Any] = CliSettingsSource(settings_cls, root_parser=parser)
+    source: CliSettingsSource[Any] = _CliSource(settings_cls, root_parser=parser)
     for action in parser._actions:
         path = tuple(action.dest.split("."))
         field = _field(settings_cls, path)
@@ -188,6 +206,62 @@ def cli_source(settings_cls: type[BaseSettings], prog: str, epilog: str) -> CliS
             action.metavar = _metavar(path[-1], field.annotation)
         action.help = _help(field, path)
     return source
+
+
+class _CliSource(CliSettingsSource[Any]):
+    """pydantic-settings' flags, with a list or map flag's empty entries refused.
+
+    Its merge of a flag's values reads an empty entry as `""`, which a list keeps (for
+    `_no_empty_entries` to refuse) but a map drops (`a=1,,b=2` was `{a: 1, b: 2}`), and
+    after a repeated flag's first value it reads a leading comma or an empty value as
+    nothing (`--nixl.backends UCX --nixl.backends ,GDS` was `UCX,GDS`). So each value
+    is split here as it splits it and checked first; unlike a variable, a flag takes no
+    trailing comma (nothing templates it). A map's entries must be KEY=VALUE too, as a
+    variable's: its own error named no field ("not enough values to unpack").
+    """
+
+    def _merge_parsed_list(self, parsed_list: list[str], field_name: str) -> str:
+        path = tuple(field_name.split("."))
+        origin = typing.get_origin(_annotation(self.settings_cls, path))
+        if origin in (tuple, list, dict):
+            # A repeated flag is one list: `--x a, --x b` has entry 2 of 3 empty.
+            entries = [e for value in parsed_list if isinstance(value, str) for e in _split(value)]
+            problem = empty_entry(entries)
+            if problem is None and origin is dict:
+                # A JSON object (`{"k": "v"}`) is an entry pydantic-settings reads itself.
+                problem = _not_a_pair([e for e in entries if not e.startswith(("{", "["))])
+            if problem:
+                field = f"{field_name} ({flag(path)}, {env_name(path)})"
+                raise SettingsError(problem) from InvalidInputError(field, problem)
+        return super()._merge_parsed_list(parsed_list, field_name)
+
+
+def _split(value: str) -> list[str]:
+    """One flag value's entries, split where pydantic-settings splits them: at each comma
+    outside double quotes (`k="a,b"` is one entry) and outside an entry that is a JSON
+    object or list; `[...]` around the whole value is dropped, so `[]` has none."""
+    text = value.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+        if not text.strip():
+            return []
+    entries, start, depth, quoted = [], 0, 0, False
+    nested = text.lstrip().startswith(("{", "["))
+    for index, char in enumerate(text):
+        if char == '"' and text[index - 1 : index] != "\\":
+            quoted = not quoted
+        elif quoted:
+            continue
+        elif nested and char in "{[":
+            depth += 1
+        elif nested and char in "}]":
+            depth -= 1
+        elif char == "," and depth <= 0:
+            entries.append(text[start:index].strip())
+            start, depth = index + 1, 0
+            nested = text[start:].lstrip().startswith(("{", "["))
+    entries.append(text[start:].strip())
+    return entries
 
 
 def _metavar(name: str, annotation: Any) -> str:

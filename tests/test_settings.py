@@ -142,7 +142,7 @@ def test_list_settings_take_comma_lists_from_env_and_flags(tmp_path: Path) -> No
         # Accepted, then every peer call was refused at runtime: no certificate to check.
         (["--tls.allowed-peers", "a"], {}, "tls.allowed_peers"),
         ([], {"KVXFER_TLS__ALLOWED_PEERS": "a"}, "tls.allowed_peers"),
-        # A stray comma is a typo, not a shorter list (flags kept '', variables dropped it).
+        # A stray comma is a typo, not a shorter list.
         (["--nixl.backends", ","], {}, "nixl.backends"),
         (["--nixl.backends", "UCX,,GDS"], {}, "nixl.backends"),
         ([], {"KVXFER_NIXL__BACKENDS": "UCX,,"}, "nixl.backends"),
@@ -165,6 +165,104 @@ def test_one_trailing_comma_in_a_variable_ends_its_list() -> None:
     assert settings.nixl.backends == ("UCX",)
     params = {"KVXFER_NIXL__BACKEND_PARAMS": "num_workers=4,"}
     assert load_settings([], environ=params).nixl.backend_params == {"num_workers": "4"}
+
+
+FLAG_PARAMS = "nixl.backend_params (--nixl.backend-params, KVXFER_NIXL__BACKEND_PARAMS)"
+EMPTY = "is empty (a stray comma?)"
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "error"),
+    [
+        # A map flag dropped its empty entries: this was {num_workers: 2, x: 1}.
+        (
+            ["--nixl.backend-params", "num_workers=2,,x=1"],
+            {},
+            f"{FLAG_PARAMS}: entry 2 of 3 {EMPTY}",
+        ),
+        (["--nixl.backend-params", ",a=1"], {}, f"{FLAG_PARAMS}: entry 1 of 2 {EMPTY}"),
+        (["--nixl.backend-params", "[a=1,]"], {}, f"{FLAG_PARAMS}: entry 2 of 2 {EMPTY}"),
+        (["--nixl.backend-params", ""], {}, f"{FLAG_PARAMS}: entry 1 of 1 {EMPTY}"),
+        # No trailing comma in a flag, unlike a variable (nothing templates flags).
+        (["--nixl.backend-params", "a=1,"], {}, f"{FLAG_PARAMS}: entry 2 of 2 {EMPTY}"),
+        # A repeated flag is one list: its empty entries were dropped, a list's too.
+        (
+            ["--nixl.backend-params", "a=1", "--nixl.backend-params", ",b=2"],
+            {},
+            f"{FLAG_PARAMS}: entry 2 of 3 {EMPTY}",
+        ),
+        (
+            ["--nixl.backends", "UCX", "--nixl.backends", ",GDS"],
+            {},
+            f"nixl.backends (--nixl.backends, KVXFER_NIXL__BACKENDS): entry 2 of 3 {EMPTY}",
+        ),
+        (
+            ["--nixl.backends", "UCX", "--nixl.backends", ""],
+            {},
+            f"nixl.backends (--nixl.backends, KVXFER_NIXL__BACKENDS): entry 2 of 2 {EMPTY}",
+        ),
+        (
+            ["--transfer.modes", "pull,,push"],
+            {},
+            f"transfer.modes (--transfer.modes, KVXFER_TRANSFER__MODES): entry 2 of 3 {EMPTY}",
+        ),
+        # Was "settings: Parsing error encountered for ...: not enough values to unpack".
+        (
+            ["--nixl.backend-params", "num_workers=2,x"],
+            {},
+            f"{FLAG_PARAMS}: expected KEY=VALUE[,KEY=VALUE...], got 'x'",
+        ),
+        # A variable's empty entry was refused, but not as one: "expected KEY=VALUE, got ''".
+        (
+            [],
+            {"KVXFER_NIXL__BACKEND_PARAMS": "num_workers=2,,x=1"},
+            f"KVXFER_NIXL__BACKEND_PARAMS: entry 2 of 3 {EMPTY}",
+        ),
+        (
+            [],
+            {"KVXFER_NIXL__BACKEND_PARAMS": ",a=1"},
+            f"KVXFER_NIXL__BACKEND_PARAMS: entry 1 of 2 {EMPTY}",
+        ),
+        # One trailing comma is dropped from a variable, a second one is not.
+        (
+            [],
+            {"KVXFER_NIXL__BACKEND_PARAMS": "a=1,,"},
+            f"KVXFER_NIXL__BACKEND_PARAMS: entry 2 of 2 {EMPTY}",
+        ),
+    ],
+)
+def test_an_empty_entry_is_refused_in_a_flag_as_in_a_variable(
+    argv: list[str], environ: dict[str, str], error: str
+) -> None:
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(argv, environ=environ)
+    assert str(err.value) == error
+
+
+def test_a_map_flag_still_reads_quotes_json_and_repeats() -> None:
+    """The empty-entry check splits a flag where pydantic-settings does: a comma inside
+    quotes or a JSON object is no separator."""
+    cases = {
+        ("a=1,b=2",): {"a": "1", "b": "2"},
+        ('a="x,,y"',): {"a": "x,,y"},
+        ('{"a": "1", "b": "2"},c=3',): {"a": "1", "b": "2", "c": "3"},
+        ("[a=1,b=2]",): {"a": "1", "b": "2"},
+        ("[]",): {},
+        ("a=1", "b=2"): {"a": "1", "b": "2"},
+    }
+    for values, expected in cases.items():
+        argv = [arg for value in values for arg in ("--nixl.backend-params", value)]
+        assert load_settings(argv, environ={}).nixl.backend_params == expected, values
+
+
+def test_server_names_a_map_flags_empty_entry_and_exits_2() -> None:
+    # --lease.ttl-s 0 as well: without the check the sidecar fails on it, not serves.
+    argv = ["--nixl.backend-params", "num_workers=2,,x=1", "--lease.ttl-s", "0"]
+    result = subprocess.run(
+        [str(BIN / "kvxfer-server"), *argv], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"kvxfer-server: {FLAG_PARAMS}: entry 2 of 3 {EMPTY}"
 
 
 def test_an_allow_list_needs_mtls_and_no_empty_entry(tmp_path: Path) -> None:
