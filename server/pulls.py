@@ -39,6 +39,12 @@ from kvxfer.wire.layout import spans_from_proto
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 POST_WAIT_S = 0.005  # the longest BeginRead waits for the read's first post
+# A cancelled pull tries EndRead once, for at most this long. Only the sidecar's loop
+# going away cancels one (Sidecar.shutdown aborts its pulls and waits a while; asyncio
+# then cancels what is left and waits for it, without a deadline), so this is added to
+# the exit. A peer that answers at all answers in milliseconds; the lease of one that
+# does not expires there on its TTL.
+CANCELLED_END_READ_S = 1.0
 
 
 class LeaseWatch:
@@ -103,6 +109,10 @@ class Pull:
     leaving: asyncio.Event = field(default_factory=asyncio.Event)
     aborted: bool = False
     lease_lost: bool = False
+    # Set once BeginRead was answered: from then on the publisher holds the lease for
+    # this reader, and its engine's blocks, until EndRead or the lease's TTL, so every
+    # way out of the pull ends the read (`run_pull`), a bug's and a cancellation's too.
+    read_begun: bool = False
     task: asyncio.Task[None] | None = None
     reading: asyncio.Task[TransferResult] | None = None  # its read, once chunks are handed on
     # Cancelled, it waits for its read until then, once for all its waits (`_ended`).
@@ -135,17 +145,21 @@ class PullContext:
 
 async def run_pull(pull: Pull, ctx: PullContext, report: Callable[[PullDone], None]) -> None:
     """Carry out the pull; `report` gets its PullDone as soon as the outcome is known,
-    before the read is ended at the serving side (one round trip off the engine's path)."""
+    before the read is ended at the serving side (one round trip off the engine's path).
+    A read BeginRead began is ended whatever the outcome, as aborted unless it was read:
+    also when the pull failed unexpectedly or was cancelled."""
     peer = ctx.links.label(pull.params.peer_address)
     ctx.metrics.active.start()
     ctx.metrics.inflight_pulls.labels(peer).inc()
-    end_read = False
+    cancelled = False
     try:
-        done, end_read = await _transfer(pull, ctx)
+        done = await _transfer(pull, ctx)
     except asyncio.CancelledError:
+        cancelled = pull.aborted = True
         done = _all_failed(pull, PullStatus.ABORTED, "the sidecar shut down during the pull")
     except Exception as exc:  # a bug must still end in a PullDone, never a silent hang
         log.exception("pull %s failed unexpectedly", pull.request_id)
+        pull.aborted = True  # and a begun read still ends at once, not at the lease's TTL
         done = _all_failed(pull, PullStatus.FAILED, f"internal error: {exc}")
     finally:
         ctx.metrics.inflight_pulls.labels(peer).dec()
@@ -158,12 +172,12 @@ async def run_pull(pull: Pull, ctx: PullContext, report: Callable[[PullDone], No
         _observe_read(pull.result, done, ctx.metrics, peer)
     if pull.renewing is not None:
         await stop_heartbeat(pull.renewing)  # cancelled already: it renews no more
-    if end_read:
-        await _end_read(pull, ctx, done)
+    if pull.read_begun:
+        await _end_read(pull, ctx, done, cancelled=cancelled)
 
 
-async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
-    """The outcome, and whether a read was begun (and so must be ended).
+async def _transfer(pull: Pull, ctx: PullContext) -> PullDone:
+    """The outcome; `pull.read_begun` says whether the read must be ended.
 
     The NIXL read starts while BeginRead is in flight, so its round trip to the
     publisher overlaps the copy instead of preceding it. Until BeginRead answers, the
@@ -175,14 +189,14 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
     reported failed."""
     link, params = pull.link, pull.params
     if pull.leaving.is_set():  # its engine began retiring while it waited for a slot
-        return _all_failed(pull, PullStatus.ABORTED, "its engine is going away"), False
+        return _all_failed(pull, PullStatus.ABORTED, "its engine is going away")
     if link.epoch != params.epoch:
         return _all_failed(
             pull,
             PullStatus.FAILED,
             f"the publisher restarted: params are from epoch {params.epoch}, "
             f"peer {params.peer_address} is now epoch {link.epoch}",
-        ), False
+        )
     posted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     # Without a reader (the peer's metadata may have changed: BeginRead says so) the
     # read waits for BeginRead.
@@ -199,9 +213,7 @@ async def _transfer(pull: Pull, ctx: PullContext) -> tuple[PullDone, bool]:
         raise
 
 
-async def _begin(
-    pull: Pull, ctx: PullContext, posted: asyncio.Future[None]
-) -> tuple[PullDone, bool]:
+async def _begin(pull: Pull, ctx: PullContext, posted: asyncio.Future[None]) -> PullDone:
     """Begin the read at the publisher and, once it is begun, keep its lease alive and
     watch it while the read runs."""
     if pull.reading is not None:
@@ -212,14 +224,15 @@ async def _begin(
     try:
         begun = await ctx.links.begin_read(pull.link, pull.request_id, ctx.reader_id)
     except KvxferError as exc:
-        return await _refused(pull, ctx, str(exc)), False
+        return await _refused(pull, ctx, str(exc))
     finally:
         pull.begin_read_s = time.monotonic() - asked
+    pull.read_begun = True
     lease = LeaseWatch(begun.lease_ttl_ms / 1000, asked)
     renewing = asyncio.create_task(heartbeat(pull, ctx.links, lease.ttl_s, lease.renewed))
-    lease.watch(pull.cancel)
     try:
-        return await _read(pull, ctx, begun, lease), True
+        lease.watch(pull.cancel)
+        return await _read(pull, ctx, begun, lease)
     finally:
         lease.unwatch()
         # Cancelled at once (the lease is ours until EndRead), awaited after PullDone.
@@ -426,9 +439,15 @@ async def stop_heartbeat(task: asyncio.Task[None]) -> None:
         await task
 
 
-async def _end_read(pull: Pull, ctx: PullContext, done: PullDone) -> None:
-    """Tell the publisher the read ended (consumed or aborted), patiently."""
+async def _end_read(pull: Pull, ctx: PullContext, done: PullDone, *, cancelled: bool) -> None:
+    """Tell the publisher the begun read ended (consumed or aborted): patiently, or, when
+    the pull was cancelled, in one try of at most CANCELLED_END_READ_S."""
     if pull.lease_lost:
+        return
+    if pull.reading is not None and not pull.reading.done():
+        # Its read was given up on (a cancelled pull's: `_ended`) with a chunk that may
+        # still be posted: ending the read would let the publisher's engine reuse the
+        # blocks under it. The lease expires there on its TTL instead.
         return
     reason = pb.RELEASE_REASON_ABORTED if pull.aborted else pb.RELEASE_REASON_CONSUMED
     request = pb.EndReadRequest(
@@ -438,11 +457,19 @@ async def _end_read(pull: Pull, ctx: PullContext, done: PullDone) -> None:
         reason=reason,
         bytes_read=done.bytes_moved,
     )
-    await end_patiently(
-        lambda: ctx.links.end_read(pull.link, request),
-        f"ending read of {pull.request_id} at {pull.link.address}",
-        ctx.end_read_patience_s,
-    )
+    what = f"ending read of {pull.request_id} at {pull.link.address}"
+    if not cancelled:
+        await end_patiently(
+            lambda: ctx.links.end_read(pull.link, request), what, ctx.end_read_patience_s
+        )
+        return
+    try:
+        async with asyncio.timeout(CANCELLED_END_READ_S):
+            await end_patiently(lambda: ctx.links.end_read(pull.link, request), what, 0.0)
+    except TimeoutError:
+        log.warning(
+            "%s: no answer within %g s; the lease expires there", what, CANCELLED_END_READ_S
+        )
 
 
 async def end_patiently(call: Callable[[], Awaitable[T]], what: str, patience_s: float) -> T | None:

@@ -16,7 +16,7 @@ What must hold:
   before then as failed, never OK, and only after every posted chunk ended;
 - a pull whose task is cancelled reports only once every posted chunk ended;
 - a begun read is always ended at the publisher (EndRead), also when its
-  chunks cannot be bound after BeginRead.
+  chunks cannot be bound after BeginRead or its task is cancelled.
 """
 
 from __future__ import annotations
@@ -327,6 +327,9 @@ async def test_a_cancelled_pull_reports_once_its_posted_chunks_ended(
     [(done, ended)] = d.reports
     assert ended == 1, "reported before the read ended"
     assert done.status is PullStatus.ABORTED, done
+    # A read BeginRead began is ended (aborted), so the publisher frees its blocks now.
+    expected = [] if in_beginread else [pb.RELEASE_REASON_ABORTED]
+    assert [e.reason for e in d.publisher.ended] == expected
 
 
 async def test_a_read_whose_chunks_cannot_be_bound_after_beginread_is_ended(
