@@ -47,6 +47,7 @@ from kvxfer.server.settings_sources import (
     empty_entry,
     problems,
     read_file,
+    refused_flags,
     unknown_env_names,
 )
 from kvxfer.wire.loops import DEFAULT_EVENT_LOOP, EventLoop
@@ -450,16 +451,36 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None)
     cli = cli_source(Settings, "kvxfer-server", EPILOG)
     token = _LOADING.set(_Load(env, _config_path(argv, env)))
     try:
-        return Settings(_cli_settings_source=cli(args=list(argv)))
-    except ValidationError as exc:
-        raise SettingsInvalidError(problems(exc, Settings)) from exc
-    except SettingsError as exc:
-        cause = exc.__cause__
-        if isinstance(cause, InvalidInputError):
-            raise SettingsInvalidError([(cause.field, cause.detail)]) from exc
-        raise SettingsInvalidError([_env_error(str(exc))]) from exc
+        flags = cli(args=list(argv))
+        refused = refused_flags(flags)
+        try:
+            settings = Settings(_cli_settings_source=flags)
+        except ValidationError as exc:
+            raise _invalid(refused, problems(exc, Settings)) from exc
+        except SettingsError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, InvalidInputError):
+                raise _invalid(refused, [(cause.field, cause.detail)]) from exc
+            raise _invalid(refused, [_env_error(str(exc))]) from exc
+        if refused:
+            raise _invalid(refused, [])
+        return settings
     finally:
         _LOADING.reset(token)
+
+
+def _invalid(
+    refused: Sequence[tuple[str, str, str]], others: Sequence[tuple[str, str]]
+) -> SettingsInvalidError:
+    """The flags refused as they were parsed, then every other field's problem but what
+    those flags' own values caused again (an empty list entry is refused twice)."""
+    fields = [dotted for dotted, _, _ in refused]
+    rest = [
+        (name, message)
+        for name, message in others
+        if not any(name == f or name.startswith((f + " ", f + ".")) for f in fields)
+    ]
+    return SettingsInvalidError([(shown, why) for _, shown, why in refused] + rest)
 
 
 def _env_error(message: str) -> tuple[str, str]:

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource, SettingsError
+from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource
 
 from kvxfer._exceptions import InvalidInputError
 from kvxfer._version import version
@@ -218,7 +218,14 @@ class _CliSource(CliSettingsSource[Any]):
     is split here as it splits it and checked first; unlike a variable, a flag takes no
     trailing comma (nothing templates it). A map's entries must be KEY=VALUE too, as a
     variable's: its own error named no field ("not enough values to unpack").
+
+    A refusal is kept in `refused` (dotted field, field as shown, why) and parsing goes
+    on, so that the caller reports it beside every other field's problem.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.refused: list[tuple[str, str, str]] = []
+        super().__init__(*args, **kwargs)
 
     def _merge_parsed_list(self, parsed_list: list[str], field_name: str) -> str:
         path = tuple(field_name.split("."))
@@ -231,9 +238,16 @@ class _CliSource(CliSettingsSource[Any]):
                 # A JSON object (`{"k": "v"}`) is an entry pydantic-settings reads itself.
                 problem = _not_a_pair([e for e in entries if not e.startswith(("{", "["))])
             if problem:
-                field = f"{field_name} ({flag(path)}, {env_name(path)})"
-                raise SettingsError(problem) from InvalidInputError(field, problem)
+                shown = f"{field_name} ({flag(path)}, {env_name(path)})"
+                self.refused.append((field_name, shown, problem))
+                return "{}" if origin is dict else "[]"  # reported already: no second error
         return super()._merge_parsed_list(parsed_list, field_name)
+
+
+def refused_flags(source: CliSettingsSource[Any]) -> list[tuple[str, str, str]]:
+    """The list and map flags `source` refused as it parsed (`_CliSource`): (dotted
+    field, field as shown, why)."""
+    return list(source.refused) if isinstance(source, _CliSource) else []
 
 
 def _split(value: str) -> list[str]:

@@ -256,13 +256,39 @@ def test_a_map_flag_still_reads_quotes_json_and_repeats() -> None:
 
 
 def test_server_names_a_map_flags_empty_entry_and_exits_2() -> None:
-    # --lease.ttl-s 0 as well: without the check the sidecar fails on it, not serves.
+    # --lease.ttl-s 0 as well: without the check the sidecar would report only that one,
+    # and a refused flag must not hide it (one line per field).
     argv = ["--nixl.backend-params", "num_workers=2,,x=1", "--lease.ttl-s", "0"]
     result = subprocess.run(
         [str(BIN / "kvxfer-server"), *argv], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 2
-    assert result.stderr.strip() == f"kvxfer-server: {FLAG_PARAMS}: entry 2 of 3 {EMPTY}"
+    assert result.stderr.strip().splitlines() == [
+        f"kvxfer-server: {FLAG_PARAMS}: entry 2 of 3 {EMPTY}",
+        "kvxfer-server: lease.ttl_s (--lease.ttl-s, KVXFER_LEASE__TTL_S): "
+        "Input should be greater than 0, got '0'",
+    ]
+
+
+def test_a_refused_flag_is_reported_beside_every_other_field_once() -> None:
+    """Flags are checked as they are parsed, before the values are validated: what they
+    refuse is reported with the rest, and a list's empty entry, which validation refuses
+    too, only once."""
+    argv = ["--nixl.backends", "UCX,,GDS", "--transfer.modes", "pull,,push"]
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(
+            [*argv, "--nixl.backend-params", ",a=1"], environ={"KVXFER_LEASE__TTL_S": "0"}
+        )
+    assert sorted(str(err.value).splitlines()) == sorted(
+        [
+            f"nixl.backends (--nixl.backends, KVXFER_NIXL__BACKENDS): entry 2 of 3 {EMPTY}",
+            f"nixl.backend_params (--nixl.backend-params, KVXFER_NIXL__BACKEND_PARAMS): "
+            f"entry 1 of 2 {EMPTY}",
+            f"transfer.modes (--transfer.modes, KVXFER_TRANSFER__MODES): entry 2 of 3 {EMPTY}",
+            "lease.ttl_s (--lease.ttl-s, KVXFER_LEASE__TTL_S): "
+            "Input should be greater than 0, got '0'",
+        ]
+    )
 
 
 def test_an_allow_list_needs_mtls_and_no_empty_entry(tmp_path: Path) -> None:
