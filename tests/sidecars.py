@@ -30,6 +30,12 @@ from kvxfer.cli.fleet import scrape as scrape_metrics
 from kvxfer.client.engine import EngineClient
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId
 from kvxfer.core.requests import EngineEvent
+from kvxfer.dataplane.adapter import AgentOptions, NixlAgent
+from kvxfer.dataplane.readers import BackendFactory, Readers
+from kvxfer.dataplane.serving import ServingAgent
+from kvxfer.server.metrics import Metrics
+from kvxfer.server.settings import load_settings
+from kvxfer.server.sidecar import Sidecar
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.lane import Kind, read_frame
@@ -291,3 +297,36 @@ def one_engine(directory: Path, model: str, num_blocks: int = 16) -> Iterator[On
         yield OneEngine(fleet, sidecar, engine)
     finally:
         fleet.close()
+
+
+@contextlib.asynccontextmanager
+async def in_process_sidecar(
+    name: str, *args: str, readers: BackendFactory | None = None
+) -> AsyncIterator[Sidecar]:
+    """A real `Sidecar` in the test's own process (real NIXL agents, a serving agent, an
+    engine port on loopback TCP), so that a test can reach a seam inside it; `readers`
+    makes its reading or writing agents (plain NixlAgents by default)."""
+    settings = load_settings(
+        [
+            "--peer-address", "127.0.0.1:0",
+            "--engine-address", "127.0.0.1:0",
+            "--insecure-engine-tcp",
+            "--sidecar-id", name,
+            *args,
+        ]
+    )  # fmt: skip
+    backend = ServingAgent(name)
+    await backend.start()
+    factory = readers or (lambda prefix: NixlAgent(prefix, AgentOptions()))
+    sidecar = Sidecar(settings, backend, Metrics(), Readers(factory))
+    sidecar.start()
+    try:
+        yield sidecar
+    finally:
+        await sidecar.shutdown(1.0)
+
+
+async def pump(events: AsyncIterator[EngineEvent], into: asyncio.Queue[EngineEvent]) -> None:
+    """Forward an in-process sidecar's events for an engine into a queue."""
+    async for event in events:
+        await into.put(event)

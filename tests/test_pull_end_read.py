@@ -16,12 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sidecars import engine_link, spans, start_engine, start_sidecar
+from sidecars import engine_link, in_process_sidecar, pump, spans, start_engine, start_sidecar
 
 from kvxfer.client.shm import shm_kv_cache
 from kvxfer.core.requests import (
@@ -31,13 +30,7 @@ from kvxfer.core.requests import (
     Released,
     ReleaseReason,
 )
-from kvxfer.dataplane.adapter import AgentOptions, NixlAgent
-from kvxfer.dataplane.readers import Readers
-from kvxfer.dataplane.serving import ServingAgent
 from kvxfer.server import pulls
-from kvxfer.server.metrics import Metrics
-from kvxfer.server.settings import load_settings
-from kvxfer.server.sidecar import Sidecar
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -46,33 +39,6 @@ NUM_BLOCKS = 16
 BLOCKS = 8
 TTL = ("--lease.ttl-s", "60")
 RELEASE_WAIT_S = 20.0  # well within the TTL, far beyond an EndRead's round trip
-
-
-@contextlib.asynccontextmanager
-async def decode_sidecar() -> AsyncIterator[Sidecar]:
-    settings = load_settings(
-        [
-            "--peer-address", "127.0.0.1:0",
-            "--engine-address", "127.0.0.1:0",
-            "--insecure-engine-tcp",
-            "--sidecar-id", "d-in-test",
-            *TTL,
-        ]
-    )  # fmt: skip
-    backend = ServingAgent("d-in-test")
-    await backend.start()
-    readers = Readers(lambda prefix: NixlAgent(prefix, AgentOptions()))
-    sidecar = Sidecar(settings, backend, Metrics(), readers)
-    sidecar.start()
-    try:
-        yield sidecar
-    finally:
-        await sidecar.shutdown(1.0)
-
-
-async def _pump(events: AsyncIterator[EngineEvent], into: asyncio.Queue[EngineEvent]) -> None:
-    async for event in events:
-        await into.put(event)
 
 
 def _inject(monkeypatch: pytest.MonkeyPatch, ending: str) -> asyncio.Event:
@@ -111,10 +77,13 @@ async def test_a_begun_read_is_ended_at_once_when_its_pull_goes_wrong(
         tokens = BLOCKS * layout.block_size
         waiting = _inject(monkeypatch, ending)
         with shm_kv_cache(layout, NUM_BLOCKS, prefix=f"kvxfer-endread-{os.getpid()}") as kv:
-            async with decode_sidecar() as d, engine_link(p, pe) as (pc, p_events):
+            async with (
+                in_process_sidecar("d-in-test", *TTL) as d,
+                engine_link(p, pe) as (pc, p_events),
+            ):
                 engine = await d.register_engine(kv.layout, kv.buffers, "decode")
                 d_events: asyncio.Queue[EngineEvent] = asyncio.Queue()
-                pump = asyncio.create_task(_pump(d.watch(engine.engine_id), d_events))
+                pumping = asyncio.create_task(pump(d.watch(engine.engine_id), d_events))
                 params = await pc.publish(f"r-{ending}", tokens, spans({0: range(BLOCKS)}))
                 dst = tuple(spans({0: range(NUM_BLOCKS - BLOCKS, NUM_BLOCKS)}))
                 await d.pull(engine.engine_id, params, dst, 0)
@@ -128,9 +97,9 @@ async def test_a_begun_read_is_ended_at_once_when_its_pull_goes_wrong(
                     released = await p_events.next(timeout_s=RELEASE_WAIT_S)
                 except TimeoutError:
                     released = None
-                pump.cancel()
+                pumping.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await pump
+                    await pumping
     finally:
         for proc in reversed(procs):
             proc.stop()

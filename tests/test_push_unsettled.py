@@ -20,13 +20,20 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 import pytest
-from sidecars import engine_link, process_tree, spans, start_engine, start_sidecar
+from sidecars import (
+    engine_link,
+    in_process_sidecar,
+    process_tree,
+    pump,
+    spans,
+    start_engine,
+    start_sidecar,
+)
 
 from kvxfer.cli.fleet import EngineView as EngineSim
 from kvxfer.client.shm import shm_kv_cache
@@ -35,10 +42,6 @@ from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import EngineEvent, PullStatus, Pushed, Received
 from kvxfer.dataplane.adapter import AgentOptions, ChunkJob, NixlAgent, TransferStatus
 from kvxfer.dataplane.faults import FaultInjectingBackend
-from kvxfer.dataplane.readers import Readers
-from kvxfer.dataplane.serving import ServingAgent
-from kvxfer.server.metrics import Metrics
-from kvxfer.server.settings import load_settings
 from kvxfer.server.sidecar import Sidecar
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -84,36 +87,16 @@ def _image(engine: EngineSim) -> dict[str, npt.NDArray[np.uint8]]:
     return {name: engine.view(name).copy() for name in engine.buffer_names()}
 
 
-@contextlib.asynccontextmanager
-async def prefill_sidecar(tmp: Path, writers: list[WatchedWriter]) -> AsyncIterator[Sidecar]:
-    settings = load_settings(
-        [
-            "--peer-address", "127.0.0.1:0",
-            "--engine-address", "127.0.0.1:0",
-            "--insecure-engine-tcp",
-            "--sidecar-id", "p-in-test",
-            "--transfer.chunk-blocks", "8",
-            *TIMING,
-        ]
-    )  # fmt: skip
+def prefill_sidecar(
+    writers: list[WatchedWriter],
+) -> contextlib.AbstractAsyncContextManager[Sidecar]:
+    """The pushing sidecar in this process: its writing agents are watched."""
 
     def writer(prefix: str) -> WatchedWriter:
         writers.append(WatchedWriter(NixlAgent(prefix, AgentOptions())))
         return writers[-1]
 
-    backend = ServingAgent("p-in-test")
-    await backend.start()
-    sidecar = Sidecar(settings, backend, Metrics(), Readers(writer))
-    sidecar.start()
-    try:
-        yield sidecar
-    finally:
-        await sidecar.shutdown(1.0)
-
-
-async def _pump(events: AsyncIterator[EngineEvent], into: asyncio.Queue[EngineEvent]) -> None:
-    async for event in events:
-        await into.put(event)
+    return in_process_sidecar("p-in-test", "--transfer.chunk-blocks", "8", *TIMING, readers=writer)
 
 
 @pytest.mark.parametrize("ending", ["raises", "cancelled-posting", "cancelled-waiting"])
@@ -135,12 +118,12 @@ async def test_a_push_ending_exceptionally_reports_only_once_nothing_it_posted_r
             for buffer in kv.buffers:
                 kv.view(buffer.name)[:] = 0xAB  # not the decode engine's pattern
             async with (
-                prefill_sidecar(tmp_path, writers) as p,
+                prefill_sidecar(writers) as p,
                 engine_link(d, de) as (dc, d_events),
             ):
                 engine = await p.register_engine(kv.layout, kv.buffers, "prefill")
                 p_events: asyncio.Queue[EngineEvent] = asyncio.Queue()
-                pump = asyncio.create_task(_pump(p.watch(engine.engine_id), p_events))
+                pumping = asyncio.create_task(pump(p.watch(engine.engine_id), p_events))
 
                 # Warm up the link, the writing agent and its UCX connection to the child.
                 warm = await dc.expect("warm", TOKENS, _blocks(0))
@@ -178,9 +161,9 @@ async def test_a_push_ending_exceptionally_reports_only_once_nothing_it_posted_r
                         os.kill(pid, signal.SIGCONT)
                 await asyncio.sleep(THAW_WAIT_S)
                 after_thaw = _image(de)
-                pump.cancel()
+                pumping.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await pump
+                    await pumping
         assert isinstance(pushed, Pushed), pushed
         assert pushed.status is not PullStatus.OK, pushed
         assert in_flight_at_pushed == 0, f"Pushed with {in_flight_at_pushed} chunk(s) posted"
