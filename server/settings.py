@@ -188,7 +188,11 @@ class NixlSettings(_Group):
     def _params(cls, value: dict[str, str]) -> dict[str, str]:
         if any(not key.strip() for key in value):
             raise ValueError("a parameter has an empty name: expected KEY=VALUE[,KEY=VALUE...]")
-        return value
+        # A flag's `a = 1` reads as a variable's does: NIXL would not know the name 'a '.
+        stripped = {key.strip(): val.strip() for key, val in value.items()}
+        if len(stripped) < len(value):
+            raise ValueError("a parameter is given twice (names differing only in spaces)")
+        return stripped
 
 
 class TlsSettings(_Group):

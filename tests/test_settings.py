@@ -239,6 +239,14 @@ def test_an_empty_entry_is_refused_in_a_flag_as_in_a_variable(
     assert str(err.value) == error
 
 
+def test_a_map_flags_spaces_are_read_as_a_variables() -> None:
+    flag = load_settings(["--nixl.backend-params", "a = 1, b=2 "], environ={})
+    env = load_settings([], environ={"KVXFER_NIXL__BACKEND_PARAMS": "a = 1, b=2 "})
+    assert flag.nixl.backend_params == env.nixl.backend_params == {"a": "1", "b": "2"}
+    with pytest.raises(InvalidInputError, match=r"nixl\.backend_params.*given twice"):
+        load_settings(["--nixl.backend-params", "a=1,a =2"], environ={})
+
+
 def test_a_map_flag_still_reads_quotes_json_and_repeats() -> None:
     """The empty-entry check splits a flag where pydantic-settings does: a comma inside
     quotes or a JSON object is no separator."""
