@@ -290,8 +290,8 @@ class Settings(BaseSettings):
         gt=0,
         le=0.1,
         description="how long the event loop may keep the GIL while a NIXL thread waits "
-        "for it (Python's default is 0.005): each post and end of a copy takes the GIL, so "
-        "while the loop is busy (a burst of pulls) every copy would wait that long, twice",
+        "for it (Python's own interval is 0.005): each post and end of a copy takes the GIL, "
+        "so while the loop is busy (a burst of pulls) every copy would wait that long, twice",
     )
     insecure_peer_port: bool = Field(
         False,
