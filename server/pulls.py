@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvxfer._exceptions import (
     DataPlaneError,
@@ -96,6 +96,45 @@ class LeaseWatch:
 
 
 @dataclass
+class GiveUp:
+    """When a cancelled transfer stops waiting for its posted chunks: set at its first
+    cancellation, and kept for every later wait of the same transfer."""
+
+    at: float | None = None
+    gave_up: bool = False
+
+
+async def outlast(
+    tasks: Sequence[asyncio.Future[Any]],
+    give_up: GiveUp,
+    patience_s: float,
+    *,
+    cancelled: bool,
+    what: str,
+) -> None:
+    """Wait until every one of `tasks` (posted chunks, or a read of them) has ended,
+    without cancelling them: NIXL could not stop them. Cancelling this wait (or
+    `cancelled`: the caller was) is passed on once they have ended, or `patience_s`
+    after the transfer was first cancelled (only a NIXL thread stuck in a call ends no
+    chunk by then, and the sidecar's exit must not wait for that)."""
+    while running := [task for task in tasks if not task.done()]:
+        if cancelled and give_up.at is None:
+            give_up.at = time.monotonic() + patience_s
+        left = None if give_up.at is None or not cancelled else give_up.at - time.monotonic()
+        if left is not None and left <= 0:
+            if not give_up.gave_up:
+                log.error("%s did not end within its stall deadline", what)
+                give_up.gave_up = True
+            break
+        try:
+            await asyncio.wait(running, timeout=left)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+@dataclass
 class Pull:
     engine: Engine
     params: TransferParams
@@ -116,8 +155,7 @@ class Pull:
     task: asyncio.Task[None] | None = None
     reading: asyncio.Task[TransferResult] | None = None  # its read, once chunks are handed on
     # Cancelled, it waits for its read until then, once for all its waits (`_ended`).
-    give_up_at: float | None = None
-    gave_up: bool = False
+    give_up: GiveUp = field(default_factory=GiveUp)
     renewing: asyncio.Task[None] | None = None  # its heartbeat, cancelled once read
     result: TransferResult | None = None  # the executed read, for its metrics
     slotted: float | None = None  # when it got its running slot (monotonic)
@@ -280,30 +318,14 @@ async def _read(
 
 async def _ended(pull: Pull, ctx: PullContext, *, cancelled: bool = False) -> TransferResult:
     """The pull's read's result, once every chunk it posted has ended (each does by its
-    stall deadline). Cancelling this (or `cancelled`: the caller was) does not cancel the
-    read, which would not stop NIXL, only the waiting for it: the cancellation is passed
-    on once the read has ended, or a stall deadline after the pull was first cancelled
-    (only a NIXL thread stuck in a call ends no chunk by then, and the sidecar's exit
-    must not wait for that), whichever of its waits that falls in."""
+    stall deadline); a cancellation, this wait's or `cancelled`, is passed on as
+    `outlast` says, with one give-up time for all the pull's waits."""
     reading = pull.reading
     assert reading is not None
-    while not reading.done():
-        if cancelled and pull.give_up_at is None:
-            pull.give_up_at = time.monotonic() + ctx.options.stall_deadline_s + 1
-        left = (
-            None if pull.give_up_at is None or not cancelled else pull.give_up_at - time.monotonic()
-        )
-        if left is not None and left <= 0:
-            if not pull.gave_up:
-                log.error("a cancelled pull's read did not end within its stall deadline")
-                pull.gave_up = True
-            break
-        try:
-            await asyncio.wait((reading,), timeout=left)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
+    patience_s = ctx.options.stall_deadline_s + 1
+    await outlast(
+        [reading], pull.give_up, patience_s, cancelled=cancelled, what="a cancelled pull's read"
+    )
     return reading.result()
 
 

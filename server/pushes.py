@@ -47,6 +47,7 @@ from kvxfer.server.engines import Engine
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import PeerLink, PeerLinks
 from kvxfer.server.pulls import (
+    GiveUp,
     all_failed,
     all_finished,
     check_held,
@@ -54,6 +55,7 @@ from kvxfer.server.pulls import (
     heartbeat,
     observe,
     outcome,
+    outlast,
     stop_heartbeat,
 )
 from kvxfer.server.settings import Settings
@@ -166,23 +168,8 @@ async def _drain(push: Push, poster: ChunkPoster, patience_s: float, cancelled: 
     ends no chunk by then, and the sidecar's exit must not wait for that: the push is
     then not settled, and the decode side revokes our access before it reports)."""
     push.cancel.set()
-    give_up = time.monotonic() + patience_s if cancelled else None
-    while True:
-        left = None if give_up is None else give_up - time.monotonic()
-        if left is not None and left <= 0:
-            log.error("a cancelled push's chunks did not end within its stall deadline")
-            break
-        try:
-            await asyncio.wait_for(poster.drain(), left)
-            break
-        except TimeoutError:
-            continue
-        except asyncio.CancelledError:
-            if give_up is None:
-                give_up = time.monotonic() + patience_s
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
+    what = "a cancelled push's chunks"
+    await outlast(poster.handed(), GiveUp(), patience_s, cancelled=cancelled, what=what)
 
 
 class Pushes:

@@ -230,12 +230,10 @@ class ChunkPoster:
         statuses = await asyncio.gather(*(self._tasks[c] for c in chunks))
         return dict(zip(chunks, statuses, strict=True))
 
-    async def drain(self) -> None:
-        """Wait until every chunk handed in has ended, whatever its outcome. Cancelling
-        this wait leaves the chunks running (`wait` would cancel them with it)."""
-        running = {task for task in self._tasks.values() if not task.done()}
-        if running:
-            await asyncio.wait(running)
+    def handed(self) -> list[asyncio.Task[TransferStatus]]:
+        """The tasks of the chunks handed in, one per handle: what to wait on, without
+        cancelling them (`wait` would cancel them with it), for all of them to end."""
+        return list(dict.fromkeys(self._tasks.values()))
 
     def all_ended(self) -> bool:
         """Every chunk handed in ended with a status: none is still posted, and none has
