@@ -363,18 +363,25 @@ async def _reader(pull: Pull, ctx: PullContext) -> Reader:
 def _execute(
     pull: Pull, ctx: PullContext, reader: Reader, posted: asyncio.Future[None] | None = None
 ) -> asyncio.Task[TransferResult]:
-    """The read of the pull's plan, its chunks bound and handed on before this returns."""
-    return execute_plan(
-        pull.plan,
-        backend=reader.backend,
-        peer=reader.peer,
-        local=pull.engine.bound,
-        remote=pull.link.hello.buffers,
-        block_size=pull.engine.layout.block_size,
-        options=ctx.options,
-        cancel=pull.cancel,
-        posted=posted,
-    )
+    """The read of the pull's plan, its chunks bound and handed on before this returns;
+    `reader` is the pull's until the read has ended."""
+    try:
+        reading = execute_plan(
+            pull.plan,
+            backend=reader.backend,
+            peer=reader.peer,
+            local=pull.engine.bound,
+            remote=pull.link.hello.buffers,
+            block_size=pull.engine.layout.block_size,
+            options=ctx.options,
+            cancel=pull.cancel,
+            posted=posted,
+        )
+    except BaseException:
+        ctx.readers.done(reader)
+        raise
+    reading.add_done_callback(lambda _: ctx.readers.done(reader))
+    return reading
 
 
 async def _refused(pull: Pull, ctx: PullContext, reason: str) -> PullDone:

@@ -41,7 +41,7 @@ from kvxfer.core.requests import (
 )
 from kvxfer.dataplane.adapter import TransferStatus
 from kvxfer.dataplane.executor import ChunkPoster, ExecOptions, in_plan_order, summarize
-from kvxfer.dataplane.readers import Readers
+from kvxfer.dataplane.readers import Reader, Readers
 from kvxfer.server.destinations import check_push_accepted
 from kvxfer.server.engines import Engine
 from kvxfer.server.metrics import Metrics
@@ -315,6 +315,12 @@ class Pushes:
             )
         except KvxferError as exc:
             return self._all_failed(push, PullStatus.FAILED, f"no NIXL agent to write with: {exc}")
+        try:
+            return await self._write(push, peer, writer)
+        finally:
+            self._writers.done(writer)
+
+    async def _write(self, push: Push, peer: str, writer: Reader) -> Pushed:
         poster = ChunkPoster(
             writer.backend,
             writer.peer,

@@ -93,6 +93,14 @@ class TransferSettings(_Group):
         32, ge=1, le=4096, description="NIXL handles posted at once per pull or push"
     )
     rpc_timeout_s: float = Field(5.0, gt=0, le=300, description="deadline of each peer RPC")
+    agents_per_peer: int = Field(
+        2,
+        ge=1,
+        le=16,
+        description="NIXL agents, each with a thread of its own, that read from one peer "
+        "into one engine (or write to it); another is opened only while every open one is "
+        "busy, so that many transfers at once copy on more than one core",
+    )
     modes: tuple[TransferMode, ...] = Field(
         (TransferMode.PULL, TransferMode.PUSH),
         min_length=1,

@@ -318,7 +318,9 @@ async def in_process_sidecar(
     backend = ServingAgent(name)
     await backend.start()
     factory = readers or (lambda prefix: NixlAgent(prefix, AgentOptions()))
-    sidecar = Sidecar(settings, backend, Metrics(), Readers(factory))
+    sidecar = Sidecar(
+        settings, backend, Metrics(), Readers(factory, settings.transfer.agents_per_peer)
+    )
     sidecar.start()
     try:
         yield sidecar

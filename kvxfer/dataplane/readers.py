@@ -8,10 +8,21 @@ engine's buffers registered and only that peer loaded. A stalled peer severs
 the pulls from it into one engine, never a pull from another peer, and the
 next pull from it gets a fresh agent.
 
-`Readers` hands out the open reader for a pair, creating it (agent, memory
+`Readers` hands out an open reader for a pair, creating it (agent, memory
 registration, peer metadata) when there is none, when the last one was
 severed, or when the peer's metadata changed. Before an engine's memory is
 unmapped, `close_engine` destroys every agent that could write into it.
+
+A pair has up to `per_pair` readers, each its own agent and NIXL thread. On
+one host a read copies on the thread that posts it, so one agent copies one
+pull at a time: with many pulls from one peer at once, a second agent lets
+the host's other cores copy too. `get` hands out an idle reader of the pair
+(the first, for pulls that come one at a time), opens another while every
+open one is busy and there is room, and otherwise the least busy; `done`
+says a read (or write) that `get` handed a reader to has ended. Which agent a
+transfer uses changes nothing else: each has the engine's buffers and the
+peer registered, and a failure severs the agent it happened on, with every
+transfer in flight there.
 
 Creating a NIXL agent with its UCX backend is the slow part of opening a
 reader: about 450 ms for the first one in a process (UCX's own start-up,
@@ -47,18 +58,29 @@ class Reader:
     backend: TransferBackend
     peer: str  # the remote agent's name inside `backend`
     metadata: bytes
+    busy: int = 0  # transfers `get` handed it to that have not ended (`Readers.done`)
+
+    def usable(self, metadata: bytes) -> bool:
+        return not self.backend.closed and self.metadata == metadata
+
+
+Key = tuple[str, str, int]  # (peer, engine, which of the pair's readers)
 
 
 class Readers:
-    def __init__(self, factory: BackendFactory) -> None:
+    def __init__(self, factory: BackendFactory, per_pair: int = 1) -> None:
+        if per_pair < 1:
+            raise ValueError(f"per_pair must be at least 1, not {per_pair}")
         self._factory = factory
-        self._readers: dict[tuple[str, str], Reader] = {}
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self.per_pair = per_pair
+        self._readers: dict[Key, Reader] = {}
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self._waiting: dict[Key, int] = {}  # `get`s waiting for a key's reader to open
         self._spare: asyncio.Future[TransferBackend] | None = None
         self._closed = False
         # Replaced readers whose thread did not stop (stuck in a NIXL call): they may still
         # touch their engine's buffers, which must then stay mapped (`close_engine`).
-        self._stuck: list[tuple[tuple[str, str], Reader]] = []
+        self._stuck: list[tuple[Key, Reader]] = []
 
     def start(self) -> None:
         """Create a spare agent in the background, unless one is there or coming."""
@@ -78,22 +100,50 @@ class Readers:
     async def get(
         self, peer_key: str, engine_key: str, metadata: bytes, buffers: Sequence[MappedBuffer]
     ) -> Reader:
-        """The open reader from `peer_key` into `engine_key`'s `buffers`."""
-        key = (peer_key, engine_key)
-        async with self._locks.setdefault(key, asyncio.Lock()):
-            reader = self._readers.get(key)
-            if reader is not None and not reader.backend.closed and reader.metadata == metadata:
+        """An open reader from `peer_key` into `engine_key`'s `buffers`, counted busy until
+        `done` is called for it."""
+        key = (peer_key, engine_key, self._slot(peer_key, engine_key, metadata))
+        self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            async with self._locks.setdefault(key, asyncio.Lock()):
+                reader = self._readers.get(key)
+                if reader is None or not reader.usable(metadata):
+                    if reader is not None:
+                        await reader.backend.close()  # severed or stale: its thread ends
+                        if reader.backend.alive:
+                            self._stuck.append((key, reader))
+                    self._readers[key] = reader = await self._open(key, metadata, buffers)
+                reader.busy += 1
                 return reader
-            if reader is not None:
-                await reader.backend.close()  # severed or stale: its thread is done or ends
-                if reader.backend.alive:
-                    self._stuck.append((key, reader))
-            self._readers[key] = reader = await self._open(key, metadata, buffers)
-            return reader
+        finally:
+            self._waiting[key] -= 1
+            if not self._waiting[key]:
+                del self._waiting[key]
 
-    async def _open(
-        self, key: tuple[str, str], metadata: bytes, buffers: Sequence[MappedBuffer]
-    ) -> Reader:
+    @staticmethod
+    def done(reader: Reader) -> None:
+        """A transfer `get` handed `reader` to has ended."""
+        reader.busy -= 1
+
+    def _slot(self, peer_key: str, engine_key: str, metadata: bytes) -> int:
+        """Which of the pair's readers a transfer gets: the first idle one; else the first
+        neither open nor being opened, to open; else the least loaded."""
+        loads = [self._load((peer_key, engine_key, i), metadata) for i in range(self.per_pair)]
+        if 0 in loads:
+            return loads.index(0)
+        if None in loads:
+            return loads.index(None)
+        return min(range(self.per_pair), key=lambda i: loads[i] or 0)
+
+    def _load(self, key: Key, metadata: bytes) -> int | None:
+        """The transfers on `key`'s reader and those waiting for it to open; None when it
+        is neither open (nor usable: severed, stale) nor being opened."""
+        reader, waiting = self._readers.get(key), self._waiting.get(key, 0)
+        if reader is not None and reader.usable(metadata):
+            return reader.busy + waiting
+        return waiting or None
+
+    async def _open(self, key: Key, metadata: bytes, buffers: Sequence[MappedBuffer]) -> Reader:
         start = time.perf_counter()
         backend = await self._agent()
         created = time.perf_counter()
@@ -105,7 +155,7 @@ class Readers:
             await backend.close()
             raise
         log.info(
-            "reader %s opened for peer %s into engine %s in %.1f ms "
+            "reader %s opened for peer %s into engine %s (reader %d of the pair) in %.1f ms "
             "(agent %.1f, registration %.1f, peer metadata %.1f)",
             backend.name,
             *key,
@@ -133,7 +183,7 @@ class Readers:
         gone = await self._close(list(self._readers))
         return self._none_stuck(lambda key: True) and gone
 
-    async def _close(self, keys: list[tuple[str, str]]) -> bool:
+    async def _close(self, keys: list[Key]) -> bool:
         gone = True
         for key in keys:
             reader = self._readers.pop(key)
@@ -144,7 +194,7 @@ class Readers:
                 gone = False
         return gone
 
-    def _none_stuck(self, touches: Callable[[tuple[str, str]], bool]) -> bool:
+    def _none_stuck(self, touches: Callable[[Key], bool]) -> bool:
         """No replaced reader whose key `touches` still runs (those that stopped since
         are forgotten)."""
         self._stuck = [(key, reader) for key, reader in self._stuck if reader.backend.alive]

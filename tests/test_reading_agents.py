@@ -1,0 +1,194 @@
+"""A pair of peer and engine reads through up to `transfer.agents_per_peer` agents.
+
+On one host a NIXL read copies on the thread that posts it, so one agent copies
+one pull at a time. `Readers` hands a transfer the pair's first idle agent,
+opens another while every open one is busy, and otherwise picks the least busy.
+The units drive `Readers` with agents that only count; the end-to-end test
+pulls many requests at once from a real prefill sidecar into a real decode
+`Sidecar` in this process (real NIXL agents), and checks every byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+from sidecars import engine_link, in_process_sidecar, pump, spans, start_engine, start_sidecar
+
+from kvxfer.client.shm import shm_kv_cache
+from kvxfer.core.requests import EngineEvent, PullDone, PullStatus
+from kvxfer.dataplane.readers import Reader, Readers
+from kvxfer.server.settings import load_settings
+
+
+class _Agent:
+    """The part of a TransferBackend `Readers` drives. `gate`, when set, holds every
+    agent's peer loading until it is set (a slow open)."""
+
+    made: ClassVar[list[_Agent]] = []
+    gate: ClassVar[asyncio.Event | None] = None
+
+    def __init__(self, prefix: str) -> None:
+        _Agent.made.append(self)
+        self.name = f"{prefix}-{len(_Agent.made)}"
+        self.closed = False
+        self.alive = True
+
+    async def register(self, buffers: object) -> None:
+        pass
+
+    async def add_peer(self, metadata: bytes) -> str:
+        if _Agent.gate is not None:
+            await _Agent.gate.wait()
+        return "peer"
+
+    async def close(self) -> None:
+        self.closed = True
+        self.alive = False
+
+
+@pytest.fixture
+def agents() -> Any:
+    _Agent.made, _Agent.gate = [], None
+    return _Agent
+
+
+async def get(readers: Readers, metadata: bytes = b"v1", engine: str = "e") -> Reader:
+    return await readers.get("peer", engine, metadata, [])
+
+
+async def test_transfers_one_at_a_time_use_one_agent(agents: Any) -> None:
+    readers = Readers(agents, per_pair=2)
+    for _ in range(5):
+        reader = await get(readers)
+        readers.done(reader)
+    assert len(readers) == 1
+    assert reader.busy == 0
+
+
+async def test_a_second_agent_opens_while_the_first_is_busy_then_the_least_busy_is_used(
+    agents: Any,
+) -> None:
+    readers = Readers(agents, per_pair=2)
+    first, second = await get(readers), await get(readers)
+    assert first is not second and len(readers) == 2
+    third = await get(readers)  # both busy, no room: the least busy (the first, on a tie)
+    assert third is first and first.busy == 2 and second.busy == 1
+    readers.done(second)
+    assert await get(readers) is second  # idle again: taken before a busier one
+    assert len(readers) == 2  # never more than per_pair
+
+
+async def test_transfers_waiting_for_an_agent_to_open_count_as_its_load(agents: Any) -> None:
+    """While the second agent opens, the transfers that arrive meanwhile are spread over
+    both, instead of all queueing for the one being opened."""
+    readers = Readers(agents, per_pair=2)
+    first = await get(readers)
+    agents.gate = asyncio.Event()
+    waiting = [asyncio.create_task(get(readers)) for _ in range(4)]
+    await asyncio.sleep(0)  # each has chosen its reader
+    agents.gate.set()
+    got = await asyncio.gather(*waiting)
+    second = next(r for r in got if r is not first)
+    assert sorted(r.busy for r in (first, second)) == [2, 3]
+    assert sum(r is second for r in got) == 2  # the opening one and one more
+
+
+async def test_one_agent_per_pair_when_set_to_one(agents: Any) -> None:
+    readers = Readers(agents, per_pair=1)
+    held = [await get(readers) for _ in range(3)]
+    assert len({id(r) for r in held}) == 1 and held[0].busy == 3
+    with pytest.raises(ValueError, match="per_pair"):
+        Readers(agents, per_pair=0)
+
+
+async def test_stale_or_severed_agents_are_replaced_and_an_engine_closes_all_of_its(
+    agents: Any,
+) -> None:
+    readers = Readers(agents, per_pair=2)
+    first, second = await get(readers), await get(readers)
+    readers.done(first)
+    readers.done(second)
+    await first.backend.close()  # severed
+    replaced = await get(readers)  # the idle, open second first; then a fresh agent
+    assert replaced is second
+    fresh = await get(readers)
+    assert fresh is not first and not fresh.backend.closed
+    newer = await get(readers, metadata=b"v2")  # the peer's metadata changed
+    assert newer.metadata == b"v2" and newer not in (second, fresh)
+    assert await get(readers, engine="other") is not None
+    assert await readers.close_engine("e") is True
+    assert second.backend.closed and fresh.backend.closed and newer.backend.closed
+    assert len(readers) == 1  # the other engine's
+
+
+def test_the_setting_is_bounded_and_two_by_default() -> None:
+    assert load_settings([]).transfer.agents_per_peer == 2
+    for bad in ("0", "17"):
+        with pytest.raises(Exception, match="agents_per_peer"):
+            load_settings(["--transfer.agents-per-peer", bad])
+
+
+MODEL = "llama-3.1-8b"  # one full-attention group
+PULLS = 8
+BLOCKS = 16  # per pull
+NUM_BLOCKS = PULLS * BLOCKS
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+async def test_pulls_at_once_from_one_peer_read_through_two_agents_byte_exact(
+    tmp_path: Path,
+) -> None:
+    p = start_sidecar(tmp_path, "p")
+    procs: list[Any] = [p]
+    try:
+        pe = start_engine(tmp_path, p, MODEL, "prefill", num_blocks=NUM_BLOCKS)
+        procs.append(pe)
+        layout = pe.layout
+        tokens = BLOCKS * layout.block_size
+        with shm_kv_cache(layout, NUM_BLOCKS, prefix=f"kvxfer-agents-{os.getpid()}") as kv:
+            for region in kv.layout.regions:
+                kv.view(region.buffer)[:] = 0xA5
+            async with (
+                in_process_sidecar("d-agents") as d,
+                engine_link(p, pe) as (pc, _),
+            ):
+                engine = await d.register_engine(kv.layout, kv.buffers, "decode")
+                events: asyncio.Queue[EngineEvent] = asyncio.Queue()
+                pumping = asyncio.create_task(pump(d.watch(engine.engine_id), events))
+                # Source blocks in one order, destination blocks reversed: every pull
+                # lands somewhere else than it read from.
+                pulls = []
+                for i in range(PULLS):
+                    src = spans({0: range(i * BLOCKS, (i + 1) * BLOCKS)})
+                    params = await pc.publish(f"r{i}", tokens, src)
+                    j = PULLS - 1 - i
+                    dst = tuple(spans({0: range(j * BLOCKS, (j + 1) * BLOCKS)}))
+                    pulls.append((params, i, j, dst))
+                await asyncio.gather(
+                    *(d.pull(engine.engine_id, params, dst, 0) for params, _, _, dst in pulls)
+                )
+                done = [await asyncio.wait_for(events.get(), 60) for _ in range(PULLS)]
+                pair = [r for key, r in d._readers._readers.items() if key[1] == engine.engine_id]
+                busy = [r.busy for r in pair]
+                pumping.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pumping
+                for _, i, j, _ in pulls:
+                    for k in range(BLOCKS):
+                        for tensor in layout.groups[0].tensors:
+                            want = pe.block(tensor.name, i * BLOCKS + k)
+                            got = kv.block(tensor.name, j * BLOCKS + k)
+                            assert np.array_equal(got, want), (tensor.name, i, k)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+    assert all(isinstance(e, PullDone) and e.status is PullStatus.OK for e in done), done
+    assert len(pair) == 2, f"the pulls read through {len(pair)} agent(s), not 2"
+    assert busy == [0, 0]
