@@ -203,6 +203,9 @@ def test_burst_summary_pools_rounds_and_counts_errors() -> None:
     assert row["raw_nixl_gbps"] == 2.0  # 4 pulls of 1 GB in 2 s
     assert row["kvxfer_gbps"] == 0.75  # 3 pulls done in 4 s
     assert row["kvxfer_vs_raw"] == 0.375
+    assert row["raw_nixl_2agents_gbps"] is None and row["kvxfer_vs_raw_2agents"] is None
+    two = summarize_bursts(2, 10**9, raw, kvx, [Burst(0.5, [0.25, 0.5])])
+    assert two["raw_nixl_2agents_gbps"] == 4.0 and two["kvxfer_vs_raw_2agents"] == 0.188
     assert (row["kvxfer_ms_p50"], row["kvxfer_ms_p99"]) == (1500.0, 2000.0)
     assert row["errors"] == 1 and row["error_examples"] == ["refused"]
 
@@ -236,9 +239,9 @@ class _Case:
 
         return [pull] * level
 
-    async def raw_burst(self, tokens: int, level: int) -> Burst:
-        self.calls.append(("raw", level))
-        return Burst(0.5, [0.5] * level)
+    async def raw_burst(self, tokens: int, level: int, agents: int = 1) -> Burst:
+        self.calls.append(("raw" if agents == 1 else f"raw{agents}", level))
+        return Burst(0.5 / agents, [0.5 / agents] * level)
 
 
 async def test_levels_alternate_who_goes_first_and_skip_oversized_bursts() -> None:
@@ -248,16 +251,23 @@ async def test_levels_alternate_who_goes_first_and_skip_oversized_bursts() -> No
     )
     assert [r["concurrency"] for r in rows] == [1, 8]
     assert case.calls == [("raw", 1), ("kvxfer", 1), ("kvxfer", 1), ("raw", 1),
-                          ("raw", 8), ("kvxfer", 8), ("kvxfer", 8), ("raw", 8)]  # fmt: skip
+                          ("raw", 8), ("raw2", 8), ("kvxfer", 8),
+                          ("kvxfer", 8), ("raw2", 8), ("raw", 8)]  # fmt: skip
     (skip,) = skipped
     assert skip["concurrency"] == 64 and "--concurrency-max-gib" in skip["reason"]
+    one, eight = rows
+    assert one["raw_nixl_2agents_gbps"] is None and one["kvxfer_vs_raw_2agents"] is None
+    assert eight["raw_nixl_2agents_gbps"] == pytest.approx(2 * eight["raw_nixl_gbps"], rel=1e-3)
     for row in rows:
         assert row["errors"] == 0 and row["rounds"] == 2 and row["bytes_per_pull"] == 1 << 20
         assert row["self_sidecar_rss_mib"] > 0 and row["self_sidecar_cpu_cores"] is not None
 
 
 def test_the_text_report_shows_handshakes_levels_and_skipped_bursts() -> None:
-    level = summarize_bursts(1024, 1 << 20, [Burst(1.0, [1.0] * 1024)], [Burst(2.0, [2.0] * 1024)])
+    level = summarize_bursts(
+        1024, 1 << 20, [Burst(1.0, [1.0] * 1024)], [Burst(2.0, [2.0] * 1024)],
+        [Burst(0.5, [0.5] * 1024)],
+    )  # fmt: skip
     report = {
         "memcpy_gbps": 5.0,
         "cases": [],
@@ -270,7 +280,8 @@ def test_the_text_report_shows_handshakes_levels_and_skipped_bursts() -> None:
     lines = report_text(report).splitlines()
     assert "m: handshake 14.0 ms; first pull 500.0 ms, next 4.0 ms (one block)" in lines
     (row,) = [line for line in lines if line.startswith("m ") and " 1024 " in line]
-    assert row.split()[2:6] == ["1024", "1.07", "0.54", "0.500"]  # pulls, raw, kvxfer, ratio
+    # pulls, raw, kvxfer, ratio, raw on two agents, ratio
+    assert row.split()[2:8] == ["1024", "1.07", "0.54", "0.500", "2.15", "0.250"]
     assert "-/0.9" in row  # no prefill CPU in this row, the decode sidecar's 0.9 cores
     assert "skipped m 16384 x 256: too big" in lines
 

@@ -396,6 +396,7 @@ class _Case:
         self.local: list[MappedBuffer] = []
         self.writable: dict[str, npt.NDArray[np.uint8]] = {}
         self.peer = ""
+        self.second: tuple[NixlAgent, str] | None = None  # `_second_agent`
         self.hello: PeerHello | None = None
         self.ids = 0
         self.p_client = EngineClient(p.ready["engine_address"], engine_id=pe.engine_id, lane=lane)
@@ -456,6 +457,8 @@ class _Case:
         await self.p_client.close()
         await self.d_client.close()
         await self.agent.deregister(self.local)
+        if self.second is not None:
+            await self.second[0].close()  # before the buffers it registered are unmapped
         for buffer in self.local:
             buffer.close()
         self.writable.clear()
@@ -593,9 +596,34 @@ class _Case:
         spans, nbytes, _, _ = self._descriptors(tokens)
         return await self._published(tokens, spans, nbytes, level)
 
-    async def raw_burst(self, tokens: int, level: int) -> Burst:
+    async def raw_burst(self, tokens: int, level: int, agents: int = 1) -> Burst:
         _, _, mine, remote = self._descriptors(tokens)
-        return await self.agent.run_on_agent(lambda a: raw_burst(a, self.peer, mine, remote, level))
+        if agents == 1:
+            return await self.agent.run_on_agent(
+                lambda a: raw_burst(a, self.peer, mine, remote, level)
+            )
+        second, peer = await self._second_agent()
+        start = time.perf_counter()
+        halves = await asyncio.gather(
+            self.agent.run_on_agent(lambda a: raw_burst(a, self.peer, mine, remote, level // 2)),
+            second.run_on_agent(lambda a: raw_burst(a, peer, mine, remote, level - level // 2)),
+        )
+        latencies = [t for half in halves for t in half.latencies_s]
+        return Burst(time.perf_counter() - start, latencies)
+
+    async def _second_agent(self) -> tuple[NixlAgent, str]:
+        """A second agent of the bench's, its own thread, with the same buffers and peer
+        (for raw NIXL on two agents); made once per case, closed with it."""
+        if self.second is None:
+            assert self.hello is not None  # `_start` fetched it
+            agent = NixlAgent("kvxfer-bench-2")
+            try:
+                await agent.register(self.local)
+                self.second = (agent, await agent.add_peer(self.hello.agent_metadata))
+            except BaseException:
+                await agent.close()
+                raise
+        return self.second
 
     async def first_pulls(self) -> dict[str, Any]:
         """The first pull from this prefill engine (the decode sidecar's handshake with

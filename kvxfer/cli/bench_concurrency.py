@@ -1,10 +1,14 @@
 """`kvxfer-cli bench --concurrency 1,8,64`: many pulls at once, kvxfer against raw NIXL.
 
 A burst issues `level` pulls of the same request size at once and waits for
-all of them, twice per round: kvxfer (`level` Pull calls on the decode
-engine's socket, each to its PullDone) and raw NIXL (`level` READ handles
+all of them, three times per round: kvxfer (`level` Pull calls on the decode
+engine's socket, each to its PullDone), raw NIXL (`level` READ handles
 created and posted by the bench's own agent, then polled until all are
-done). Every pull reads the same source blocks into the same destination
+done), and raw NIXL on two agents (half the handles each, each agent on its
+own thread: on one host a read copies on the thread that posts it, and the
+decode sidecar reads through up to two agents per peer by default, so this
+is the like-for-like baseline beside the one-agent one; not run for one
+pull). Every pull reads the same source blocks into the same destination
 blocks, so memory does not grow with the level. Reported per (size, level):
 aggregate GB/s (bytes of all pulls over the burst's wall time, pooled over the
 rounds), latency p50/p99 from the start of the burst to each pull's end, the
@@ -53,10 +57,15 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize_bursts(
-    level: int, nbytes: int, raw: Sequence[Burst], kvx: Sequence[Burst]
+    level: int,
+    nbytes: int,
+    raw: Sequence[Burst],
+    kvx: Sequence[Burst],
+    raw2: Sequence[Burst] = (),
 ) -> dict[str, Any]:
     """Aggregate GB/s pooled over the rounds (done pulls' bytes over total wall time),
-    latency percentiles over every pull of every round, and the errors."""
+    latency percentiles over every pull of every round, and the errors; `raw2`, raw
+    NIXL on two agents, where it ran."""
 
     def gbps(bursts: Sequence[Burst]) -> float:
         wall = sum(b.wall_s for b in bursts)
@@ -67,8 +76,12 @@ def summarize_bursts(
         values = [x for b in bursts for x in b.latencies_s]
         return round(percentile(values, q) * 1e3, 3) if values else None
 
-    raw_gbps, kvx_gbps = gbps(raw), gbps(kvx)
+    raw_gbps, kvx_gbps, raw2_gbps = gbps(raw), gbps(kvx), gbps(raw2)
     errors = [e for b in kvx for e in b.errors]
+    two_agents = {
+        "raw_nixl_2agents_gbps": round(raw2_gbps, 3) if raw2 else None,
+        "kvxfer_vs_raw_2agents": round(kvx_gbps / raw2_gbps, 3) if raw2_gbps else None,
+    }
     return {
         "concurrency": level,
         "bytes_per_pull": nbytes,
@@ -76,6 +89,7 @@ def summarize_bursts(
         "raw_nixl_gbps": round(raw_gbps, 3),
         "kvxfer_gbps": round(kvx_gbps, 3),
         "kvxfer_vs_raw": round(kvx_gbps / raw_gbps, 3) if raw_gbps else None,
+        **two_agents,
         "raw_ms_p50": ms(raw, 50),
         "raw_ms_p99": ms(raw, 99),
         "kvxfer_ms_p50": ms(kvx, 50),
@@ -123,7 +137,9 @@ class BurstCase(Protocol):
         """`level` requests published (not timed), each with its timed pull."""
         ...
 
-    async def raw_burst(self, tokens: int, level: int) -> Burst: ...
+    async def raw_burst(self, tokens: int, level: int, agents: int = 1) -> Burst:
+        """`level` raw reads at once, split over `agents` agents (1 or 2)."""
+        ...
 
 
 async def measure_levels(
@@ -151,19 +167,24 @@ async def measure_levels(
             )
             continue
         raw: list[Burst] = []
+        raw2: list[Burst] = []
         kvx: list[Burst] = []
         cpu_s = dict.fromkeys(pids, 0.0)
+        order = ("raw", "raw2", "kvxfer") if level > 1 else ("raw", "kvxfer")
         for i in range(rounds):
-            for name in ("raw", "kvxfer") if i % 2 == 0 else ("kvxfer", "raw"):
+            for name in order if i % 2 == 0 else order[::-1]:
                 if name == "raw":
                     raw.append(await case.raw_burst(tokens, level))
+                    continue
+                if name == "raw2":
+                    raw2.append(await case.raw_burst(tokens, level, agents=2))
                     continue
                 pulls = await case.kvxfer_burst(tokens, level)
                 before = {role: tree_cpu_s(pid) for role, pid in pids.items()}
                 kvx.append(await timed_burst(pulls))
                 for role, pid in pids.items():
                     cpu_s[role] += tree_cpu_s(pid) - before[role]
-        row = {"tokens": tokens, **summarize_bursts(level, nbytes, raw, kvx)}
+        row = {"tokens": tokens, **summarize_bursts(level, nbytes, raw, kvx, raw2)}
         wall_s = sum(b.wall_s for b in kvx)
         for role, pid in pids.items():
             row[f"{role}_sidecar_cpu_cores"] = round(cpu_s[role] / wall_s, 2) if wall_s else None

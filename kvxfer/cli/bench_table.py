@@ -48,7 +48,8 @@ _PAIRING_COLUMNS = [
 
 _LEVEL_COLUMNS = [
     Column("model"),
-    *_right("tokens", "pulls", "raw GB/s", "kvxfer", "kvx/raw", "raw p50/p99 ms"),
+    *_right("tokens", "pulls", "raw GB/s", "kvxfer", "kvx/raw", "raw2", "kvx/raw2"),
+    *_right("raw p50/p99 ms"),
     *_right("kvxfer p50/p99 ms", "errors", "CPU p/d", "RSS p/d MiB"),
 ]
 
@@ -98,17 +99,20 @@ def levels_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     cells = []
     for r in rows:
         ratio = f"{r['kvxfer_vs_raw']:.3f}" if r["kvxfer_vs_raw"] is not None else "-"
+        raw2, ratio2 = r.get("raw_nixl_2agents_gbps"), r.get("kvxfer_vs_raw_2agents")
         cells.append([
             r["model"], str(r["tokens"]), str(r["concurrency"]), f"{r['raw_nixl_gbps']:.2f}",
-            f"{r['kvxfer_gbps']:.2f}", ratio, _pair(r["raw_ms_p50"], r["raw_ms_p99"]),
+            f"{r['kvxfer_gbps']:.2f}", ratio, "-" if raw2 is None else f"{raw2:.2f}",
+            "-" if ratio2 is None else f"{ratio2:.3f}", _pair(r["raw_ms_p50"], r["raw_ms_p99"]),
             _pair(r["kvxfer_ms_p50"], r["kvxfer_ms_p99"]), str(r["errors"]),
             _pair(r.get("prefill_sidecar_cpu_cores"), r.get("decode_sidecar_cpu_cores")),
             _pair(r.get("prefill_sidecar_rss_mib"), r.get("decode_sidecar_rss_mib")),
         ])  # fmt: skip
     return [
         *table(_LEVEL_COLUMNS, cells).splitlines(),
-        "(pulls at once; GB/s of all pulls over the burst's wall time; latency from the "
-        "burst's start; CPU in cores and RSS without shared memory, prefill/decode sidecar)",
+        "(pulls at once; GB/s of all pulls over the burst's wall time; raw2: raw NIXL on two "
+        "agents, each its own thread; latency from the burst's start; CPU in cores and RSS "
+        "without shared memory, prefill/decode sidecar)",
     ]
 
 
