@@ -128,7 +128,8 @@ async def serve(settings: Settings) -> int:
         "sidecar_id": sidecar.sidecar_id,
         "pid": os.getpid(),
         "event_loop": loop_name(loop),
-        "gil_switch_interval_s": sys.getswitchinterval(),
+        # As Python keeps it (0.1 ms reads back as 9.999999999999999e-05), to the ns.
+        "gil_switch_interval_s": round(sys.getswitchinterval(), 9),
         "frozen_objects": settle_heap(),
     }
     print(json.dumps(ready), flush=True)

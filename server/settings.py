@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -495,14 +496,26 @@ def _invalid(
     return SettingsInvalidError([(shown, why) for _, shown, why in refused] + rest)
 
 
+_PARSE_ERROR = re.compile(r'error parsing value for field "(\w+)" from source "(\w+)"')
+
+
 def _env_error(message: str) -> tuple[str, str]:
-    """pydantic-settings' 'error parsing value for field "nixl" from source ...' as the
-    variables to fix."""
-    field = message.split('"')[1] if message.count('"') >= 2 else ""
-    if not field:
+    """pydantic-settings' 'error parsing value for field "nixl" from source "EnvSource"'
+    as the flag or variables to fix; only a field of Settings is named so (anything
+    else is passed on as it is, never read as a name)."""
+    found = _PARSE_ERROR.search(message)
+    if found is None or found[1] not in Settings.model_fields:
         return "settings", message
+    field, source = found[1], found[2]
+    where = (
+        f"--{field.replace('_', '-')}"
+        if "Cli" in source
+        else f"{PREFIX}{field.upper()}*"
+        if "Env" in source
+        else "--config"
+    )
     return (
-        f"{field} ({PREFIX}{field.upper()}*)",
+        f"{field} ({where})",
         'not valid: lists are A,B or JSON ["A","B"], a whole group a JSON object',
     )
 

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource
+from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource, SettingsError
 
 from kvxfer._exceptions import InvalidInputError
 from kvxfer._version import version
@@ -129,6 +129,25 @@ def _not_a_pair(entries: Sequence[str]) -> str | None:
         key, sep, _ = entry.partition("=")
         if not sep or not key.strip():
             return f"expected KEY=VALUE[,KEY=VALUE...], got {entry!r}"
+    return None
+
+
+def _not_an_object(entries: Sequence[str]) -> str | None:
+    """Why a map flag's JSON entries are refused if one is not an object, or is an empty
+    one beside other entries (`a=1,{}` and `a=1,[]` added nothing, silently), else
+    None; a lone `{}` is the empty map, as `[]` is. JSON that does not parse is refused
+    as the flag's value is merged (`_CliSource`)."""
+    for index, entry in enumerate(entries):
+        if not entry.startswith(("{", "[")):
+            continue
+        try:
+            value = json.loads(entry)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(value, dict):
+            return f"entry {index + 1} of {len(entries)} is not KEY=VALUE nor a JSON object"
+        if not value and len(entries) > 1:
+            return f"entry {index + 1} of {len(entries)} is an empty JSON object"
     return None
 
 
@@ -237,11 +256,21 @@ class _CliSource(CliSettingsSource[Any]):
             if problem is None and origin is dict:
                 # A JSON object (`{"k": "v"}`) is an entry pydantic-settings reads itself.
                 problem = _not_a_pair([e for e in entries if not e.startswith(("{", "["))])
+                problem = problem or _not_an_object(entries)
             if problem:
-                shown = f"{field_name} ({flag(path)}, {env_name(path)})"
-                self.refused.append((field_name, shown, problem))
-                return "{}" if origin is dict else "[]"  # reported already: no second error
-        return super()._merge_parsed_list(parsed_list, field_name)
+                return self._refuse(field_name, problem, origin)
+        try:
+            return super()._merge_parsed_list(parsed_list, field_name)
+        except SettingsError as exc:  # JSON that does not parse (`--x '["a"'`)
+            why = str(exc).removeprefix(f"Parsing error encountered for {field_name}: ")
+            return self._refuse(field_name, f"not valid JSON: {why}", origin)
+
+    def _refuse(self, field_name: str, problem: str, origin: Any) -> str:
+        """Keep the refusal; the value parsing goes on with (none: no second error)."""
+        path = tuple(field_name.split("."))
+        shown = f"{field_name} ({flag(path)}, {env_name(path)})"
+        self.refused.append((field_name, shown, problem))
+        return "{}" if origin is dict else "[]"
 
 
 def refused_flags(source: CliSettingsSource[Any]) -> list[tuple[str, str, str]]:

@@ -12,6 +12,7 @@ import pytest
 
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.cli.fleet import BIN
+from kvxfer.server import settings as settings_module
 from kvxfer.server.settings import load_settings
 
 
@@ -276,6 +277,62 @@ def test_server_names_a_map_flags_empty_entry_and_exits_2() -> None:
         "kvxfer-server: lease.ttl_s (--lease.ttl-s, KVXFER_LEASE__TTL_S): "
         "Input should be greater than 0, got '0'",
     ]
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("a=1,{}", "entry 2 of 2 is an empty JSON object"),
+        ("a=1,[]", "entry 2 of 2 is not KEY=VALUE nor a JSON object"),
+        ('a=1,["x"]', "entry 2 of 2 is not KEY=VALUE nor a JSON object"),
+        ('a=1,{"b":', 'not valid JSON: Missing end delimiter "}"'),
+    ],
+)
+def test_a_map_flags_json_entry_that_adds_nothing_or_does_not_parse_is_refused(
+    value: str, error: str
+) -> None:
+    """`a=1,{}` was read as `a=1`, silently; JSON that does not parse escaped as a
+    traceback instead of an error naming the flag."""
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(["--nixl.backend-params", value], environ={})
+    assert str(err.value) == f"{FLAG_PARAMS}: {error}"
+    assert load_settings(["--nixl.backend-params", "{}"], environ={}).nixl.backend_params == {}
+
+
+def test_a_list_flags_json_that_does_not_parse_is_refused_beside_the_rest() -> None:
+    argv = ["--nixl.backends", '["UCX"', "--lease.ttl-s", "0"]
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(argv, environ={})
+    assert str(err.value).splitlines() == [
+        "nixl.backends (--nixl.backends, KVXFER_NIXL__BACKENDS): not valid JSON: Missing end "
+        'delimiter "]"',
+        "lease.ttl_s (--lease.ttl-s, KVXFER_LEASE__TTL_S): Input should be greater than 0, got '0'",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "named"),
+    [
+        (["--lease", '{"ttl_s":'], {}, "lease (--lease)"),
+        ([], {"KVXFER_LEASE": '{"ttl_s":'}, "lease (KVXFER_LEASE*)"),
+    ],
+)
+def test_a_group_that_does_not_parse_is_named_where_it_came_from(
+    argv: list[str], environ: dict[str, str], named: str
+) -> None:
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(argv, environ=environ)
+    assert str(err.value) == (
+        f'{named}: not valid: lists are A,B or JSON ["A","B"], a whole group a JSON object'
+    )
+
+
+def test_only_a_settings_field_is_named_from_a_parse_error() -> None:
+    """The field is taken from pydantic-settings' message only where it is a setting:
+    anything else is reported as the message says, not as a name to fix."""
+    odd = 'error parsing value for field "no_such" from source "EnvSource"'
+    assert settings_module._env_error(odd) == ("settings", odd)
+    assert settings_module._env_error("something else") == ("settings", "something else")
 
 
 def test_a_refused_flag_is_reported_beside_every_other_field_once() -> None:
