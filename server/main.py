@@ -172,7 +172,7 @@ async def _data_plane(settings: Settings, metrics: Metrics) -> tuple[ServingAgen
         # Faults are injected on the reading side only, with one rule for all readers.
         return FaultInjectingBackend(agent, rule) if faults.enabled else agent
 
-    return backend, Readers(reader, settings.transfer.agents_per_peer)
+    return backend, Readers(reader, per_pair=settings.transfer.agents_per_peer)
 
 
 def settle_heap() -> int:

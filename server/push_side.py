@@ -77,7 +77,7 @@ def _parts(sidecar: Sidecar) -> tuple[Pushes, Destinations]:
     pushes = Pushes(
         settings=sidecar.settings,
         links=sidecar.links,
-        writers=sidecar._readers,  # the same agent per (peer, engine): readers.py
+        writers=sidecar._readers,  # the same agents per (peer, engine): readers.py
         metrics=sidecar.metrics,
         writer_id=sidecar.sidecar_id,
         emit=sidecar._emit,

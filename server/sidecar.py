@@ -82,7 +82,7 @@ class Sidecar:
         # process that is replaced if UCX aborts it (dataplane/serving.py).
         self._backend = backend
         backend.on_replaced(self._serving_agent_replaced)
-        self._readers = readers  # read into our engines' memory: one agent per peer and engine
+        self._readers = readers  # read into our engines' memory: agents per peer and engine
         self._engines: dict[str, Engine] = {}
         self._registering: set[int] = set()  # tp ranks whose registration is under way
         self._clock = LiveClock()

@@ -319,7 +319,7 @@ async def in_process_sidecar(
     await backend.start()
     factory = readers or (lambda prefix: NixlAgent(prefix, AgentOptions()))
     sidecar = Sidecar(
-        settings, backend, Metrics(), Readers(factory, settings.transfer.agents_per_peer)
+        settings, backend, Metrics(), Readers(factory, per_pair=settings.transfer.agents_per_peer)
     )
     sidecar.start()
     try:

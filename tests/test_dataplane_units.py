@@ -246,7 +246,7 @@ async def test_a_replaced_reader_that_did_not_stop_keeps_its_engine_mapped() -> 
     the engine's buffers, so retiring that engine must not be told they can be unmapped
     (it was: the replaced reader was forgotten)."""
     _Agent.made = 0
-    readers = Readers(_Agent)  # type: ignore[arg-type]
+    readers = Readers(_Agent, per_pair=1)  # type: ignore[arg-type]
     await readers.get("peer", "engine", b"v1", [])
     await readers.get("peer", "engine", b"v2", [])  # the first reader is replaced
     assert await readers.get("peer", "other", b"v1", []) is not None

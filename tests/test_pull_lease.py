@@ -211,7 +211,7 @@ async def decode(
         planes.append(SlowPlane(NixlAgent(name), slow_from))
         return planes[-1]
 
-    readers = Readers(agent)
+    readers = Readers(agent, per_pair=1)
     layout = source.cache.layout
     dst = ShmKVCache(layout_for_model(MODEL, block_size=B), BLOCKS, "t-lease-dst", 1)
     mapped = [open_buffer(h) for h in dst.buffers]

@@ -130,6 +130,8 @@ async def test_a_push_ending_exceptionally_reports_only_once_nothing_it_posted_r
                 await p.push_side.push(engine.engine_id, warm, _blocks(64), TOKENS, True)
                 assert isinstance(await d_events.next(timeout_s=60), Received)
                 assert isinstance(await asyncio.wait_for(p_events.get(), 60), Pushed)
+                # Its writer was handed back (readers.py counts it busy until then).
+                assert [r.busy for r in p._readers._readers.values()] == [0]
                 for pid in children:  # the target stalls; the decode sidecar answers
                     os.kill(pid, signal.SIGSTOP)
                 params = await dc.expect("unsettled", TOKENS, _blocks(64))
@@ -154,6 +156,7 @@ async def test_a_push_ending_exceptionally_reports_only_once_nothing_it_posted_r
                     running.task.cancel()
                 pushed = await asyncio.wait_for(p_events.get(), 60)
                 in_flight_at_pushed = sum(w.in_flight for w in writers)
+                busy_at_pushed = [r.busy for r in p._readers._readers.values()]
                 received = await d_events.next(timeout_s=60)
                 at_report = _image(de)
                 for pid in children:
@@ -167,6 +170,7 @@ async def test_a_push_ending_exceptionally_reports_only_once_nothing_it_posted_r
         assert isinstance(pushed, Pushed), pushed
         assert pushed.status is not PullStatus.OK, pushed
         assert in_flight_at_pushed == 0, f"Pushed with {in_flight_at_pushed} chunk(s) posted"
+        assert not any(busy_at_pushed), f"writers still counted busy: {busy_at_pushed}"
         assert isinstance(received, Received), received
         assert received.failed_blocks, received
         landed = {

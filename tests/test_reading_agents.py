@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from sidecars import engine_link, in_process_sidecar, pump, spans, start_engine, start_sidecar
 
+from kvxfer._exceptions import DataPlaneError
 from kvxfer.client.shm import shm_kv_cache
 from kvxfer.core.requests import EngineEvent, PullDone, PullStatus
 from kvxfer.dataplane.readers import Reader, Readers
@@ -107,7 +108,7 @@ async def test_one_agent_per_pair_when_set_to_one(agents: Any) -> None:
         Readers(agents, per_pair=0)
 
 
-async def test_stale_or_severed_agents_are_replaced_and_an_engine_closes_all_of_its(
+async def test_severed_and_stale_agents_are_replaced_and_idle_stale_ones_closed(
     agents: Any,
 ) -> None:
     readers = Readers(agents, per_pair=2)
@@ -115,16 +116,49 @@ async def test_stale_or_severed_agents_are_replaced_and_an_engine_closes_all_of_
     readers.done(first)
     readers.done(second)
     await first.backend.close()  # severed
-    replaced = await get(readers)  # the idle, open second first; then a fresh agent
-    assert replaced is second
+    assert await get(readers) is second  # the idle, open one before a fresh agent
     fresh = await get(readers)
-    assert fresh is not first and not fresh.backend.closed
-    newer = await get(readers, metadata=b"v2")  # the peer's metadata changed
-    assert newer.metadata == b"v2" and newer not in (second, fresh)
-    assert await get(readers, engine="other") is not None
-    assert await readers.close_engine("e") is True
-    assert second.backend.closed and fresh.backend.closed and newer.backend.closed
-    assert len(readers) == 1  # the other engine's
+    assert fresh not in (first, second) and len(readers) == 2
+    readers.done(second)
+    readers.done(fresh)
+    # The peer's metadata changed: the first slot is replaced, and the other, stale and
+    # idle, is closed at once (pulls one at a time would never pick it again).
+    newer = await get(readers, metadata=b"v2")
+    assert newer.metadata == b"v2" and fresh.backend.closed and second.backend.closed
+    assert len(readers) == 1
+
+
+async def test_a_busy_stale_agent_is_not_replaced_while_a_slot_is_free(agents: Any) -> None:
+    """Replacing an agent severs the transfers on it: a stale one still reading is left
+    to finish while another slot can take the new metadata."""
+    readers = Readers(agents, per_pair=2)
+    old = await get(readers)  # held: a pull still reading by the old metadata
+    new = await get(readers, metadata=b"v2")
+    assert new is not old and not old.backend.closed
+    readers.done(new)
+    readers.done(old)
+    assert await get(readers, metadata=b"v2") is new
+    assert old.backend.closed  # idle and stale: swept by that get
+    with pytest.raises(AssertionError, match="not handed out"):
+        readers.done(old)
+
+
+async def test_no_agent_is_opened_for_an_engine_being_closed_or_after_close(agents: Any) -> None:
+    readers = Readers(agents, per_pair=2)
+    agents.gate = asyncio.Event()
+    opening = asyncio.create_task(get(readers))
+    await asyncio.sleep(0)  # it is opening an agent for the engine
+    closing = asyncio.create_task(readers.close_engine("e"))
+    await asyncio.sleep(0)
+    agents.gate.set()
+    with pytest.raises(DataPlaneError, match="engine e is going away"):
+        await opening
+    assert await closing is True
+    assert all(agent.closed for agent in agents.made)
+    assert await get(readers) is not None  # the engine's id came back: allowed again
+    assert await readers.close() is True
+    with pytest.raises(DataPlaneError, match="shutting down"):
+        await get(readers)
 
 
 def test_the_setting_is_bounded_and_two_by_default() -> None:

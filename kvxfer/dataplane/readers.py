@@ -1,9 +1,9 @@
-"""Reading agents: one NIXL agent per (peer, destination engine).
+"""Reading agents: NIXL agents of their own per (peer, destination engine).
 
 A chunk that fails severs the agent that posted it, and every transfer in
 flight on that agent with it (adapter.py: that is what makes a late write
 impossible). So the reading side does not read through one shared agent: each
-pair of remote peer and local engine gets an agent of its own, with only that
+pair of remote peer and local engine gets agents of its own, with only that
 engine's buffers registered and only that peer loaded. A stalled peer severs
 the pulls from it into one engine, never a pull from another peer, and the
 next pull from it gets a fresh agent.
@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvxfer._exceptions import DataPlaneError
 from kvxfer.dataplane.adapter import TransferBackend
 from kvxfer.dataplane.memory import MappedBuffer
 
@@ -68,7 +69,7 @@ Key = tuple[str, str, int]  # (peer, engine, which of the pair's readers)
 
 
 class Readers:
-    def __init__(self, factory: BackendFactory, per_pair: int = 1) -> None:
+    def __init__(self, factory: BackendFactory, *, per_pair: int) -> None:
         if per_pair < 1:
             raise ValueError(f"per_pair must be at least 1, not {per_pair}")
         self._factory = factory
@@ -76,6 +77,7 @@ class Readers:
         self._readers: dict[Key, Reader] = {}
         self._locks: dict[Key, asyncio.Lock] = {}
         self._waiting: dict[Key, int] = {}  # `get`s waiting for a key's reader to open
+        self._closing: set[str] = set()  # engines whose readers are being closed
         self._spare: asyncio.Future[TransferBackend] | None = None
         self._closed = False
         # Replaced readers whose thread did not stop (stuck in a NIXL call): they may still
@@ -101,7 +103,9 @@ class Readers:
         self, peer_key: str, engine_key: str, metadata: bytes, buffers: Sequence[MappedBuffer]
     ) -> Reader:
         """An open reader from `peer_key` into `engine_key`'s `buffers`, counted busy until
-        `done` is called for it."""
+        `done` is called for it. Refused (DataPlaneError) once the readers are closing,
+        or while that engine's are: no agent may register its memory then."""
+        self._check_open(engine_key)
         key = (peer_key, engine_key, self._slot(peer_key, engine_key, metadata))
         self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
@@ -109,39 +113,80 @@ class Readers:
                 reader = self._readers.get(key)
                 if reader is None or not reader.usable(metadata):
                     if reader is not None:
-                        await reader.backend.close()  # severed or stale: its thread ends
-                        if reader.backend.alive:
-                            self._stuck.append((key, reader))
-                    self._readers[key] = reader = await self._open(key, metadata, buffers)
+                        await self._retire(key, reader)  # severed or stale
+                    reader = await self._open(key, metadata, buffers)
+                    if self._closed or engine_key in self._closing:
+                        await reader.backend.close()  # closed meanwhile: never handed out
+                        self._check_open(engine_key)
+                    self._readers[key] = reader
                 reader.busy += 1
-                return reader
         finally:
             self._waiting[key] -= 1
             if not self._waiting[key]:
                 del self._waiting[key]
+        await self._sweep(peer_key, engine_key, metadata)
+        return reader
 
     @staticmethod
     def done(reader: Reader) -> None:
         """A transfer `get` handed `reader` to has ended."""
+        assert reader.busy > 0, f"reader {reader.backend.name} was not handed out"
         reader.busy -= 1
 
-    def _slot(self, peer_key: str, engine_key: str, metadata: bytes) -> int:
-        """Which of the pair's readers a transfer gets: the first idle one; else the first
-        neither open nor being opened, to open; else the least loaded."""
-        loads = [self._load((peer_key, engine_key, i), metadata) for i in range(self.per_pair)]
-        if 0 in loads:
-            return loads.index(0)
-        if None in loads:
-            return loads.index(None)
-        return min(range(self.per_pair), key=lambda i: loads[i] or 0)
+    def _check_open(self, engine_key: str) -> None:
+        if self._closed:
+            raise DataPlaneError("the sidecar is shutting down: no new reading agent")
+        if engine_key in self._closing:
+            raise DataPlaneError(f"engine {engine_key} is going away: no new reading agent")
 
-    def _load(self, key: Key, metadata: bytes) -> int | None:
-        """The transfers on `key`'s reader and those waiting for it to open; None when it
-        is neither open (nor usable: severed, stale) nor being opened."""
-        reader, waiting = self._readers.get(key), self._waiting.get(key, 0)
-        if reader is not None and reader.usable(metadata):
-            return reader.busy + waiting
-        return waiting or None
+    def _slot(self, peer_key: str, engine_key: str, metadata: bytes) -> int:
+        """Which of the pair's readers a transfer gets, in this order: the first idle one;
+        the first neither open nor being opened (or severed), to open; the first stale
+        one (the peer's metadata changed) that is idle, to replace; the least loaded open
+        or opening one; else the least busy stale one, to replace (its transfers fail)."""
+        slots = [(peer_key, engine_key, i) for i in range(self.per_pair)]
+        readers = [self._readers.get(key) for key in slots]
+        waiting = [self._waiting.get(key, 0) for key in slots]
+        live = [r is not None and r.usable(metadata) for r in readers]
+        loads = [(r.busy if r is not None and ok else 0) + w
+                 for r, ok, w in zip(readers, live, waiting, strict=True)]  # fmt: skip
+        for i in range(self.per_pair):
+            if live[i] and loads[i] == 0:
+                return i
+        for i, reader in enumerate(readers):
+            if not waiting[i] and (reader is None or reader.backend.closed):
+                return i
+        for i, reader in enumerate(readers):
+            if not waiting[i] and not live[i] and reader is not None and not reader.busy:
+                return i
+        busy = [i for i in range(self.per_pair) if live[i] or waiting[i]]
+        if busy:
+            return min(busy, key=loads.__getitem__)
+        return min(range(self.per_pair), key=lambda i: readers[i].busy)  # type: ignore[union-attr]
+
+    async def _sweep(self, peer_key: str, engine_key: str, metadata: bytes) -> None:
+        """Close the pair's stale readers (the peer's metadata changed) that no transfer
+        holds or waits for: pulls one at a time would never pick them again, and each
+        holds a UCX worker, a thread and a registration of the engine's memory."""
+        for i in range(self.per_pair):
+            key = (peer_key, engine_key, i)
+            reader = self._readers.get(key)
+            if reader is None or reader.usable(metadata) or reader.busy:
+                continue
+            lock = self._locks.setdefault(key, asyncio.Lock())
+            if self._waiting.get(key) or lock.locked():
+                continue
+            async with lock:
+                if self._readers.get(key) is reader and not reader.busy:
+                    del self._readers[key]
+                    await self._retire(key, reader)
+
+    async def _retire(self, key: Key, reader: Reader) -> None:
+        """Close a reader that is out of the pool (its thread is done or ends); one whose
+        thread did not stop is kept in mind: its engine's memory must stay mapped."""
+        await reader.backend.close()
+        if reader.backend.alive:
+            self._stuck.append((key, reader))
 
     async def _open(self, key: Key, metadata: bytes, buffers: Sequence[MappedBuffer]) -> Reader:
         start = time.perf_counter()
@@ -155,7 +200,7 @@ class Readers:
             await backend.close()
             raise
         log.info(
-            "reader %s opened for peer %s into engine %s (reader %d of the pair) in %.1f ms "
+            "reader %s opened for peer %s into engine %s (slot %d of the pair's) in %.1f ms "
             "(agent %.1f, registration %.1f, peer metadata %.1f)",
             backend.name,
             *key,
@@ -169,9 +214,13 @@ class Readers:
 
     async def close_engine(self, engine_key: str) -> bool:
         """Destroy every agent that reads into `engine_key`'s buffers. True when all are
-        gone, so that nothing NIXL posted can touch those buffers any more."""
-        keys = [key for key in self._readers if key[1] == engine_key]
-        gone = await self._close(keys)
+        gone, so that nothing NIXL posted can touch those buffers any more. A reader being
+        opened for it meanwhile is closed by its `get`, which fails."""
+        self._closing.add(engine_key)
+        try:
+            gone = await self._close(lambda key: key[1] == engine_key)
+        finally:
+            self._closing.discard(engine_key)
         return self._none_stuck(lambda key: key[1] == engine_key) and gone
 
     async def close(self) -> bool:
@@ -180,14 +229,21 @@ class Readers:
         if spare is not None:
             with contextlib.suppress(Exception):
                 await (await spare).close()
-        gone = await self._close(list(self._readers))
+        gone = await self._close(lambda key: True)
         return self._none_stuck(lambda key: True) and gone
 
-    async def _close(self, keys: list[Key]) -> bool:
+    async def _close(self, touches: Callable[[Key], bool]) -> bool:
+        """Close the readers whose key `touches`, once no `get` is opening one (each
+        holds its key's lock meanwhile, and closes what it opened, seeing the close)."""
+        for key, lock in list(self._locks.items()):
+            if touches(key):
+                async with lock:
+                    pass
         gone = True
-        for key in keys:
+        for key in [key for key in self._readers if touches(key)]:
             reader = self._readers.pop(key)
-            self._locks.pop(key, None)
+            if not self._waiting.get(key):
+                self._locks.pop(key, None)
             await reader.backend.close()
             if reader.backend.alive:
                 log.error("reader %s did not stop: its memory stays mapped", reader.backend.name)
