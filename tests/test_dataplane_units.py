@@ -16,7 +16,7 @@ from kvxfer._exceptions import LayoutError, PlanError, RegistrationError
 from kvxfer.client.cuda_ipc import buffer_from_ipc
 from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.buffers import BufferHandle, MemoryKind
-from kvxfer.core.layout import BlockId, BlockSpan, GroupId
+from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId
 from kvxfer.core.planner import Chunk, kept_pairs, plan_transfer
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.dataplane import descriptors
@@ -100,7 +100,7 @@ def test_pairs_built_for_one_plan_are_bound_without_being_kept() -> None:
     size = 1 << 30
     peer = {"p0": BoundBuffer(1 << 40, size, 0, MemoryKind.DRAM)}
     mine = {"d0": BoundBuffer(1 << 41, size, 0, MemoryKind.DRAM)}
-    kept = len(descriptors._GEOMETRY)
+    kept, bases = len(descriptors._GEOMETRY), len(descriptors._BASES)
     for _ in range(3):
         plan = plan_transfer(src, dst, src_spans, dst_spans, 1000, 0)
         assert not kept_pairs(plan.chunks[0].regions)
@@ -109,7 +109,31 @@ def test_pairs_built_for_one_plan_are_bound_without_being_kept() -> None:
             want = list(chunk.descriptors())
             assert [int(x) for x in d[:, 0]] == [(1 << 41) + w.dst_offset for w in want]
             assert [int(x) for x in s[:, 0]] == [(1 << 40) + w.src_offset for w in want]
-    assert len(descriptors._GEOMETRY) == kept
+    assert len(descriptors._GEOMETRY) == kept and len(descriptors._BASES) == bases
+
+
+def test_kept_bases_follow_the_buffers_bound_now() -> None:
+    """A layout pair's region bases are kept by the identity of the buffers they were
+    bound to: buffers registered again (new addresses) bind at their new addresses."""
+    base = layout_for_model("gpt-oss-20b")
+    src, dst = bind(base, 64, "p"), bind(base, 64, "d")
+    span = spans_for(src, 1024, 64, random.Random(0), 0)
+    plan = plan_transfer(src, dst, span, span, 1024, 0, 1024)
+    size = 1 << 34
+
+    def buffers(side: EngineLayout, at: int) -> dict[str, BoundBuffer]:
+        names = {r.buffer for r in side.regions}
+        return {n: BoundBuffer(at + (i << 36), size, 0, MemoryKind.DRAM)
+                for i, n in enumerate(sorted(names))}  # fmt: skip
+
+    for at in (1 << 40, 1 << 41, 1 << 40):
+        peer, mine = buffers(src, at), buffers(dst, at + (1 << 39))
+        for chunk in plan.chunks:
+            s, d = chunk_arrays(chunk, peer, mine)
+            want = list(chunk.descriptors())
+            got_s, got_d = [int(x) for x in s[:, 0]], [int(x) for x in d[:, 0]]
+            assert got_s == [peer[w.src_buffer].address + w.src_offset for w in want]
+            assert got_d == [mine[w.dst_buffer].address + w.dst_offset for w in want]
 
 
 @pytest.mark.parametrize(("tokens", "handles"), [(1024, [2]), (16384, [1, 1])])

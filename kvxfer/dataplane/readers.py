@@ -144,6 +144,10 @@ class Readers:
         the first neither open nor being opened (or severed), to open; the first stale
         one (the peer's metadata changed) that is idle, to replace; the least loaded open
         or opening one; else the least busy stale one, to replace (its transfers fail)."""
+        first = self._readers.get((peer_key, engine_key, 0))
+        idle = first is not None and not first.busy and first.usable(metadata)
+        if idle and not self._waiting.get((peer_key, engine_key, 0)):
+            return 0  # pulls one at a time: the common case, without the lists
         slots = [(peer_key, engine_key, i) for i in range(self.per_pair)]
         readers = [self._readers.get(key) for key in slots]
         waiting = [self._waiting.get(key, 0) for key in slots]
