@@ -28,6 +28,7 @@ from kvxfer.cli.fleet import EngineView as EngineSim
 from kvxfer.cli.fleet import Fleet, Proc, Samples
 from kvxfer.cli.fleet import scrape as scrape_metrics
 from kvxfer.client.engine import EngineClient
+from kvxfer.client.shm import ShmKVCache, shm_kv_cache
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId
 from kvxfer.core.requests import EngineEvent
 from kvxfer.dataplane.adapter import AgentOptions, NixlAgent
@@ -297,6 +298,26 @@ def one_engine(directory: Path, model: str, num_blocks: int = 16) -> Iterator[On
         yield OneEngine(fleet, sidecar, engine)
     finally:
         fleet.close()
+
+
+@contextlib.contextmanager
+def prefill_beside_cache(
+    tmp: Path, model: str, num_blocks: int, name: str, *args: str
+) -> Iterator[tuple[Proc, EngineSim, ShmKVCache]]:
+    """A prefill sidecar process (`args`) with one engine-sim of `model`, and a KV cache of
+    the same layout in this process's shared memory, for an `in_process_sidecar` to
+    register as its decode engine; all stopped and unlinked on the way out."""
+    procs: list[Proc | EngineSim] = []
+    try:
+        p = start_sidecar(tmp, "p", *args)
+        procs.append(p)
+        pe = start_engine(tmp, p, model, "prefill", num_blocks=num_blocks)
+        procs.append(pe)
+        with shm_kv_cache(pe.layout, num_blocks, prefix=f"kvxfer-{name}-{os.getpid()}") as kv:
+            yield p, pe, kv
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
 
 
 @contextlib.asynccontextmanager

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sidecars import engine_link, in_process_sidecar, pump, spans, start_engine, start_sidecar
+from sidecars import engine_link, in_process_sidecar, prefill_beside_cache, pump, spans
 
-from kvxfer.client.shm import shm_kv_cache
 from kvxfer.core.requests import (
     EngineEvent,
     PullDone,
@@ -68,41 +66,32 @@ def _inject(monkeypatch: pytest.MonkeyPatch, ending: str) -> asyncio.Event:
 async def test_a_begun_read_is_ended_at_once_when_its_pull_goes_wrong(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ending: str
 ) -> None:
-    p = start_sidecar(tmp_path, "p", *TTL)
-    procs: list[Any] = [p]
-    try:
-        pe = start_engine(tmp_path, p, MODEL, "prefill", num_blocks=NUM_BLOCKS)
-        procs.append(pe)
-        layout = pe.layout
-        tokens = BLOCKS * layout.block_size
-        waiting = _inject(monkeypatch, ending)
-        with shm_kv_cache(layout, NUM_BLOCKS, prefix=f"kvxfer-endread-{os.getpid()}") as kv:
-            async with (
-                in_process_sidecar("d-in-test", *TTL) as d,
-                engine_link(p, pe) as (pc, p_events),
-            ):
-                engine = await d.register_engine(kv.layout, kv.buffers, "decode")
-                d_events: asyncio.Queue[EngineEvent] = asyncio.Queue()
-                pumping = asyncio.create_task(pump(d.watch(engine.engine_id), d_events))
-                params = await pc.publish(f"r-{ending}", tokens, spans({0: range(BLOCKS)}))
-                dst = tuple(spans({0: range(NUM_BLOCKS - BLOCKS, NUM_BLOCKS)}))
-                await d.pull(engine.engine_id, params, dst, 0)
-                if ending == "cancelled":
-                    await asyncio.wait_for(waiting.wait(), 30)
-                    (pull,) = d.pulls()
-                    assert pull.task is not None
-                    pull.task.cancel()
-                done = await asyncio.wait_for(d_events.get(), 30)
-                try:
-                    released = await p_events.next(timeout_s=RELEASE_WAIT_S)
-                except TimeoutError:
-                    released = None
-                pumping.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pumping
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+    waiting = _inject(monkeypatch, ending)
+    with prefill_beside_cache(tmp_path, MODEL, NUM_BLOCKS, "endread", *TTL) as (p, pe, kv):
+        tokens = BLOCKS * pe.layout.block_size
+        async with (
+            in_process_sidecar("d-in-test", *TTL) as d,
+            engine_link(p, pe) as (pc, p_events),
+        ):
+            engine = await d.register_engine(kv.layout, kv.buffers, "decode")
+            d_events: asyncio.Queue[EngineEvent] = asyncio.Queue()
+            pumping = asyncio.create_task(pump(d.watch(engine.engine_id), d_events))
+            params = await pc.publish(f"r-{ending}", tokens, spans({0: range(BLOCKS)}))
+            dst = tuple(spans({0: range(NUM_BLOCKS - BLOCKS, NUM_BLOCKS)}))
+            await d.pull(engine.engine_id, params, dst, 0)
+            if ending == "cancelled":
+                await asyncio.wait_for(waiting.wait(), 30)
+                (pull,) = d.pulls()
+                assert pull.task is not None
+                pull.task.cancel()
+            done = await asyncio.wait_for(d_events.get(), 30)
+            try:
+                released = await p_events.next(timeout_s=RELEASE_WAIT_S)
+            except TimeoutError:
+                released = None
+            pumping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pumping
     assert isinstance(done, PullDone) and done.request_id == params.request_id, done
     assert done.failed_blocks == {0: tuple(range(BLOCKS))}, done
     if ending == "raises":

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from sidecars import engine_link, in_process_sidecar, pump, spans, start_engine, start_sidecar
+from sidecars import engine_link, in_process_sidecar, prefill_beside_cache, pump, spans
 
 from kvxfer._exceptions import DataPlaneError
-from kvxfer.client.shm import shm_kv_cache
 from kvxfer.core.requests import EngineEvent, PullDone, PullStatus
 from kvxfer.dataplane.readers import Reader, Readers
 from kvxfer.server.settings import load_settings
@@ -179,50 +177,42 @@ NUM_BLOCKS = PULLS * BLOCKS
 async def test_pulls_at_once_from_one_peer_read_through_two_agents_byte_exact(
     tmp_path: Path,
 ) -> None:
-    p = start_sidecar(tmp_path, "p")
-    procs: list[Any] = [p]
-    try:
-        pe = start_engine(tmp_path, p, MODEL, "prefill", num_blocks=NUM_BLOCKS)
-        procs.append(pe)
+    with prefill_beside_cache(tmp_path, MODEL, NUM_BLOCKS, "agents") as (p, pe, kv):
         layout = pe.layout
         tokens = BLOCKS * layout.block_size
-        with shm_kv_cache(layout, NUM_BLOCKS, prefix=f"kvxfer-agents-{os.getpid()}") as kv:
-            for region in kv.layout.regions:
-                kv.view(region.buffer)[:] = 0xA5
-            async with (
-                in_process_sidecar("d-agents") as d,
-                engine_link(p, pe) as (pc, _),
-            ):
-                engine = await d.register_engine(kv.layout, kv.buffers, "decode")
-                events: asyncio.Queue[EngineEvent] = asyncio.Queue()
-                pumping = asyncio.create_task(pump(d.watch(engine.engine_id), events))
-                # Source blocks in one order, destination blocks reversed: every pull
-                # lands somewhere else than it read from.
-                pulls = []
-                for i in range(PULLS):
-                    src = spans({0: range(i * BLOCKS, (i + 1) * BLOCKS)})
-                    params = await pc.publish(f"r{i}", tokens, src)
-                    j = PULLS - 1 - i
-                    dst = tuple(spans({0: range(j * BLOCKS, (j + 1) * BLOCKS)}))
-                    pulls.append((params, i, j, dst))
-                await asyncio.gather(
-                    *(d.pull(engine.engine_id, params, dst, 0) for params, _, _, dst in pulls)
-                )
-                done = [await asyncio.wait_for(events.get(), 60) for _ in range(PULLS)]
-                pair = [r for key, r in d._readers._readers.items() if key[1] == engine.engine_id]
-                busy = [r.busy for r in pair]
-                pumping.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pumping
-                for _, i, j, _ in pulls:
-                    for k in range(BLOCKS):
-                        for tensor in layout.groups[0].tensors:
-                            want = pe.block(tensor.name, i * BLOCKS + k)
-                            got = kv.block(tensor.name, j * BLOCKS + k)
-                            assert np.array_equal(got, want), (tensor.name, i, k)
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+        for region in kv.layout.regions:
+            kv.view(region.buffer)[:] = 0xA5
+        async with (
+            in_process_sidecar("d-agents") as d,
+            engine_link(p, pe) as (pc, _),
+        ):
+            engine = await d.register_engine(kv.layout, kv.buffers, "decode")
+            events: asyncio.Queue[EngineEvent] = asyncio.Queue()
+            pumping = asyncio.create_task(pump(d.watch(engine.engine_id), events))
+            # Source blocks in one order, destination blocks reversed: every pull lands
+            # somewhere else than it read from.
+            pulls = []
+            for i in range(PULLS):
+                src = spans({0: range(i * BLOCKS, (i + 1) * BLOCKS)})
+                params = await pc.publish(f"r{i}", tokens, src)
+                j = PULLS - 1 - i
+                dst = tuple(spans({0: range(j * BLOCKS, (j + 1) * BLOCKS)}))
+                pulls.append((params, i, j, dst))
+            await asyncio.gather(
+                *(d.pull(engine.engine_id, params, dst, 0) for params, _, _, dst in pulls)
+            )
+            done = [await asyncio.wait_for(events.get(), 60) for _ in range(PULLS)]
+            pair = [r for key, r in d._readers._readers.items() if key[1] == engine.engine_id]
+            busy = [r.busy for r in pair]
+            pumping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pumping
+            for _, i, j, _ in pulls:
+                for k in range(BLOCKS):
+                    for tensor in layout.groups[0].tensors:
+                        want = pe.block(tensor.name, i * BLOCKS + k)
+                        got = kv.block(tensor.name, j * BLOCKS + k)
+                        assert np.array_equal(got, want), (tensor.name, i, k)
     assert all(isinstance(e, PullDone) and e.status is PullStatus.OK for e in done), done
     assert len(pair) == 2, f"the pulls read through {len(pair)} agent(s), not 2"
     assert busy == [0, 0]
