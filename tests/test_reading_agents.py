@@ -21,6 +21,7 @@ from sidecars import engine_link, in_process_sidecar, prefill_beside_cache, pump
 
 from kvxfer._exceptions import DataPlaneError
 from kvxfer.core.requests import EngineEvent, PullDone, PullStatus
+from kvxfer.dataplane import readers as readers_module
 from kvxfer.dataplane.readers import Reader, Readers
 from kvxfer.server.settings import load_settings
 
@@ -157,6 +158,24 @@ async def test_no_agent_is_opened_for_an_engine_being_closed_or_after_close(agen
     assert await readers.close() is True
     with pytest.raises(DataPlaneError, match="shutting down"):
         await get(readers)
+
+
+async def test_closing_does_not_wait_forever_for_an_open_that_hangs(
+    agents: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An open stuck in a NIXL call must not hang unregistering or shutdown: closing
+    gives up after OPEN_WAIT_S and says the memory must stay mapped; the open, if it
+    ever ends, closes its agent instead of handing it out."""
+    monkeypatch.setattr(readers_module, "OPEN_WAIT_S", 0.05)
+    readers = Readers(agents, per_pair=2)
+    agents.gate = asyncio.Event()
+    opening = asyncio.create_task(get(readers))
+    await asyncio.sleep(0)
+    assert await readers.close_engine("e") is False
+    agents.gate.set()
+    with pytest.raises(DataPlaneError, match="going away"):
+        await opening
+    assert all(agent.closed for agent in agents.made)
 
 
 def test_the_setting_is_bounded_and_two_by_default() -> None:

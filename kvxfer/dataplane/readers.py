@@ -50,6 +50,7 @@ from kvxfer.dataplane.memory import MappedBuffer
 log = logging.getLogger(__name__)
 
 PREFIX = "kvxfer-reader"
+OPEN_WAIT_S = 10.0  # how long closing waits for a reader being opened (as for a thread)
 BackendFactory = Callable[[str], TransferBackend]
 """Creates a new, empty agent (name prefix -> backend). Called off the event loop."""
 
@@ -221,9 +222,8 @@ class Readers:
         gone, so that nothing NIXL posted can touch those buffers any more. A reader being
         opened for it meanwhile is closed by its `get`, which fails."""
         self._closing.add(engine_key)
-        try:
-            gone = await self._close(lambda key: key[1] == engine_key)
-        finally:
+        gone = await self._close(lambda key: key[1] == engine_key)
+        if gone:  # else an open still running closes what it opens, whenever it ends
             self._closing.discard(engine_key)
         return self._none_stuck(lambda key: key[1] == engine_key) and gone
 
@@ -238,12 +238,18 @@ class Readers:
 
     async def _close(self, touches: Callable[[Key], bool]) -> bool:
         """Close the readers whose key `touches`, once no `get` is opening one (each
-        holds its key's lock meanwhile, and closes what it opened, seeing the close)."""
+        holds its key's lock meanwhile, and closes what it opened, seeing the close).
+        False when one was still opening after OPEN_WAIT_S (a NIXL call that hangs):
+        it may yet register the memory, which must then stay mapped."""
+        gone = True
         for key, lock in list(self._locks.items()):
             if touches(key):
-                async with lock:
-                    pass
-        gone = True
+                try:
+                    async with asyncio.timeout(OPEN_WAIT_S), lock:
+                        pass
+                except TimeoutError:
+                    log.error("a reader for %s was still opening after %gs", key, OPEN_WAIT_S)
+                    gone = False
         for key in [key for key in self._readers if touches(key)]:
             reader = self._readers.pop(key)
             if not self._waiting.get(key):
