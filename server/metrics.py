@@ -238,6 +238,12 @@ class Metrics:
             "kvxfer_inflight_pulls", "Pulls in flight", ["peer"], registry=r
         )
         self.peers = Gauge("kvxfer_peers", "Peers with a live agreement", registry=r)
+        self.reading_agents = Gauge(
+            "kvxfer_reading_agents",
+            "NIXL agents open to read from peers (or write to them), up to "
+            "transfer.agents_per_peer per peer and engine",
+            registry=r,
+        )
         self.peer_epoch = Gauge(
             "kvxfer_peer_epoch", "Current epoch of each peer", ["peer"], registry=r
         )

@@ -270,4 +270,6 @@ class Readers:
         return not still
 
     def __len__(self) -> int:
-        return sum(1 for r in self._readers.values() if not r.backend.closed)
+        """Open readers. Also read from the metrics server's thread: the list is made in
+        one step under the GIL, so the loop changing the pool meanwhile is harmless."""
+        return sum(1 for r in list(self._readers.values()) if not r.backend.closed)
