@@ -382,3 +382,19 @@ def test_manifests_configure_a_sidecar_the_server_accepts(
         command = sidecar[probe]["exec"]["command"]
         assert command[0] == "kvxfer-health"
         assert command[command.index("--service") + 1].removeprefix("kvxfer.v1.") in services
+
+
+def test_the_gpu_overlay_sets_settings_the_server_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU overlay's own sidecar variables name real settings: one reading agent per
+    peer there (the NIC copies over RDMA; a second would register the memory again)."""
+    ops = yaml.safe_load((KUBE / "overlays" / "gpu" / "gpu.yaml").read_text())
+    added = [
+        op["value"]
+        for op in ops
+        if op["path"] == "/spec/template/spec/initContainers/0/env/-"
+        and op["value"]["name"].startswith("KVXFER_")
+    ]
+    assert added, "the GPU overlay sets no kvxfer setting"
+    for item in added:
+        monkeypatch.setenv(item["name"], item["value"])
+    assert load_settings([]).transfer.agents_per_peer == 1
