@@ -107,6 +107,9 @@ class Readers:
         `done` is called for it. Refused (DataPlaneError) once the readers are closing,
         or while that engine's are: no agent may register its memory then."""
         self._check_open(engine_key)
+        # First: once a reader is counted busy below, nothing may be awaited before it is
+        # handed out (a cancellation there would leave it counted busy for good).
+        await self._sweep(peer_key, engine_key, metadata)
         key = (peer_key, engine_key, self._slot(peer_key, engine_key, metadata))
         self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
@@ -125,7 +128,6 @@ class Readers:
             self._waiting[key] -= 1
             if not self._waiting[key]:
                 del self._waiting[key]
-        await self._sweep(peer_key, engine_key, metadata)
         return reader
 
     @staticmethod
