@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,12 @@ from vllm_harness import oracle_pull_bytes
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.cli.fleet import Fleet
 from kvxfer.integrations import vllm_compose, vllm_fleet
-from kvxfer.integrations.vllm_params import handshake_path, read_handshake, write_handshake
+from kvxfer.integrations.vllm_params import (
+    handshake_path,
+    read_handshake,
+    sweep_handshakes,
+    write_handshake,
+)
 
 
 # ---- unit: the registration side channel and the config builders --------------------
@@ -59,6 +66,50 @@ def test_a_registration_file_others_may_write_or_missing_a_field_is_refused(
     os.chmod(path, 0o600)
     with pytest.raises(InvalidInputError, match=r"\.epoch: missing or not int"):
         read_handshake(path)
+
+
+def _written_by_a_worker_that_is_gone(path: str) -> None:
+    """`path` written by another process that has exited since (as if killed)."""
+    code = (
+        "import sys; from kvxfer.integrations.vllm_params import write_handshake as w; "
+        "w(sys.argv[1], {'engine_id': 'gone', 'epoch': 1, 'peer_address': 'p'})"
+    )
+    subprocess.run([sys.executable, "-c", code, path], check=True)
+
+
+def test_a_registration_whose_worker_is_gone_is_none_and_the_next_worker_removes_it(
+    tmp_path: Path,
+) -> None:
+    gone = handshake_path("killed-engine", directory=str(tmp_path))
+    _written_by_a_worker_that_is_gone(gone)
+    assert json.loads(Path(gone).read_text())["pid"] != os.getpid()
+    assert read_handshake(gone) is None  # its worker is gone: no registration
+    half = tmp_path / (Path(handshake_path("x", 1, str(tmp_path))).name + ".999999999.tmp")
+    half.write_text("{")
+    live_half = tmp_path / (
+        Path(handshake_path("y", directory=str(tmp_path))).name + f".{os.getpid()}.tmp"
+    )
+    live_half.write_text("{")
+    other = tmp_path / "kvxfer-vllm-notes.json"  # not a name handshake_path makes
+    other.write_text("{}")
+    mine = handshake_path("live-engine", directory=str(tmp_path))
+    write_handshake(mine, {"engine_id": "e-2", "epoch": 3, "peer_address": "127.0.0.1:6"})
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([Path(mine).name, live_half.name, other.name])
+    assert read_handshake(mine) == {"engine_id": "e-2", "epoch": 3, "peer_address": "127.0.0.1:6"}
+
+
+def test_a_registration_naming_no_usable_pid_is_refused(tmp_path: Path) -> None:
+    path = str(tmp_path / "h.json")
+    for pid, match in (("7", "pid: missing or not int"), (True, "pid: missing or not int"),
+                       (0, "pid: must be positive")):  # fmt: skip
+        Path(path).write_text(
+            json.dumps({"engine_id": "e", "epoch": 1, "peer_address": "p", "pid": pid})
+        )
+        os.chmod(path, 0o600)
+        with pytest.raises(InvalidInputError, match=match):
+            read_handshake(path)
+    assert sweep_handshakes(str(tmp_path)) == []  # not a name it sweeps
 
 
 def test_multiconnector_configs_keep_the_order_role_and_recompute_policy() -> None:

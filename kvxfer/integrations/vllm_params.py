@@ -9,6 +9,7 @@ back; a bad dict is an InvalidInputError/LayoutError naming the field.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -332,9 +333,13 @@ def load_errors(
 # registration may never arrive. The worker therefore also leaves it in a file
 # only this user can write, named after vLLM's engine id (the same in the
 # scheduler and worker processes of one engine), and the scheduler reads it when
-# the channel brought nothing of kvxfer's.
+# the channel brought nothing of kvxfer's. The file names the worker's pid: a
+# worker killed without its `close()` cannot remove it, so a file whose writer is
+# gone is no registration, and the next worker to write one removes it.
 
 HANDSHAKE_FIELDS = ("engine_id", "epoch", "peer_address")
+HANDSHAKE_PREFIX = "kvxfer-vllm-"
+_HANDSHAKE_NAME = re.compile(rf"{HANDSHAKE_PREFIX}[0-9a-f]{{20}}-tp\d+\.json(\.\d+\.tmp)?")
 
 
 def handshake_path(vllm_engine_id: str, tp_rank: int = 0, directory: str | None = None) -> str:
@@ -344,13 +349,15 @@ def handshake_path(vllm_engine_id: str, tp_rank: int = 0, directory: str | None 
         raise InvalidInputError("kv_transfer_config.engine_id", "empty")
     digest = hashlib.sha256(vllm_engine_id.encode()).hexdigest()[:20]
     return os.path.join(
-        directory or tempfile.gettempdir(), f"kvxfer-vllm-{digest}-tp{tp_rank}.json"
+        directory or tempfile.gettempdir(), f"{HANDSHAKE_PREFIX}{digest}-tp{tp_rank}.json"
     )
 
 
 def write_handshake(path: str, fields: Mapping[str, Any]) -> None:
-    """Atomically replace `path` with `fields` (0600: the scheduler trusts its contents)."""
-    record = {key: fields[key] for key in HANDSHAKE_FIELDS}
+    """Atomically replace `path` with `fields` and this process's pid (0600: the scheduler
+    trusts its contents); first remove what workers that are gone left beside it."""
+    sweep_handshakes(os.path.dirname(path) or ".")
+    record = {key: fields[key] for key in HANDSHAKE_FIELDS} | {"pid": os.getpid()}
     temporary = f"{path}.{os.getpid()}.tmp"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as out:
@@ -359,8 +366,9 @@ def write_handshake(path: str, fields: Mapping[str, Any]) -> None:
 
 
 def read_handshake(path: str) -> dict[str, Any] | None:
-    """The registration at `path`, None if there is none yet; a file another user owns or
-    others may write, or one missing a field, is refused naming what is wrong."""
+    """The registration at `path`, None if there is none yet or its worker is gone; a
+    file another user owns or others may write, or one missing a field, is refused
+    naming what is wrong."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -375,7 +383,65 @@ def read_handshake(path: str) -> dict[str, Any] | None:
             raise InvalidInputError(path, f"not JSON: {exc}") from exc
     if not isinstance(record, dict):
         raise InvalidInputError(path, "must hold an object")
-    for key, kind in zip(HANDSHAKE_FIELDS, (str, int, str), strict=True):
-        if not isinstance(record.get(key), kind):
+    for key, kind in zip((*HANDSHAKE_FIELDS, "pid"), (str, int, str, int), strict=True):
+        if not isinstance(record.get(key), kind) or isinstance(record[key], bool):
             raise InvalidInputError(f"{path}.{key}", f"missing or not {kind.__name__}")
-    return record
+    if record["pid"] <= 0:
+        raise InvalidInputError(f"{path}.pid", f"must be positive, got {record['pid']}")
+    if not _alive(record["pid"]):
+        return None  # left by a worker killed before its close(): the next one replaces it
+    return {key: record[key] for key in HANDSHAKE_FIELDS}
+
+
+def sweep_handshakes(directory: str) -> list[str]:
+    """Remove the registration files (and half-written ones) in `directory` that this
+    user's workers left when they were killed before their `close()`: owned by this
+    user, named as `handshake_path` names them, and naming a pid that no longer runs.
+    Returns the names removed. A file being replaced meanwhile is left alone (its
+    inode changed), and one that cannot be read is left to `read_handshake` to name."""
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(directory) if _HANDSHAKE_NAME.fullmatch(n)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        with os.fdopen(fd) as source:
+            info = os.fstat(source.fileno())
+            if info.st_uid != os.getuid():
+                continue
+            pid = _writer_pid(name, source)
+        if pid is None or _alive(pid):
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(path, follow_symlinks=False).st_ino == info.st_ino:
+                os.unlink(path)
+                removed.append(name)
+    return removed
+
+
+def _writer_pid(name: str, source: Any) -> int | None:
+    """The pid a registration file names (a half-written one: in its name), else None."""
+    if name.endswith(".tmp"):
+        return int(name.rsplit(".", 2)[1])
+    try:
+        record = json.load(source)
+    except ValueError:
+        return None
+    pid = record.get("pid") if isinstance(record, dict) else None
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process `pid` runs (one of another user's counts: it may be ours reused)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
