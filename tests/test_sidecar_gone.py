@@ -4,7 +4,8 @@ publications on exactly these two errors, and watches again on any other end.
 
 - A sidecar that does not know the engine (it restarted, and the engine's memory
   was registered with the one before): NotFoundError.
-- A sidecar that is no longer there: PeerUnavailableError, at once, not at a deadline.
+- A sidecar that is no longer there: PeerUnavailableError, at once, not at a deadline;
+  a call that could not connect is a LaneUnreachableError (nothing of it was sent).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from sidecars import start_engine, start_sidecar
 
-from kvxfer._exceptions import NotFoundError, PeerUnavailableError
+from kvxfer._exceptions import LaneUnreachableError, NotFoundError, PeerUnavailableError
 from kvxfer.client.engine import SyncEngineClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -38,13 +39,20 @@ def test_the_watch_of_a_gone_sidecar_ends_in_the_two_errors_the_worker_acts_on(
                     next(iter(stranger.events(timeout_s=10)))
             finally:
                 stranger.close()
-        p.stop(signal.SIGKILL)
+        # A client that used the sidecar before it died, as a worker's has.
         known = SyncEngineClient(address, engine_id=engine_id, connect_timeout_s=0.5)
         try:
+            with pytest.raises(NotFoundError):
+                known.abort("r-0")
+            p.stop(signal.SIGKILL)
             started = time.monotonic()
             with pytest.raises(PeerUnavailableError):
                 next(iter(known.events(timeout_s=10)))
             assert time.monotonic() - started < 5
+            # Nobody takes the connection again: nothing of the call was sent, and it
+            # says so (the worker then knows the sidecar took no pull of it).
+            with pytest.raises(LaneUnreachableError, match="no engine lane"):
+                known.abort("r-1")
         finally:
             known.close()
     finally:

@@ -9,7 +9,10 @@ under .venv-vllm in tests/vllm_connector_faults.py, which imports vLLM's connect
   took nothing: failed at once, nothing asked.
 - A sidecar that does not answer a Publish would hold vLLM's scheduler for the call's
   deadline on every finished request: after one, nothing is published for a while
-  (those requests are not handed off; their decode prefills them).
+  (those requests are not handed off; their decode prefills them), twice as long after
+  each that goes unanswered.
+- A sidecar that is gone (the worker's event watch saw it) fails the pulls waiting on
+  it, and every later pull at once, without a call.
 - Malformed kv_transfer_params from the router reach vLLM's scheduler, where anything
   raised would end the engine with every request on it: the request is prefilled
   locally instead, its params marked as pulling nothing.
@@ -75,5 +78,18 @@ def test_after_an_unanswered_publish_the_scheduler_does_not_wait_on_each_request
     report: dict[str, Any],
 ) -> None:
     silent = report["silent_publisher"]
-    assert silent["answers"] == [[False, None]] * 3  # none handed off
-    assert silent["called"] == ["p-1", "p-3"]  # p-2 came during the pause: not called
+    # none handed off but p-5, answered; p-2 came during the first pause: not called
+    assert silent["answers"] == [[False]] * 4 + [[True], [False]]
+    assert silent["called"] == ["p-1", "p-3", "p-4", "p-5", "p-6"]
+    # a pause twice as long each time the sidecar is still silent, back to 5 s once answered
+    assert silent["pauses"] == [5, 5, 10, 20, 0, 5]
+
+
+def test_once_the_sidecar_is_gone_pulls_fail_at_once_and_call_nothing(
+    report: dict[str, Any],
+) -> None:
+    gone = report["gone_sidecar"]
+    # The unsure pull fails with the loss; the later one at its own step, not parked.
+    assert gone["steps"] == [FAILED, FAILED, NOTHING]
+    assert gone["pulled"] == ["req-7"]  # only the pull from before the loss was called
+    assert gone["aborted"] == []  # and the sidecar is not asked again about it

@@ -93,6 +93,7 @@ def test_a_registration_whose_worker_is_gone_is_none_and_the_next_worker_removes
     other = tmp_path / "kvxfer-vllm-notes.json"  # not a name handshake_path makes
     other.write_text("{}")
     mine = handshake_path("live-engine", directory=str(tmp_path))
+    Path(f"{mine}.{os.getpid()}.tmp").write_text("{")  # a killed writer had this pid
     write_handshake(mine, {"engine_id": "e-2", "epoch": 3, "peer_address": "127.0.0.1:6"})
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted([Path(mine).name, live_half.name, other.name])

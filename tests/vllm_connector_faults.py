@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -41,15 +42,17 @@ class FaultyClient:
         self.aborted: list[str] = []
         self.publish_error = publish_error
         self.published: list[str] = []
+        self.pulled: list[str] = []
 
     def publish(self, request_id: str, num_tokens: int, spans: Any) -> TransferParams:
-        del num_tokens, spans
         self.published.append(request_id)
-        assert self.publish_error is not None
+        if self.publish_error is None:  # answered
+            return TransferParams("127.0.0.1:5000", "engine-1", 3, 0, request_id, num_tokens, spans)
         raise self.publish_error
 
     def pull(self, params: TransferParams, local_spans: Any, computed_tokens: int) -> Any:
-        del params, local_spans, computed_tokens
+        del local_spans, computed_tokens
+        self.pulled.append(params.request_id)
         raise self.pull_error
 
     def abort(self, request_id: str) -> AbortState:
@@ -117,9 +120,36 @@ def refused_pull() -> dict[str, Any]:
     return {"steps": steps(made, 1), "aborted": client.aborted}
 
 
+def gone_sidecar() -> dict[str, Any]:
+    """A worker whose event watch saw its sidecar go (SIDECAR_LOST) with a pull it is
+    unsure of: that pull fails, and every later one fails at once, calling nothing (a
+    call would block vLLM's step for the connect timeout and never be answered)."""
+    client = FaultyClient(PeerUnavailableError("Pull: no answer within 5s"), [])
+    made = worker(client)
+    made.pull(order())  # no answer: unsure, vLLM keeps its blocks
+    made._events.put(connector.SIDECAR_LOST)
+    seen = steps(made, 1)
+    made.pull(order())
+    seen += steps(made, 2)
+    return {"steps": seen, "pulled": client.pulled, "aborted": client.aborted}
+
+
+def publish_request(made: Any, name: str) -> list[Any]:
+    request = SimpleNamespace(
+        request_id=name,
+        status=connector.RequestStatus.FINISHED_LENGTH_CAPPED,
+        num_computed_tokens=32,
+        num_prompt_tokens=32,
+        kv_transfer_params={"do_remote_decode": True},
+    )
+    return list(made.publish(request, ([1, 2],)))
+
+
 def silent_publisher() -> dict[str, Any]:
     """A prefill scheduler whose sidecar does not answer Publish: the finished requests
-    after the first are not handed off (and do not wait on it) until the pause ends."""
+    after the first are not handed off (and do not wait on it) until the pause ends. The
+    pause doubles while the sidecar stays silent, and is back to the first once a
+    Publish is answered."""
     client = FaultyClient(PeerUnavailableError("unused"), [], PeerUnavailableError("no answer"))
     owner = SimpleNamespace(
         _tp_size=1,
@@ -131,19 +161,17 @@ def silent_publisher() -> dict[str, Any]:
     )
     made = connector._Scheduler(owner, "unix:/nonexistent/kvxfer.sock")
     made._clients[0] = client
-    answers = []
-    for name in ("p-1", "p-2", "p-3"):
-        if name == "p-3":
+    answers, pauses = [], []
+    for name in ("p-1", "p-2", "p-3", "p-4", "p-5", "p-6"):
+        if name in ("p-3", "p-4", "p-5", "p-6"):
             made._paused_until = 0.0  # the pause is over
-        request = SimpleNamespace(
-            request_id=name,
-            status=connector.RequestStatus.FINISHED_LENGTH_CAPPED,
-            num_computed_tokens=32,
-            num_prompt_tokens=32,
-            kv_transfer_params={"do_remote_decode": True},
-        )
-        answers.append(list(made.publish(request, ([1, 2],))))
-    return {"answers": answers, "called": client.published}
+        if name == "p-5":
+            client.publish_error = None  # the sidecar answers again
+        if name == "p-6":
+            client.publish_error = PeerUnavailableError("no answer")
+        answers.append(publish_request(made, name)[:1])
+        pauses.append(round(max(made._paused_until - time.monotonic(), 0.0)))
+    return {"answers": answers, "called": client.published, "pauses": pauses}
 
 
 def scheduler(params: object) -> dict[str, Any]:
@@ -174,6 +202,7 @@ def main() -> None:
         ),
         "refused": refused_pull(),
         "silent_publisher": silent_publisher(),
+        "gone_sidecar": gone_sidecar(),
         "schedule": {
             "good": scheduler({"do_remote_prefill": True, KEY: good}),
             "empty_part": scheduler({"do_remote_prefill": True, KEY: {}}),

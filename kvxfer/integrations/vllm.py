@@ -185,8 +185,14 @@ _UNSURE_RETRY_S = 1.0
 _UNSURE_RETRY_MAX_S = 30.0
 # After a Publish call went unanswered, how long the prefill scheduler publishes nothing:
 # each call blocks vLLM's scheduler up to its deadline, and a sidecar that did not answer
-# one would hold every finished request that long, one after another.
+# one would hold every finished request that long, one after another. The pause doubles
+# while the sidecar stays silent (a dead one would otherwise cost a connect timeout every
+# pause), back to the first once one is answered.
 _PUBLISH_PAUSE_S = 5.0
+_PUBLISH_PAUSE_MAX_S = 300.0
+# The scheduler's calls go to a sidecar its worker already registered with: one that does
+# not take the connection within this is gone, not starting.
+_SCHEDULER_CONNECT_S = 1.0
 
 
 @dataclass
@@ -472,6 +478,7 @@ class _Scheduler:
         self.pending: list[PullOrder] = []
         self.published: dict[str, dict[int, list[str]]] = {}  # for the next metadata
         self._paused_until = 0.0  # publishing nothing until then (_PUBLISH_PAUSE_S)
+        self._pause_s = _PUBLISH_PAUSE_S  # the next pause
 
     def publish(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -493,21 +500,24 @@ class _Scheduler:
             if tp_size == 1 and readers == 1:
                 params = self._client(0).publish(request.request_id, num_tokens, spans)
                 self.published[request.request_id] = {0: [request.request_id]}
+                self._pause_s = _PUBLISH_PAUSE_S
                 return True, {"do_remote_prefill": True, KEY: params_to_dict(params)}
             published = self._publish_per_reader(
                 request.request_id, num_tokens, spans, readers, heads, cuts
             )
         except PeerUnavailableError as exc:
-            self._paused_until = time.monotonic() + _PUBLISH_PAUSE_S
+            self._paused_until = time.monotonic() + self._pause_s
             log.error(
                 "kvxfer: publish of %s got no answer (%s): publishing nothing for %.0f s, so "
                 "vLLM's scheduler does not wait on the sidecar for every finished request",
-                request.request_id, exc, _PUBLISH_PAUSE_S,
+                request.request_id, exc, self._pause_s,
             )  # fmt: skip
+            self._pause_s = min(2 * self._pause_s, _PUBLISH_PAUSE_MAX_S)
             return False, None
         except KvxferError as exc:
             log.error("kvxfer: publish of %s failed: %s", request.request_id, exc)
             return False, None
+        self._pause_s = _PUBLISH_PAUSE_S
         return True, {"do_remote_prefill": True, KEY: published}
 
     def _publish_per_reader(
@@ -557,7 +567,10 @@ class _Scheduler:
                 raise KvxferError(f"no registration of TP rank {rank}'s worker reached here")
             self.handshakes[rank] = handshake
             client = SyncEngineClient(
-                self._sidecar, engine_id=handshake.engine_id, **self._owner._loop_choice
+                self._sidecar,
+                engine_id=handshake.engine_id,
+                connect_timeout_s=_SCHEDULER_CONNECT_S,
+                **self._owner._loop_choice,
             )
             self._clients[rank] = client
         return client
@@ -676,6 +689,9 @@ class _Worker:
         # when to ask the sidecar to abort it again; and the pause after an unanswered one.
         self._unsure: dict[str, float] = {}
         self._unsure_pause = _UNSURE_RETRY_S
+        # The sidecar is gone (`_watch`): every later pull fails at once, where each would
+        # block vLLM's step until its connect timeout and then never hear back.
+        self._gone = False
         self._local_block = 0
         # Requests whose pages are being laid out again, a budget of bytes per engine step.
         self._laying: collections.deque[tuple[_Receiving, Iterator[int]]] = collections.deque()
@@ -882,6 +898,8 @@ class _Worker:
         if receiving.staged:  # staging pages hold whole prefill blocks
             computed = computed // self._owner._ratio.source * self._owner._ratio.source
         try:
+            if self._gone:
+                raise KvxferError("the sidecar is gone: vLLM computes it here")
             layout = self.layout
             if layout is None:
                 raise KvxferError("the KV cache is not registered with the sidecar")
@@ -1074,9 +1092,12 @@ class _Worker:
                 self._received(receiving)
 
     def _sidecar_lost(self) -> None:
-        """Every pull still waiting failed; every publication released (see `_watch`)."""
+        """Every pull still waiting failed; every publication released; every later pull
+        fails at once (see `_watch`)."""
+        self._gone = True
         waiting = {id(r): r for r in self._pulls.values()}
         self._pulls.clear()
+        self._unsure.clear()
         for receiving in waiting.values():
             receiving.pending, receiving.failed = 0, True
             self._received(receiving)

@@ -359,6 +359,9 @@ def write_handshake(path: str, fields: Mapping[str, Any]) -> None:
     sweep_handshakes(os.path.dirname(path) or ".")
     record = {key: fields[key] for key in HANDSHAKE_FIELDS} | {"pid": os.getpid()}
     temporary = f"{path}.{os.getpid()}.tmp"
+    # One with this pid in its name is a killed process's whose pid this one reuses.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary)
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as out:
         json.dump(record, out)

@@ -170,8 +170,8 @@ class Lane:
             try:
                 return await asyncio.open_unix_connection(self.path)
             except (FileNotFoundError, ConnectionRefusedError) as exc:
-                if loop.time() >= deadline:
-                    raise PeerUnavailableError(
+                if loop.time() >= deadline:  # nothing was sent
+                    raise LaneUnreachableError(
                         f"no engine lane at {self.path} within "
                         f"{self._connect_timeout_s:g}s ({exc.strerror}): is kvxfer-server "
                         "running with this unix engine socket? (lane=False uses gRPC only)"
