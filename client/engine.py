@@ -40,6 +40,8 @@ from kvxfer.core.layout import BlockSpan, EngineLayout
 from kvxfer.core.requests import (
     AbortState,
     EngineEvent,
+    Held,
+    HoldState,
     PullAccepted,
     PushAccepted,
     TransferParams,
@@ -64,6 +66,11 @@ T = TypeVar("T")
 R = TypeVar("R", bound=Message)
 MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
+_HOLD_STATES = {
+    pb.LEASE_STATE_HELD: HoldState.HELD,
+    pb.LEASE_STATE_ABORTED: HoldState.ABORTED,
+    pb.LEASE_STATE_UNKNOWN: HoldState.GONE,
+}
 _SOCKET_POLL_S = 0.05
 
 
@@ -265,6 +272,22 @@ class EngineClient:
         reply = await self._unary("abort", "Abort", request, pb.AbortResponse)
         return abort_state_from_proto(reply.state, "AbortResponse.state")
 
+    async def hold(self, params: Sequence[TransferParams]) -> Held:
+        """Ask each params' publisher to keep its request while this engine has no blocks
+        to pull it into yet (up to the publisher's lease.max_hold_s after it published);
+        call again every `interval_s` of the answer until the request is pulled."""
+        request = pb.HoldRequest(
+            engine_id=self._engine(), params=[params_to_proto(p) for p in params]
+        )
+        reply = await self._unary("hold", "Hold", request, pb.HoldResponse)
+        if len(reply.states) != len(params):
+            raise PeerUnavailableError(
+                f"hold at sidecar {self.address}: {len(reply.states)} states for "
+                f"{len(params)} params"
+            )
+        states = tuple(_HOLD_STATES.get(s, HoldState.UNASKED) for s in reply.states)
+        return Held(states, reply.interval_ms / 1000)
+
     async def events(self) -> AsyncIterator[EngineEvent]:
         """This engine's events, as they happen, until the sidecar ends the stream."""
         await self.connect()
@@ -376,6 +399,9 @@ class SyncEngineClient:
 
     def abort(self, request_id: str) -> AbortState:
         return self._run(self._client.abort(request_id))
+
+    def hold(self, params: Sequence[TransferParams]) -> Held:
+        return self._run(self._client.hold(params))
 
     def unregister(self) -> tuple[int, int]:
         return self._run(self._client.unregister())

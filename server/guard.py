@@ -42,11 +42,12 @@ _KIB = 1 << 10
 # What a real request of each RPC can need, with room to spare. Handshake
 # carries the reader's layout (groups, layers, regions: tens of KiB for the
 # largest models); Heartbeat carries up to limits.max_heartbeat_ids ids of at
-# most 256 bytes each; the rest carry one request id or nothing.
+# most 256 bytes each, and so does HoldLeases; the rest carry one request id or nothing.
 MAX_REQUEST_BYTES: dict[str, int] = {
     "/kvxfer.v1.PeerService/Handshake": 1024 * _KIB,
     "/kvxfer.v1.PeerService/BeginRead": 4 * _KIB,
     "/kvxfer.v1.PeerService/Heartbeat": 2048 * _KIB,
+    "/kvxfer.v1.PeerService/HoldLeases": 2048 * _KIB,
     "/kvxfer.v1.PeerService/EndRead": 4 * _KIB,
     "/kvxfer.v1.PeerService/BeginWrite": 4 * _KIB,
     # failed blocks of every group: up to limits.max_blocks_per_request ids of 10 bytes

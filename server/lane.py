@@ -75,6 +75,7 @@ UNARY_REQUESTS: dict[str, type[Message]] = {
     "Expect": pb.ExpectRequest,
     "Push": pb.PushRequest,
     "Abort": pb.AbortRequest,
+    "Hold": pb.HoldRequest,
     "Unregister": pb.UnregisterRequest,
 }
 STREAM_REQUESTS: dict[str, type[Message]] = {"WatchEvents": pb.WatchEventsRequest}

@@ -201,6 +201,27 @@ class LeaseTable:
                 lease.expires = now + self.ttl_s
         return [None if lease is None else lease.state for lease in leases]
 
+    def hold(
+        self, engine_id: str, request_ids: Sequence[str], max_hold_s: float
+    ) -> list[LeaseState | None]:
+        """Keep each published request nobody reads yet for another TTL, but never past
+        `max_hold_s` after it was published (a would-be reader waiting for its engine's
+        blocks). None for requests not held or not published (a destination lease); a
+        request being read is its reader's to renew and keeps its expiry."""
+        now = self._clock()
+        states: list[LeaseState | None] = []
+        for request_id in request_ids:
+            lease = self._leases.get((engine_id, request_id))
+            if lease is None or lease.push:
+                states.append(None)
+                continue
+            if lease.state is LeaseState.HELD:
+                lease.expires = max(
+                    lease.expires, min(now + self.ttl_s, lease.created + max_hold_s)
+                )
+            states.append(lease.state)
+        return states
+
     def end_read(self, engine_id: str, request_id: str, reader: str, token: str) -> Lease:
         lease = self.get(engine_id, request_id)
         check_reader(lease, reader, token)

@@ -68,7 +68,7 @@ REFUSAL_REASONS = (
 SERVICES = ("peer", "engine", "metrics")
 # What the peer port's guard passes (PeerService and AdminService calls on the peer port).
 PEER_METHODS = (
-    "Handshake", "BeginRead", "Heartbeat", "EndRead", "BeginWrite", "EndWrite",
+    "Handshake", "BeginRead", "Heartbeat", "HoldLeases", "EndRead", "BeginWrite", "EndWrite",
     "GetStatus", "ListPeers",
 )  # fmt: skip
 

@@ -49,6 +49,7 @@ TLS_HANDSHAKE_MAX_S = 60.0  # asyncio's default
 REQUESTS: dict[str, type[Message]] = {
     "BeginRead": pb.BeginReadRequest,
     "Heartbeat": pb.HeartbeatRequest,
+    "HoldLeases": pb.HoldLeasesRequest,
     "EndRead": pb.EndReadRequest,
     "BeginWrite": pb.BeginWriteRequest,
     "EndWrite": pb.EndWriteRequest,

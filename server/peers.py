@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -500,6 +500,24 @@ class PeerLinks:
             link, "Heartbeat", request, pb.HeartbeatResponse, "heartbeat"
         )
         return reply.states[0] if reply.states else pb.LEASE_STATE_UNKNOWN
+
+    async def hold(
+        self, link: PeerLink, request_ids: Sequence[str]
+    ) -> list[pb.LeaseState.ValueType]:
+        """Ask the peer to keep its publications of `request_ids` (HoldLeases): each one's
+        LeaseState as it answered."""
+        request = pb.HoldLeasesRequest(
+            epoch=link.epoch, tp_rank=link.tp_rank, request_ids=list(request_ids)
+        )
+        reply = await self._dialer.call_peer(
+            link, "HoldLeases", request, pb.HoldLeasesResponse, "hold leases"
+        )
+        if len(reply.states) != len(request_ids):
+            raise PeerUnavailableError(
+                f"hold leases at {link.address}: {len(reply.states)} states for "
+                f"{len(request_ids)} request ids"
+            )
+        return list(reply.states)
 
     async def end_read(self, link: PeerLink, request: pb.EndReadRequest) -> None:
         """End the read; its token is kept while the peer cannot be reached, so that the

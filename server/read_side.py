@@ -94,6 +94,22 @@ class ReadSide:
         engine = self._sidecar.serving_engine(tp_rank)
         return self._sidecar._leases.renew(engine.engine_id, request_ids, reader, tokens)
 
+    def hold(self, epoch: int, tp_rank: int, request_ids: Sequence[str]) -> list[LeaseState | None]:
+        """HoldLeases: keep published requests a reader will read once its engine has
+        blocks for them (LeaseTable.hold); None for each when `epoch` is not ours."""
+        limit = self._sidecar.settings.limits.max_heartbeat_ids
+        if len(request_ids) > limit:
+            raise LimitExceededError(
+                f"request_ids: {len(request_ids)} ids exceed limits.max_heartbeat_ids ({limit})"
+            )
+        for i, request_id in enumerate(request_ids):
+            check_request_id(request_id, f"request_ids[{i}]")
+        if epoch != self._sidecar.epoch:
+            return [None] * len(request_ids)
+        engine = self._sidecar.serving_engine(tp_rank)
+        max_hold_s = self._sidecar.settings.lease.max_hold_s
+        return self._sidecar._leases.hold(engine.engine_id, request_ids, max_hold_s)
+
     def end_read(
         self,
         epoch: int,

@@ -135,10 +135,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         """The params of another sidecar's request: never this sidecar's own."""
         if not request.HasField("params"):
             raise InvalidInputError("params", "missing")
-        params = params_from_proto(request.params, "params")
+        return self._peer_params_of(request.params, "params")
+
+    def _peer_params_of(self, message: pb.TransferParams, field: str) -> TransferParams:
+        params = params_from_proto(message, field)
         if params.epoch == self._sidecar.epoch or params.peer_address == self._sidecar.address:
             raise InvalidInputError(
-                "params.peer_address",
+                f"{field}.peer_address",
                 f"{params.peer_address} (epoch {params.epoch}) is this sidecar itself: "
                 "transfer with the sidecar that published or expects the request",
             )
@@ -148,6 +151,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         state = await self._sidecar.abort(request.engine_id, request.request_id)
         return pb.AbortResponse(state=abort_state_to_proto(state))
+
+    @rpc
+    async def Hold(self, request: pb.HoldRequest, context: Context) -> pb.HoldResponse:
+        params = [self._peer_params_of(p, f"params[{i}]") for i, p in enumerate(request.params)]
+        states, interval_s = await self._sidecar.hold(request.engine_id, params)
+        return pb.HoldResponse(states=states, interval_ms=round(interval_s * 1000))
 
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: Context
@@ -210,6 +219,15 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
             list(request.read_tokens),
         )
         return pb.HeartbeatResponse(states=[_LEASE_STATE_TO_PB[s] for s in states])
+
+    @rpc
+    async def HoldLeases(
+        self, request: pb.HoldLeasesRequest, context: Context
+    ) -> pb.HoldLeasesResponse:
+        states = self._sidecar.read_side.hold(
+            request.epoch, request.tp_rank, list(request.request_ids)
+        )
+        return pb.HoldLeasesResponse(states=[_LEASE_STATE_TO_PB[s] for s in states])
 
     @rpc
     async def EndRead(self, request: pb.EndReadRequest, context: Context) -> pb.EndReadResponse:

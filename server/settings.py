@@ -62,6 +62,14 @@ class _Group(BaseModel):
 
 class LeaseSettings(_Group):
     ttl_s: float = Field(30.0, gt=0, le=3600, description="how long a published request is held")
+    max_hold_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="the longest a reader's holds (HoldLeases, while its request waits in "
+        "its engine's queue) keep a published request nobody reads yet, from its publish; "
+        "at least ttl_s",
+    )
     sweep_s: float = Field(0.25, gt=0, le=60, description="how often expired leases are swept")
 
 
@@ -373,6 +381,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _deadlines(self) -> Settings:
+        if self.lease.max_hold_s < self.lease.ttl_s:
+            raise ValueError(
+                f"lease.max_hold_s ({self.lease.max_hold_s}) must be at least lease.ttl_s "
+                f"({self.lease.ttl_s}): a hold never shortens a lease"
+            )
         if self.transfer.stall_deadline_s >= self.lease.ttl_s:
             raise ValueError(
                 f"transfer.stall_deadline_s ({self.transfer.stall_deadline_s}) must be below "

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from kvxfer._exceptions import (
     InvalidInputError,
+    KvxferError,
     LimitExceededError,
     NotFoundError,
     ShuttingDownError,
@@ -61,6 +62,7 @@ from kvxfer.server.pulls import Pull, PullContext, all_finished, run_pull
 from kvxfer.server.push_side import PushSide
 from kvxfer.server.read_side import ReadSide
 from kvxfer.server.settings import Settings
+from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.wire.loops import within
 
 log = logging.getLogger(__name__)
@@ -459,6 +461,52 @@ class Sidecar:
             raise LimitExceededError(
                 f"{field}: {total} block ids exceed limits.max_blocks_per_request ({limit})"
             )
+
+    async def hold(
+        self, engine_id: str, params: Sequence[TransferParams]
+    ) -> tuple[list[pb.LeaseState.ValueType], float]:
+        """Hold: ask each params' publisher to keep the request while the engine's queue
+        holds it back (HoldLeases, one call per publisher), linking with the publisher
+        first where the engine never pulled from it (the later Pull then finds the link
+        made). Returns each params' LeaseState (UNSPECIFIED where its publisher could not
+        be asked: a later Hold tries again) and when to hold again: a third of the
+        shortest TTL among the publishers asked."""
+        engine = self.engine(engine_id)
+        limit = self.settings.limits.max_heartbeat_ids
+        if len(params) > limit:
+            raise LimitExceededError(
+                f"params: {len(params)} exceed limits.max_heartbeat_ids ({limit})"
+            )
+        for i, p in enumerate(params):
+            if p.mode is not TransferMode.PULL:
+                raise InvalidInputError(f"params[{i}].mode", "only pulled requests are held")
+        by_publisher: dict[tuple[str, int, str, int], list[int]] = {}
+        for i, p in enumerate(params):
+            by_publisher.setdefault((p.peer_address, p.epoch, p.engine_id, p.tp_rank), []).append(i)
+        states: list[pb.LeaseState.ValueType] = [pb.LEASE_STATE_UNSPECIFIED] * len(params)
+        ttls = [self.settings.lease.ttl_s]
+
+        async def ask(key: tuple[str, int, str, int], indices: list[int]) -> None:
+            address, epoch, peer_engine, rank = key
+            try:
+                link, _ = await self.links.link(
+                    address, engine_id, engine.layout, epoch, peer_engine, rank
+                )
+                if link.epoch != epoch:  # the publisher restarted: nothing of it is held
+                    answered: list[pb.LeaseState.ValueType] = [pb.LEASE_STATE_UNKNOWN] * len(
+                        indices
+                    )
+                else:
+                    ttls.append(link.hello.lease_ttl_s)
+                    answered = await self.links.hold(link, [params[i].request_id for i in indices])
+            except KvxferError as exc:
+                log.warning("hold at %s for engine %s: %s", address, shown(engine_id), exc)
+                return
+            for i, state in zip(indices, answered, strict=True):
+                states[i] = state
+
+        await asyncio.gather(*(ask(key, indices) for key, indices in by_publisher.items()))
+        return states, min(ttls) / 3
 
     async def abort(self, engine_id: str, request_id: str) -> AbortState:
         engine = self.engine(engine_id)

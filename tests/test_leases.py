@@ -115,3 +115,35 @@ def test_reads_are_bound_to_their_reader(table: LeaseTable, clock: Clock) -> Non
             table.end_read("e", "r", reader, wrong)
     clock.now += 10  # nothing foreign renewed it: it lapses on time
     assert [lease.request_id for lease in table.expire()] == ["r"]
+
+
+def test_a_hold_keeps_an_unread_publication_a_ttl_more_up_to_its_cap(
+    table: LeaseTable, clock: Clock
+) -> None:
+    table.add("e", "r", 32, SPANS)  # published at 100, expires at 110
+    table.add("e", "push", 32, SPANS, push=True)
+    clock.now = 108.0
+    states = table.hold("e", ["r", "push", "never"], max_hold_s=25.0)
+    assert states == [LeaseState.HELD, None, None]  # a destination lease is no publication
+    assert table.get("e", "r").expires == 118.0
+    assert table.get("e", "push").expires == 110.0  # untouched
+    clock.now = 120.0  # past the cap's last full TTL: held up to 125 (published + 25)
+    table.hold("e", ["r"], max_hold_s=25.0)
+    assert table.get("e", "r").expires == 125.0
+    clock.now = 124.0
+    table.hold("e", ["r"], max_hold_s=25.0)
+    assert table.get("e", "r").expires == 125.0  # never past the cap
+    clock.now = 125.0
+    assert [lease.request_id for lease in table.expire()] == ["r", "push"]
+    assert table.hold("e", ["r"], max_hold_s=25.0) == [None]
+
+
+def test_a_hold_leaves_a_read_to_its_reader(table: LeaseTable, clock: Clock) -> None:
+    table.add("e", "r", 32, SPANS)
+    lease = table.begin_read("e", "r", "d")  # expires at 110
+    clock.now = 105.0
+    assert table.hold("e", ["r"], max_hold_s=100.0) == [LeaseState.READING]
+    assert lease.expires == 110.0  # only its reader's heartbeat renews it
+    table.abort("e", "r")
+    assert table.hold("e", ["r"], max_hold_s=100.0) == [LeaseState.ABORTED]
+    assert lease.expires == 110.0

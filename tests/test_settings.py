@@ -44,6 +44,8 @@ def test_precedence_flag_env_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         (["--engine-address", "unix:"], "engine_address"),
         (["--lease.ttl-s", "-1"], "lease.ttl_s"),
         (["--lease.ttl-s", "5", "--transfer.stall-deadline-s", "6"], "transfer.stall_deadline_s"),
+        (["--lease.ttl-s", "60", "--lease.max-hold-s", "30"], "lease.max_hold_s"),
+        (["--lease.max-hold-s", "0"], "lease.max_hold_s"),
         (["--faults.fail-rate", "2"], "faults.fail_rate"),
         (["--tls.cert-file", "/nonexistent"], "tls"),
     ],

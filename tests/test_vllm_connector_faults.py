@@ -65,9 +65,12 @@ def test_malformed_params_are_prefilled_locally_not_raised(report: dict[str, Any
     schedule = report["schedule"]
     good = schedule["good"]
     assert good["matched"] == [32, True] and good["pending"] == 1  # released when aborted
+    # held from the moment vLLM hands it over until it finishes (vllm_hold)
+    assert good["held"] == good["unheld"] == ["r-1"]
     for case in ("empty_part", "list_part", "text_tokens"):
         bad = schedule[case]
         assert bad["matched"] == [0, False] and bad["pending"] == 0, (case, bad)
+        assert bad["held"] == [], (case, bad)  # nothing to keep for a request prefilled here
         assert bad["finished"] == [False, None], (case, bad)
         assert bad["params_after"]["do_remote_prefill"] is False, (case, bad)
     other = schedule["not_an_object"]

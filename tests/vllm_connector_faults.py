@@ -177,7 +177,13 @@ def silent_publisher() -> dict[str, Any]:
 def scheduler(params: object) -> dict[str, Any]:
     """The scheduler's calls for one decode request, with `params` from the router."""
     made = object.__new__(connector.KvxferConnector)
-    made._scheduler = SimpleNamespace(pending=[])
+    held: list[str] = []
+    unheld: list[str] = []
+    made._scheduler = SimpleNamespace(
+        pending=[],
+        hold=lambda request: held.append(request.request_id),
+        holder=SimpleNamespace(remove=unheld.append),
+    )
     made._has_state = False
     request = SimpleNamespace(request_id="r-1", kv_transfer_params=params, num_prompt_tokens=64)
     connector.KvxferConnector.on_new_request(made, request)
@@ -188,6 +194,8 @@ def scheduler(params: object) -> dict[str, Any]:
         "finished": [finished[0], finished[1]],
         "pending": len(made._scheduler.pending),
         "params_after": request.kv_transfer_params,
+        "held": held,
+        "unheld": unheld,
     }
 
 

@@ -91,6 +91,23 @@ class AbortState(enum.StrEnum):
     WRITING = "writing"  # a writer was writing it: reported when no byte can land
 
 
+class HoldState(enum.StrEnum):
+    """What holding one pulled request while it waits for the engine's blocks found."""
+
+    HELD = "held"  # its publisher keeps it (or it is being read)
+    ABORTED = "aborted"  # its publisher aborted it: there is nothing to pull
+    GONE = "gone"  # released, expired, never published, or its publisher restarted
+    UNASKED = "unasked"  # its publisher could not be asked: hold it again later
+
+
+@dataclass(frozen=True)
+class Held:
+    """A Hold's answer: one state per params, in order, and when to hold again."""
+
+    states: tuple[HoldState, ...]
+    interval_s: float
+
+
 class ReleaseReason(enum.StrEnum):
     CONSUMED = "consumed"
     ABORTED = "aborted"

@@ -75,6 +75,7 @@ from kvxfer.core.requests import (
 )
 from kvxfer.integrations.cpu_amx import allow_amx
 from kvxfer.integrations.shm_remap import SharedRemap
+from kvxfer.integrations.vllm_hold import Holder
 from kvxfer.integrations.vllm_kernel import (
     KernelFacts,
     cpu_kernel_isa,
@@ -102,6 +103,7 @@ from kvxfer.integrations.vllm_params import (
     pulled_tokens,
     rank_params,
     read_handshake,
+    reader_params,
     reader_sources,
     write_handshake,
 )
@@ -255,6 +257,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         params = _params(request)
         if self._has_state and params and params.get("do_remote_decode"):
             _trim_last_prompt_token(request)
+        if self._scheduler is not None and _pulled_tokens(request) is not None:
+            self._scheduler.hold(request)  # until its blocks are allocated, or it finishes
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -268,13 +272,14 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.holder.remove(request.request_id)  # its pull renews the lease now
         remote = _pulled_tokens(request)
         if remote is None:
             return
         params = request.kv_transfer_params
         params["do_remote_prefill"] = False  # one pull per request
         block_ids = tuple(list(g) for g in blocks.get_block_ids())
-        assert self._scheduler is not None
         # A full local hit still "pulls" with C == N: nothing moves, the prefill releases.
         computed = remote - max(num_external_tokens, 0)
         self._scheduler.pending.append(
@@ -297,6 +302,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is None:
             return False, None
+        self._scheduler.holder.remove(request.request_id)
         remote = _pulled_tokens(request)
         params = _params(request)
         if not params:
@@ -468,12 +474,15 @@ def _trim_last_prompt_token(request: Request) -> None:
 
 
 class _Scheduler:
-    """Publishes finished prefill requests to the sidecar; queues decode pulls."""
+    """Publishes finished prefill requests to the sidecar; queues decode pulls, and holds
+    their publications while they wait for blocks (vllm_hold)."""
 
     def __init__(self, owner: KvxferConnector, sidecar: str) -> None:
         self._owner = owner
         self._sidecar = sidecar
         self._clients: dict[int, SyncEngineClient] = {}  # per TP rank's engine
+        self._clients_lock = threading.Lock()  # the holder's thread makes them too
+        self.holder = Holder(self._hold_client)
         self.handshakes: dict[int, KvxferHandshake] = {}  # TP rank -> its registration
         self.pending: list[PullOrder] = []
         self.published: dict[str, dict[int, list[str]]] = {}  # for the next metadata
@@ -558,8 +567,31 @@ class _Scheduler:
         self.published[request_id] = held
         return {"num_tokens": num_tokens, "prefill_tp_size": tp_size, "readers": by_reader}
 
+    def hold(self, request: Request) -> None:
+        """Hold the publications a decode request will pull while vLLM's queue holds it
+        back: each decode rank's, through that rank's engine. Params the pull would
+        refuse are not held (the pull names what is wrong)."""
+        value = request.kv_transfer_params[KEY]
+        tp_size = self._owner._tp_size
+        try:
+            by_rank = {rank: reader_params(value, tp_size, rank) for rank in range(tp_size)}
+        except KvxferError as exc:
+            log.debug("kvxfer: %s not held: %s", request.request_id, exc)
+            return
+        self.holder.add(request.request_id, by_rank)
+
+    def _hold_client(self, rank: int) -> SyncEngineClient | None:
+        try:
+            return self._client(rank)
+        except KvxferError:  # its worker's registration has not reached here yet
+            return None
+
     def _client(self, rank: int) -> SyncEngineClient:
         """The sidecar client of TP rank `rank`'s engine."""
+        with self._clients_lock:
+            return self._client_locked(rank)
+
+    def _client_locked(self, rank: int) -> SyncEngineClient:
         client = self._clients.get(rank)
         if client is None:
             handshake = self.handshakes.get(rank) or self._handshake_from_file(rank)
@@ -587,6 +619,7 @@ class _Scheduler:
         return KvxferHandshake(record["engine_id"], record["epoch"], record["peer_address"])
 
     def close(self) -> None:
+        self.holder.close()
         for client in self._clients.values():
             client.close()
 

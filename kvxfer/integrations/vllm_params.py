@@ -220,18 +220,10 @@ def decode_tp_size(
     return value
 
 
-def rank_params(
-    value: object,
-    tp_size: int,
-    tp_rank: int,
-    num_kv_heads: int | None,
-    states: Sequence[StateShard] = (),
-) -> list[TransferParams]:
-    """The params decode rank `tp_rank` of `tp_size` pulls with: one per prefill rank it
-    reads from (`readers`), or the one of a single-rank publication. Every publication
-    must be this rank's, of the request's length, and together they must be exactly the
-    prefill ranks holding this rank's heads: a missing one would leave heads unwritten
-    and reported received. `states` are the cuts of this engine's state tensors."""
+def reader_params(value: object, tp_size: int, tp_rank: int) -> list[TransferParams]:
+    """The publications decode rank `tp_rank` of `tp_size` reads, as the params name them
+    (`rank_params` checks them against the prefill's ranks): one per prefill rank it
+    reads from (`readers`), or the one of a single-rank publication."""
     field = f"kv_transfer_params.{KEY}"
     if not isinstance(value, Mapping):
         raise InvalidInputError(field, f"must be an object, got {type(value).__name__}")
@@ -258,6 +250,25 @@ def rank_params(
     every = [params_from_dict(p, f"{where}[{i}]") for i, p in enumerate(mine)]
     if len({p.request_id for p in every}) != len(every):
         raise InvalidInputError(where, "names a publication twice")
+    return every
+
+
+def rank_params(
+    value: object,
+    tp_size: int,
+    tp_rank: int,
+    num_kv_heads: int | None,
+    states: Sequence[StateShard] = (),
+) -> list[TransferParams]:
+    """The params decode rank `tp_rank` of `tp_size` pulls with: one per prefill rank it
+    reads from (`readers`), or the one of a single-rank publication. Every publication
+    must be this rank's, of the request's length, and together they must be exactly the
+    prefill ranks holding this rank's heads: a missing one would leave heads unwritten
+    and reported received. `states` are the cuts of this engine's state tensors."""
+    every = reader_params(value, tp_size, tp_rank)
+    if not isinstance(value, Mapping) or value.get("readers") is None:
+        return every
+    field, where = f"kv_transfer_params.{KEY}", f"kv_transfer_params.{KEY}.readers[{tp_rank}]"
     prefill_tp = value.get("prefill_tp_size")
     if type(prefill_tp) is not int or not 1 <= prefill_tp <= MAX_DECODE_TP:
         raise InvalidInputError(

@@ -632,6 +632,66 @@ class AbortRequest(_message.Message):
 Global___AbortRequest: _TypeAlias = AbortRequest  # noqa: Y015
 
 @_typing.final
+class HoldRequest(_message.Message):
+    """The decode engine keeps the leases of requests it will pull alive while they wait
+    for its blocks (its queue): the sidecar asks each params' publisher to hold them
+    (HoldLeases), up to the publisher's lease.max_hold_s after it published. Sent again
+    every `interval_ms` until the request is pulled or finished.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    PARAMS_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    @_builtins.property
+    def params(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransferParams]:
+        """as the router handed them to Pull"""
+
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        params: _abc.Iterable[Global___TransferParams] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "params", b"params"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HoldRequest: _TypeAlias = HoldRequest  # noqa: Y015
+
+@_typing.final
+class HoldResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATES_FIELD_NUMBER: _builtins.int
+    INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    interval_ms: _builtins.int
+    """when to hold again: a third of the shortest lease TTL asked"""
+    @_builtins.property
+    def states(self) -> _containers.RepeatedScalarFieldContainer[Global___LeaseState.ValueType]:
+        """One per params, in order: HELD (held, or being read), ABORTED, UNKNOWN (released,
+        expired, never published, or the publisher restarted), UNSPECIFIED (its publisher
+        did not answer: try again at the next interval).
+        """
+
+    def __init__(
+        self,
+        *,
+        states: _abc.Iterable[Global___LeaseState.ValueType] | None = ...,
+        interval_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interval_ms", b"interval_ms", "states", b"states"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HoldResponse: _TypeAlias = HoldResponse  # noqa: Y015
+
+@_typing.final
 class AbortResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1097,6 +1157,59 @@ class HeartbeatResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
+
+@_typing.final
+class HoldLeasesRequest(_message.Message):
+    """Keep published requests nobody reads yet: each lease's TTL starts again, but never
+    past lease.max_hold_s after it was published. A request being read is its reader's
+    to renew (Heartbeat): it is answered HELD and left as it is.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    tp_rank: _builtins.int
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        tp_rank: _builtins.int = ...,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "request_ids", b"request_ids", "tp_rank", b"tp_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HoldLeasesRequest: _TypeAlias = HoldLeasesRequest  # noqa: Y015
+
+@_typing.final
+class HoldLeasesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def states(self) -> _containers.RepeatedScalarFieldContainer[Global___LeaseState.ValueType]:
+        """one per request id, in order"""
+
+    def __init__(
+        self,
+        *,
+        states: _abc.Iterable[Global___LeaseState.ValueType] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["states", b"states"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HoldLeasesResponse: _TypeAlias = HoldLeasesResponse  # noqa: Y015
 
 @_typing.final
 class EndReadRequest(_message.Message):

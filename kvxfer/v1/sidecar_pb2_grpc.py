@@ -64,6 +64,11 @@ class EngineServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_sidecar__pb2.AbortRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Hold = channel.unary_unary(
+                '/kvxfer.v1.EngineService/Hold',
+                request_serializer=kvxfer_dot_v1_dot_sidecar__pb2.HoldRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.HoldResponse.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/kvxfer.v1.EngineService/WatchEvents',
                 request_serializer=kvxfer_dot_v1_dot_sidecar__pb2.WatchEventsRequest.SerializeToString,
@@ -115,6 +120,12 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hold(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchEvents(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -159,6 +170,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.AbortRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_sidecar__pb2.AbortResponse.SerializeToString,
+            ),
+            'Hold': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hold,
+                    request_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.HoldRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_sidecar__pb2.HoldResponse.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
@@ -344,6 +360,33 @@ class EngineService:
             _registered_method=True)
 
     @staticmethod
+    def Hold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.EngineService/Hold',
+            kvxfer_dot_v1_dot_sidecar__pb2.HoldRequest.SerializeToString,
+            kvxfer_dot_v1_dot_sidecar__pb2.HoldResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def WatchEvents(request,
             target,
             options=(),
@@ -422,6 +465,11 @@ class PeerServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_sidecar__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.HoldLeases = channel.unary_unary(
+                '/kvxfer.v1.PeerService/HoldLeases',
+                request_serializer=kvxfer_dot_v1_dot_sidecar__pb2.HoldLeasesRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.HoldLeasesResponse.FromString,
+                _registered_method=True)
         self.EndRead = channel.unary_unary(
                 '/kvxfer.v1.PeerService/EndRead',
                 request_serializer=kvxfer_dot_v1_dot_sidecar__pb2.EndReadRequest.SerializeToString,
@@ -455,6 +503,12 @@ class PeerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HoldLeases(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -495,6 +549,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_sidecar__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'HoldLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.HoldLeases,
+                    request_deserializer=kvxfer_dot_v1_dot_sidecar__pb2.HoldLeasesRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_sidecar__pb2.HoldLeasesResponse.SerializeToString,
             ),
             'EndRead': grpc.unary_unary_rpc_method_handler(
                     servicer.EndRead,
@@ -593,6 +652,33 @@ class PeerService:
             '/kvxfer.v1.PeerService/Heartbeat',
             kvxfer_dot_v1_dot_sidecar__pb2.HeartbeatRequest.SerializeToString,
             kvxfer_dot_v1_dot_sidecar__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.PeerService/HoldLeases',
+            kvxfer_dot_v1_dot_sidecar__pb2.HoldLeasesRequest.SerializeToString,
+            kvxfer_dot_v1_dot_sidecar__pb2.HoldLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,7 @@ class EngineServiceStub:
     Expect: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.ExpectRequest, _sidecar_pb2.ExpectResponse]
     Push: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.PushRequest, _sidecar_pb2.PushResponse]
     Abort: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.AbortRequest, _sidecar_pb2.AbortResponse]
+    Hold: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.HoldRequest, _sidecar_pb2.HoldResponse]
     WatchEvents: _grpc.UnaryStreamMultiCallable[_sidecar_pb2.WatchEventsRequest, _sidecar_pb2.WatchEventsResponse]
     Unregister: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.UnregisterRequest, _sidecar_pb2.UnregisterResponse]
 
@@ -63,6 +64,7 @@ class EngineServiceAsyncStub(EngineServiceStub):
     Expect: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.ExpectRequest, _sidecar_pb2.ExpectResponse]  # type: ignore[assignment]
     Push: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.PushRequest, _sidecar_pb2.PushResponse]  # type: ignore[assignment]
     Abort: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.AbortRequest, _sidecar_pb2.AbortResponse]  # type: ignore[assignment]
+    Hold: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.HoldRequest, _sidecar_pb2.HoldResponse]  # type: ignore[assignment]
     WatchEvents: _aio.UnaryStreamMultiCallable[_sidecar_pb2.WatchEventsRequest, _sidecar_pb2.WatchEventsResponse]  # type: ignore[assignment]
     Unregister: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.UnregisterRequest, _sidecar_pb2.UnregisterResponse]  # type: ignore[assignment]
 
@@ -110,6 +112,13 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_sidecar_pb2.AbortResponse, _abc.Awaitable[_sidecar_pb2.AbortResponse]]: ...
 
     @_abc_1.abstractmethod
+    def Hold(
+        self,
+        request: _sidecar_pb2.HoldRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sidecar_pb2.HoldResponse, _abc.Awaitable[_sidecar_pb2.HoldResponse]]: ...
+
+    @_abc_1.abstractmethod
     def WatchEvents(
         self,
         request: _sidecar_pb2.WatchEventsRequest,
@@ -133,6 +142,7 @@ class PeerServiceStub:
     Handshake: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.HandshakeRequest, _sidecar_pb2.HandshakeResponse]
     BeginRead: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.BeginReadRequest, _sidecar_pb2.BeginReadResponse]
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.HeartbeatRequest, _sidecar_pb2.HeartbeatResponse]
+    HoldLeases: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.HoldLeasesRequest, _sidecar_pb2.HoldLeasesResponse]
     EndRead: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.EndReadRequest, _sidecar_pb2.EndReadResponse]
     BeginWrite: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.BeginWriteRequest, _sidecar_pb2.BeginWriteResponse]
     EndWrite: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.EndWriteRequest, _sidecar_pb2.EndWriteResponse]
@@ -143,6 +153,7 @@ class PeerServiceAsyncStub(PeerServiceStub):
     Handshake: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.HandshakeRequest, _sidecar_pb2.HandshakeResponse]  # type: ignore[assignment]
     BeginRead: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.BeginReadRequest, _sidecar_pb2.BeginReadResponse]  # type: ignore[assignment]
     Heartbeat: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.HeartbeatRequest, _sidecar_pb2.HeartbeatResponse]  # type: ignore[assignment]
+    HoldLeases: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.HoldLeasesRequest, _sidecar_pb2.HoldLeasesResponse]  # type: ignore[assignment]
     EndRead: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.EndReadRequest, _sidecar_pb2.EndReadResponse]  # type: ignore[assignment]
     BeginWrite: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.BeginWriteRequest, _sidecar_pb2.BeginWriteResponse]  # type: ignore[assignment]
     EndWrite: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.EndWriteRequest, _sidecar_pb2.EndWriteResponse]  # type: ignore[assignment]
@@ -168,6 +179,13 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _sidecar_pb2.HeartbeatRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_sidecar_pb2.HeartbeatResponse, _abc.Awaitable[_sidecar_pb2.HeartbeatResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def HoldLeases(
+        self,
+        request: _sidecar_pb2.HoldLeasesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sidecar_pb2.HoldLeasesResponse, _abc.Awaitable[_sidecar_pb2.HoldLeasesResponse]]: ...
 
     @_abc_1.abstractmethod
     def EndRead(
