@@ -192,6 +192,9 @@ class Pushes:
         self._writer_id = writer_id
         self._emit = emit
         self._pushes: dict[tuple[str, str], Push] = {}
+        # Pushes being started (linking, BeginWrite): a call for one meanwhile (the engine
+        # sent its next readiness, or retried after a deadline) waits for that start.
+        self._starting: dict[tuple[str, str], asyncio.Future[Push]] = {}
         self._options = ExecOptions(
             stall_deadline_s=settings.transfer.stall_deadline_s,
             max_inflight=settings.transfer.max_inflight_chunks,
@@ -216,15 +219,20 @@ class Pushes:
             raise InvalidInputError(
                 "tokens_ready", f"{tokens_ready} exceeds params.num_tokens {params.num_tokens}"
             )
-        push = self._pushes.get((engine.engine_id, params.request_id))
+        key = (engine.engine_id, params.request_id)
+        push = self._pushes.get(key)
         if push is None:
-            # Shielded: an engine's deadline cancelling this call must not cut the start
-            # between BeginWrite and the push that ends the write (the push then runs on,
-            # and ends by itself a lease TTL after the engine's last call).
-            starting = asyncio.ensure_future(self._start(engine, params, local_spans))
-            starting.add_done_callback(_retrieved)
+            starting = self._starting.get(key)
+            if starting is None:
+                # Shielded: an engine's deadline cancelling this call must not cut the start
+                # between BeginWrite and the push that ends the write (the push then runs
+                # on, and ends by itself a lease TTL after the engine's last call).
+                starting = asyncio.ensure_future(self._start(engine, params, local_spans))
+                starting.add_done_callback(_retrieved)
+                starting.add_done_callback(lambda _: self._starting.pop(key, None))
+                self._starting[key] = starting
             push = await asyncio.shield(starting)
-        elif push.params != params:
+        if push.params != params:
             raise InvalidInputError(
                 "params", f"differ from the params {params.request_id!r} is being pushed with"
             )

@@ -114,6 +114,30 @@ async def test_progressive_push_writes_exactly_the_needed_blocks(pair: Pair) -> 
     assert received.bytes_moved == pushed.bytes_moved == moved
 
 
+async def test_calls_for_a_push_still_starting_wait_for_its_start(pair: Pair) -> None:
+    """The engine's next readiness (or a retry after a deadline) sent while its first call
+    still links and begins the write: it joins that push instead of beginning a second
+    write, which the decode side refuses, losing `final` and with it the whole push."""
+    tokens = 300
+    src, dst = _blocks(tokens, 30), _blocks(tokens, 30)
+    async with (
+        engine_link(pair.p, pair.pe) as (p, p_events),
+        engine_link(pair.d, pair.de) as (d, d_events),
+    ):
+        params = await d.expect("sent-at-once", tokens, dst)
+        first, last = await asyncio.gather(
+            p.push(params, src, 100, final=False), p.push(params, src, tokens, final=True)
+        )
+        assert first.bytes_planned == last.bytes_planned > 0
+        received = await d_events.next()
+        pushed = await p_events.next()
+    assert isinstance(received, Received) and received.status is PullStatus.OK, received
+    assert isinstance(pushed, Pushed) and pushed.status is PullStatus.OK, pushed
+    moved = pair.image.expect_pull(pair.pe, src, dst, tokens, 0, {})
+    pair.image.check_all()
+    assert received.bytes_moved == moved
+
+
 async def test_a_push_whose_engine_stops_calling_gives_the_blocks_back(pair: Pair) -> None:
     """The writer's heartbeat keeps the decode side's lease alive, so a prefill engine
     that hangs before `final` would hold the decode engine's blocks for ever: a lease
