@@ -42,6 +42,7 @@ from kvxfer.core.requests import (
     EngineEvent,
     Held,
     HoldState,
+    Publication,
     PullAccepted,
     PushAccepted,
     TransferParams,
@@ -60,6 +61,7 @@ from kvxfer.wire.sidecar import (
     handle_to_proto,
     params_from_proto,
     params_to_proto,
+    publication_to_proto,
 )
 
 T = TypeVar("T")
@@ -272,18 +274,19 @@ class EngineClient:
         reply = await self._unary("abort", "Abort", request, pb.AbortResponse)
         return abort_state_from_proto(reply.state, "AbortResponse.state")
 
-    async def hold(self, params: Sequence[TransferParams]) -> Held:
-        """Ask each params' publisher to keep its request while this engine has no blocks
-        to pull it into yet (up to the publisher's lease.max_hold_s after it published);
-        call again every `interval_s` of the answer until the request is pulled."""
+    async def hold(self, publications: Sequence[Publication | TransferParams]) -> Held:
+        """Ask each publisher to keep a publication while this engine has no blocks to pull
+        it into yet (up to the publisher's lease.max_hold_s after it published); call again
+        every `interval_s` of the answer until the request is pulled."""
+        named = [p if isinstance(p, Publication) else Publication.of(p) for p in publications]
         request = pb.HoldRequest(
-            engine_id=self._engine(), params=[params_to_proto(p) for p in params]
+            engine_id=self._engine(), publications=[publication_to_proto(p) for p in named]
         )
         reply = await self._unary("hold", "Hold", request, pb.HoldResponse)
-        if len(reply.states) != len(params):
+        if len(reply.states) != len(named):
             raise PeerUnavailableError(
                 f"hold at sidecar {self.address}: {len(reply.states)} states for "
-                f"{len(params)} params"
+                f"{len(named)} publications"
             )
         states = tuple(_HOLD_STATES.get(s, HoldState.UNASKED) for s in reply.states)
         return Held(states, reply.interval_ms / 1000)
@@ -400,8 +403,8 @@ class SyncEngineClient:
     def abort(self, request_id: str) -> AbortState:
         return self._run(self._client.abort(request_id))
 
-    def hold(self, params: Sequence[TransferParams]) -> Held:
-        return self._run(self._client.hold(params))
+    def hold(self, publications: Sequence[Publication | TransferParams]) -> Held:
+        return self._run(self._client.hold(publications))
 
     def unregister(self) -> tuple[int, int]:
         return self._run(self._client.unregister())

@@ -16,7 +16,7 @@ import grpc
 import grpc.aio
 
 from kvxfer._exceptions import InvalidInputError, KvxferError
-from kvxfer.core.requests import TransferParams
+from kvxfer.core.requests import Publication, TransferParams
 from kvxfer.server.callers import claimed_pid
 from kvxfer.server.destinations import WriteEnd
 from kvxfer.server.guard import identity
@@ -33,6 +33,7 @@ from kvxfer.wire.sidecar import (
     hello_to_proto,
     params_from_proto,
     params_to_proto,
+    publication_from_proto,
     release_reason_from_proto,
     spans_failed_from_proto,
 )
@@ -135,17 +136,23 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         """The params of another sidecar's request: never this sidecar's own."""
         if not request.HasField("params"):
             raise InvalidInputError("params", "missing")
-        return self._peer_params_of(request.params, "params")
+        params = params_from_proto(request.params, "params")
+        self._not_ours(params, "params")
+        return params
 
-    def _peer_params_of(self, message: pb.TransferParams, field: str) -> TransferParams:
-        params = params_from_proto(message, field)
-        if params.epoch == self._sidecar.epoch or params.peer_address == self._sidecar.address:
+    def _peer_publication(self, message: pb.Publication, field: str) -> Publication:
+        publication = publication_from_proto(message, field)
+        self._not_ours(publication, field)
+        return publication
+
+    def _not_ours(self, named: TransferParams | Publication, field: str) -> None:
+        """Params or a publication of another sidecar's: never this sidecar's own."""
+        if named.epoch == self._sidecar.epoch or named.peer_address == self._sidecar.address:
             raise InvalidInputError(
                 f"{field}.peer_address",
-                f"{params.peer_address} (epoch {params.epoch}) is this sidecar itself: "
+                f"{named.peer_address} (epoch {named.epoch}) is this sidecar itself: "
                 "transfer with the sidecar that published or expects the request",
             )
-        return params
 
     @rpc
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
@@ -154,8 +161,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     @rpc
     async def Hold(self, request: pb.HoldRequest, context: Context) -> pb.HoldResponse:
-        params = [self._peer_params_of(p, f"params[{i}]") for i, p in enumerate(request.params)]
-        states, interval_s = await self._sidecar.hold(request.engine_id, params)
+        publications = [
+            self._peer_publication(p, f"publications[{i}]")
+            for i, p in enumerate(request.publications)
+        ]
+        states, interval_s = await self._sidecar.hold(request.engine_id, publications)
         return pb.HoldResponse(states=states, interval_ms=round(interval_s * 1000))
 
     async def WatchEvents(

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Sequence
 
 from kvxfer._exceptions import (
     InvalidInputError,
-    KvxferError,
     LimitExceededError,
     NotFoundError,
     ShuttingDownError,
@@ -34,6 +33,7 @@ from kvxfer.core.requests import (
     AbortState,
     EngineEvent,
     LeaseExpired,
+    Publication,
     PullAccepted,
     PullDone,
     Released,
@@ -55,6 +55,7 @@ from kvxfer.server.engines import (
     check_span_ids_once,
     check_spans_cover,
 )
+from kvxfer.server.holds import Holds
 from kvxfer.server.leases import Lease, LeaseTable, LiveClock
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.peers import Dialer, PeerLinks
@@ -102,6 +103,7 @@ class Sidecar:
             sidecar_id=self.sidecar_id,
             epoch=self.epoch,
         )
+        self.holds = Holds(self.links, settings.lease.ttl_s)  # Hold: queued requests' leases
         self._pull_ctx = PullContext(
             readers=readers,
             links=self.links,
@@ -463,50 +465,18 @@ class Sidecar:
             )
 
     async def hold(
-        self, engine_id: str, params: Sequence[TransferParams]
+        self, engine_id: str, publications: Sequence[Publication]
     ) -> tuple[list[pb.LeaseState.ValueType], float]:
-        """Hold: ask each params' publisher to keep the request while the engine's queue
-        holds it back (HoldLeases, one call per publisher), linking with the publisher
-        first where the engine never pulled from it (the later Pull then finds the link
-        made). Returns each params' LeaseState (UNSPECIFIED where its publisher could not
-        be asked: a later Hold tries again) and when to hold again: a third of the
-        shortest TTL among the publishers asked."""
+        """Hold: ask each publisher to keep the publications the engine will pull once
+        its queue gives them blocks (server/holds.py)."""
+        self._check_open()
         engine = self.engine(engine_id)
         limit = self.settings.limits.max_heartbeat_ids
-        if len(params) > limit:
+        if len(publications) > limit:
             raise LimitExceededError(
-                f"params: {len(params)} exceed limits.max_heartbeat_ids ({limit})"
+                f"publications: {len(publications)} exceed limits.max_heartbeat_ids ({limit})"
             )
-        for i, p in enumerate(params):
-            if p.mode is not TransferMode.PULL:
-                raise InvalidInputError(f"params[{i}].mode", "only pulled requests are held")
-        by_publisher: dict[tuple[str, int, str, int], list[int]] = {}
-        for i, p in enumerate(params):
-            by_publisher.setdefault((p.peer_address, p.epoch, p.engine_id, p.tp_rank), []).append(i)
-        states: list[pb.LeaseState.ValueType] = [pb.LEASE_STATE_UNSPECIFIED] * len(params)
-        ttls = [self.settings.lease.ttl_s]
-
-        async def ask(key: tuple[str, int, str, int], indices: list[int]) -> None:
-            address, epoch, peer_engine, rank = key
-            try:
-                link, _ = await self.links.link(
-                    address, engine_id, engine.layout, epoch, peer_engine, rank
-                )
-                if link.epoch != epoch:  # the publisher restarted: nothing of it is held
-                    answered: list[pb.LeaseState.ValueType] = [pb.LEASE_STATE_UNKNOWN] * len(
-                        indices
-                    )
-                else:
-                    ttls.append(link.hello.lease_ttl_s)
-                    answered = await self.links.hold(link, [params[i].request_id for i in indices])
-            except KvxferError as exc:
-                log.warning("hold at %s for engine %s: %s", address, shown(engine_id), exc)
-                return
-            for i, state in zip(indices, answered, strict=True):
-                states[i] = state
-
-        await asyncio.gather(*(ask(key, indices) for key, indices in by_publisher.items()))
-        return states, min(ttls) / 3
+        return await self.holds.hold(engine, publications)
 
     async def abort(self, engine_id: str, request_id: str) -> AbortState:
         engine = self.engine(engine_id)

@@ -1,104 +1,138 @@
 """The vLLM decode scheduler's holder (kvxfer/integrations/vllm_hold.py) against a fake
-client at the seam every Hold goes through (`hold(params) -> Held`): what it asks, of
-which rank's engine, in what batches, and what it stops holding. The same holder
-against real sidecars is in tests/test_hold.py."""
+client at the seam every Hold goes through (`hold(publications) -> Held`): what it
+asks, of which rank's engine, in what batches, what it stops holding, and how it
+paces its rounds. The same holder against real sidecars is in tests/test_hold.py."""
 
 from __future__ import annotations
 
-import dataclasses
+import time
 from collections.abc import Sequence
 
 import pytest
 
-from kvxfer._exceptions import PeerUnavailableError
-from kvxfer.core.layout import BlockId, BlockSpan, GroupId
-from kvxfer.core.requests import Held, HoldState, TransferParams
+from kvxfer._exceptions import InvalidInputError, LimitExceededError, PeerUnavailableError
+from kvxfer.core.requests import Held, HoldState, Publication
 from kvxfer.integrations import vllm_hold
 from kvxfer.integrations.vllm_hold import Holder
 
-BASE = TransferParams(
-    "127.0.0.1:5000", "prefill", 3, 0, "r", 32, (BlockSpan(GroupId(0), 0, (BlockId(1),)),)
-)
 
-
-def params(request_id: str, rank: int = 0) -> TransferParams:
-    return dataclasses.replace(BASE, request_id=request_id, tp_rank=rank)
+def pub(request_id: str, rank: int = 0) -> Publication:
+    return Publication("127.0.0.1:5000", "prefill", 3, rank, request_id)
 
 
 class FakeClient:
-    """Answers each Hold with the states it is told per request id (HELD otherwise), or
-    raises `error`; records what it was asked."""
+    """Answers each Hold with the states it is told per request id (HELD otherwise);
+    raises `error`, or refuses (InvalidInputError) a call naming one of `refused`, or
+    more than `limit` publications; records what it was asked."""
 
     def __init__(self, states: dict[str, HoldState] | None = None, interval_s: float = 2.0):
         self.states = states or {}
         self.interval_s = interval_s
         self.asked: list[list[str]] = []
         self.error: Exception | None = None
+        self.refused: set[str] = set()
+        self.limit = 1 << 20
+        self.delay_s = 0.0
 
-    def hold(self, held: Sequence[TransferParams]) -> Held:
-        self.asked.append([p.request_id for p in held])
+    def hold(self, held: Sequence[Publication]) -> Held:
+        ids = [p.request_id for p in held]
+        self.asked.append(ids)
+        time.sleep(self.delay_s)
         if self.error is not None:
             raise self.error
-        states = tuple(self.states.get(p.request_id, HoldState.HELD) for p in held)
+        if len(ids) > self.limit:
+            raise LimitExceededError(f"publications: {len(ids)} exceed the limit")
+        if self.refused & set(ids):
+            raise InvalidInputError("publications[0].peer_address", "is this sidecar itself")
+        states = tuple(self.states.get(i, HoldState.HELD) for i in ids)
         return Held(states, self.interval_s)
+
+
+def still(holder: Holder) -> Holder:
+    """A holder whose rounds the test runs (no thread)."""
+    holder._stop.set()
+    return holder
 
 
 def test_each_rank_holds_its_own_publications_through_its_own_client() -> None:
     clients = {0: FakeClient(), 1: FakeClient(interval_s=0.5)}
-    holder = Holder(clients.get)
-    holder._stop.set()  # no thread: rounds are run here
-    holder.add("a", {0: [params("a-p0")], 1: [params("a-p1", 1)]})
-    holder.add("b", {0: [params("b-p0")], 1: []})
+    holder = still(Holder(clients.get))
+    holder.add("a", {0: [pub("a-p0")], 1: [pub("a-p1", 1)]})
+    holder.add("b", {0: [pub("b-p0")], 1: []})
     holder.hold_once()
     assert clients[0].asked == [["a-p0", "b-p0"]] and clients[1].asked == [["a-p1"]]
     assert holder._interval_s == 0.5  # the shortest any sidecar asked for
     holder.remove("a")
     holder.hold_once()
     assert clients[0].asked[-1] == ["b-p0"] and len(clients[1].asked) == 1
+    clients[0].interval_s = clients[1].interval_s = 0.001
+    holder.hold_once()
+    assert holder._interval_s == vllm_hold.MIN_INTERVAL_S  # never sooner, whatever it says
 
 
 def test_a_request_whose_publication_is_gone_or_aborted_is_no_longer_held() -> None:
     client = FakeClient({"b-p0": HoldState.GONE, "c-p0": HoldState.ABORTED})
-    holder = Holder(lambda rank: client)
-    holder._stop.set()
+    holder = still(Holder(lambda rank: client))
     for name in ("a", "b", "c"):
-        holder.add(name, {0: [params(f"{name}-p0")]})
+        holder.add(name, {0: [pub(f"{name}-p0")]})
     client.states["a-p0"] = HoldState.UNASKED  # its publisher did not answer: kept
     holder.hold_once()
     assert holder.waiting() == ["a"]
 
 
-def test_a_rank_not_registered_yet_or_a_failed_call_keeps_holding(
+def test_a_refused_batch_is_held_one_by_one_and_only_the_refused_request_dropped() -> None:
+    client = FakeClient()
+    client.refused = {"bad-p0"}
+    holder = still(Holder(lambda rank: client))
+    for name in ("a", "bad", "c"):
+        holder.add(name, {0: [pub(f"{name}-p0")]})
+    holder.hold_once()
+    assert client.asked == [["a-p0", "bad-p0", "c-p0"], ["a-p0"], ["bad-p0"], ["c-p0"]]
+    assert holder.waiting() == ["a", "c"]
+    holder.hold_once()
+    assert client.asked[-1] == ["a-p0", "c-p0"]  # batched again
+
+
+def test_a_smaller_limit_at_the_sidecar_halves_the_batches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(vllm_hold, "BATCH", 8)
+    client = FakeClient()
+    client.limit = 3
+    holder = still(Holder(lambda rank: client))
+    holder.add("a", {0: [pub(f"a-p{i}", i) for i in range(5)]})
+    holder.hold_once()
+    assert [len(ids) for ids in client.asked] == [5, 4, 2, 2, 1]  # 8, 4, then 2 fit
+    assert holder.waiting() == ["a"]
+
+
+def test_a_rank_not_registered_yet_or_a_failed_call_keeps_holding() -> None:
     client = FakeClient()
     clients: dict[int, FakeClient] = {}
-    holder = Holder(clients.get)
-    holder._stop.set()
-    holder.add("a", {0: [params("a-p0")]})
+    holder = still(Holder(clients.get))
+    holder.add("a", {0: [pub("a-p0")]})
     holder.hold_once()  # no client for rank 0 yet: nothing asked, nothing dropped
     assert holder.waiting() == ["a"] and holder.rounds == 1
     clients[0] = client
     client.error = PeerUnavailableError("hold: no answer")
     holder.hold_once()
     assert holder.waiting() == ["a"] and client.asked == [["a-p0"]]
-    monkeypatch.setattr(vllm_hold, "BATCH", 2)
-    client.error = None
-    holder.add("b", {0: [params("b-p0"), params("b-p1", 1)]})
-    holder.hold_once()
-    assert client.asked[1:] == [["a-p0", "b-p0"], ["b-p1"]]  # at most BATCH per call
 
 
-def test_the_thread_holds_at_the_interval_and_stops_on_close() -> None:
-    client = FakeClient(interval_s=0.02)
-    holder = Holder(lambda rank: client, first_interval_s=0.01)
-    holder.add("a", {0: [params("a-p0")]})
-    deadline = 200
-    while holder.rounds < 3 and deadline:
-        holder._stop.wait(0.02)
-        deadline -= 1
+def test_rounds_start_an_interval_apart_however_long_one_takes_and_stop_on_close() -> None:
+    client = FakeClient(interval_s=0.3)
+    client.delay_s = 0.3  # each round as long as the interval
+    holder = Holder(lambda rank: client, first_interval_s=0.3)
+    started = time.monotonic()
+    holder.add("a", {0: [pub("a-p0")]})
+    while holder.rounds < 4 and time.monotonic() - started < 20:
+        time.sleep(0.01)
+    elapsed = time.monotonic() - started
     holder.close()
-    assert holder.rounds >= 3 and client.asked[0] == ["a-p0"]
+    assert holder.rounds >= 4
+    # Four rounds start to start 0.3 s apart (about 1.5 s in all), where waiting the
+    # interval after each round would take 0.6 s per round (2.7 s).
+    assert elapsed < 2.4, elapsed
     rounds = holder.rounds
-    holder._stop.wait(0.1)
+    time.sleep(0.8)
     assert holder.rounds == rounds  # closed: no more rounds

@@ -95,9 +95,9 @@ class HoldState(enum.StrEnum):
     """What holding one pulled request while it waits for the engine's blocks found."""
 
     HELD = "held"  # its publisher keeps it (or it is being read)
-    ABORTED = "aborted"  # its publisher aborted it: there is nothing to pull
-    GONE = "gone"  # released, expired, never published, or its publisher restarted
-    UNASKED = "unasked"  # its publisher could not be asked: hold it again later
+    ABORTED = "aborted"  # its publisher aborted it while it was being read
+    GONE = "gone"  # released, expired, never published, aborted unread, or its publisher restarted
+    UNASKED = "unasked"  # its publisher could not be asked in time: hold it again later
 
 
 @dataclass(frozen=True)
@@ -129,12 +129,36 @@ class TransferParams:
     mode: TransferMode = TransferMode.PULL
 
     def __post_init__(self) -> None:
-        check_address(self.peer_address, "params.peer_address")
-        check_request_id(self.engine_id, "params.engine_id")
-        check_int("params.epoch", self.epoch, 1, MAX_EPOCH)
-        check_int("params.tp_rank", self.tp_rank, 0, 1 << 12)
-        check_request_id(self.request_id, "params.request_id")
+        _check_publication(self, "params")
         check_int("params.num_tokens", self.num_tokens, 1, MAX_TOKENS)
+
+
+@dataclass(frozen=True)
+class Publication:
+    """Which publication a reader will pull: its params without the blocks (Hold)."""
+
+    peer_address: str
+    engine_id: str
+    epoch: int
+    tp_rank: int
+    request_id: str
+
+    def __post_init__(self) -> None:
+        _check_publication(self, "publication")
+
+    @classmethod
+    def of(cls, params: TransferParams) -> Publication:
+        return cls(
+            params.peer_address, params.engine_id, params.epoch, params.tp_rank, params.request_id
+        )
+
+
+def _check_publication(p: TransferParams | Publication, field: str) -> None:
+    check_address(p.peer_address, f"{field}.peer_address")
+    check_request_id(p.engine_id, f"{field}.engine_id")
+    check_int(f"{field}.epoch", p.epoch, 1, MAX_EPOCH)
+    check_int(f"{field}.tp_rank", p.tp_rank, 0, 1 << 12)
+    check_request_id(p.request_id, f"{field}.request_id")
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ from kvxfer.core.requests import (
     AbortState,
     EngineEvent,
     LeaseExpired,
+    Publication,
     PullDone,
     PullStatus,
     Released,
@@ -574,7 +575,10 @@ class _Scheduler:
         value = request.kv_transfer_params[KEY]
         tp_size = self._owner._tp_size
         try:
-            by_rank = {rank: reader_params(value, tp_size, rank) for rank in range(tp_size)}
+            by_rank = {
+                rank: [Publication.of(p) for p in reader_params(value, tp_size, rank)]
+                for rank in range(tp_size)
+            }
         except KvxferError as exc:
             log.debug("kvxfer: %s not held: %s", request.request_id, exc)
             return
@@ -620,7 +624,9 @@ class _Scheduler:
 
     def close(self) -> None:
         self.holder.close()
-        for client in self._clients.values():
+        with self._clients_lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
             client.close()
 
 

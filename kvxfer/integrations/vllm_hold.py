@@ -9,10 +9,15 @@ hands it over (`on_new_request`) until its blocks are allocated or it
 finishes: a thread of its own asks the decode sidecar to hold them (the Hold
 call, which asks each publisher, up to the publisher's lease.max_hold_s after
 it published) every third of the shortest TTL, so vLLM's step never waits on
-it. A request whose publication is gone or aborted is no longer held (its pull
-will fail and be recomputed, as before).
+it. A request whose publication is gone is no longer held (its pull will fail
+and be recomputed, as before).
 
-Plain threads and a client per decode TP rank (a rank's publications are held
+Rounds start an interval apart, however long the last one took (the sidecar
+answers each publisher within a second and leaves a silent one to the next
+round). A batch the sidecar refuses (a publication naming the decode sidecar
+itself, say) is held one publication at a time, so one bad request never
+leaves the others of its batch unheld; a refused request is dropped. Plain
+threads and a client per decode TP rank (a rank's publications are held
 through its own engine, as it will pull them); nothing here imports vLLM.
 """
 
@@ -20,26 +25,29 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from kvxfer._exceptions import KvxferError
-from kvxfer.core.requests import Held, HoldState, TransferParams
+from kvxfer._exceptions import InvalidInputError, KvxferError, LimitExceededError
+from kvxfer.core.requests import Held, HoldState, Publication
 
 log = logging.getLogger(__name__)
 
 FIRST_INTERVAL_S = 1.0  # until a sidecar has said how often (a third of the lease TTL)
-BATCH = 1024  # params per Hold call (the sidecar takes up to limits.max_heartbeat_ids)
+MIN_INTERVAL_S = 0.1  # whatever a sidecar says
+BATCH = 1024  # publications per Hold call, halved while the sidecar's limit is lower
+WARN_EVERY_S = 60.0  # a rank whose holds fail is logged at most this often
 
 
 class HoldClient(Protocol):
-    def hold(self, params: Sequence[TransferParams]) -> Held: ...
+    def hold(self, publications: Sequence[Publication]) -> Held: ...
 
 
 class Holder:
-    """Requests to hold: request id -> {decode TP rank: the params that rank will pull}.
-    `client(rank)` is that rank's sidecar client, None while its registration has not
-    reached the scheduler (then nothing is held through it yet)."""
+    """Requests to hold: request id -> {decode TP rank: the publications that rank will
+    pull}. `client(rank)` is that rank's sidecar client, None while its registration
+    has not reached the scheduler (then nothing is held through it yet)."""
 
     def __init__(
         self,
@@ -48,13 +56,15 @@ class Holder:
     ) -> None:
         self._client = client
         self._interval_s = first_interval_s
+        self._batch = BATCH
         self._lock = threading.Lock()
-        self._waiting: dict[str, dict[int, list[TransferParams]]] = {}
+        self._waiting: dict[str, dict[int, list[Publication]]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.rounds = 0  # holds sent, for tests and logs
+        self._warned: dict[int, float] = {}
+        self.rounds = 0  # rounds held, for tests and logs
 
-    def add(self, request_id: str, by_rank: Mapping[int, Sequence[TransferParams]]) -> None:
+    def add(self, request_id: str, by_rank: Mapping[int, Sequence[Publication]]) -> None:
         with self._lock:
             self._waiting[request_id] = {rank: list(p) for rank, p in by_rank.items() if p}
             if self._thread is None and not self._stop.is_set():
@@ -69,51 +79,99 @@ class Holder:
         with self._lock:
             return list(self._waiting)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 10.0) -> None:
+        """Stop holding, waiting up to `wait_s` for the thread to leave its round (its
+        calls end by the client's deadline; one cut short by the client's close is not
+        logged)."""
         self._stop.set()
         with self._lock:
             thread = self._thread
         if thread is not None:
-            thread.join(timeout=5.0)
+            thread.join(wait_s)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        started = time.monotonic()
+        while not self._stop.wait(max(0.0, started + self._interval_s - time.monotonic())):
+            started = time.monotonic()
             try:
                 self.hold_once()
             except Exception:  # a bug must not end the holds of every later request
-                log.exception("kvxfer: holding waiting requests failed")
+                if not self._stop.is_set():
+                    log.exception("kvxfer: holding waiting requests failed")
 
     def hold_once(self) -> None:
-        """One round: every waiting request's publications, per rank, in batches; the
-        next round comes after the shortest interval a sidecar answered."""
+        """One round: every waiting request's publications, per rank, in batches; the next
+        round starts after the shortest interval a sidecar answered."""
         with self._lock:
             snapshot = {rid: dict(ranks) for rid, ranks in self._waiting.items()}
         if not snapshot:
             return
-        by_rank: dict[int, list[tuple[str, TransferParams]]] = {}
+        by_rank: dict[int, list[tuple[str, Publication]]] = {}
         for request_id, ranks in snapshot.items():
-            for rank, params in ranks.items():
-                by_rank.setdefault(rank, []).extend((request_id, p) for p in params)
-        intervals, ended = [], set()
+            for rank, publications in ranks.items():
+                by_rank.setdefault(rank, []).extend((request_id, p) for p in publications)
+        intervals: list[float] = []
+        ended: set[str] = set()
         for rank, items in sorted(by_rank.items()):
             client = self._client(rank)
-            if client is None:
-                continue
-            for start in range(0, len(items), BATCH):
-                batch = items[start : start + BATCH]
-                try:
-                    held = client.hold([p for _, p in batch])
-                except KvxferError as exc:
-                    log.warning("kvxfer: holding %d publications failed: %s", len(batch), exc)
-                    continue
-                if held.interval_s > 0:
-                    intervals.append(held.interval_s)
-                for (request_id, _), state in zip(batch, held.states, strict=True):
-                    if state in (HoldState.GONE, HoldState.ABORTED):
-                        ended.add(request_id)
+            if client is not None:
+                self._hold_rank(rank, client, items, intervals, ended)
         self.rounds += 1
         if intervals:
-            self._interval_s = min(intervals)
+            self._interval_s = max(min(intervals), MIN_INTERVAL_S)
         for request_id in ended:  # nothing left to keep: its pull fails and is recomputed
             log.info("kvxfer: %s is no longer held by its prefill: not held any more", request_id)
             self.remove(request_id)
+
+    def _hold_rank(
+        self,
+        rank: int,
+        client: HoldClient,
+        items: list[tuple[str, Publication]],
+        intervals: list[float],
+        ended: set[str],
+    ) -> None:
+        start = 0
+        while start < len(items):
+            batch = items[start : start + self._batch]
+            try:
+                held = client.hold([p for _, p in batch])
+            except LimitExceededError:
+                if self._batch == 1:
+                    raise
+                self._batch = max(1, self._batch // 2)  # the sidecar takes fewer at once
+                continue
+            except InvalidInputError:
+                self._hold_each(client, batch, ended)
+                start += len(batch)
+                continue
+            except KvxferError as exc:
+                self._warn(rank, f"holding {len(batch)} publications failed: {exc}")
+                start += len(batch)
+                continue
+            intervals.append(held.interval_s)
+            for (request_id, _), state in zip(batch, held.states, strict=True):
+                if state in (HoldState.GONE, HoldState.ABORTED):
+                    ended.add(request_id)
+            start += len(batch)
+
+    def _hold_each(
+        self, client: HoldClient, batch: list[tuple[str, Publication]], ended: set[str]
+    ) -> None:
+        """A refused batch, one publication at a time: a refused one's request is dropped
+        (its pull would be refused as well), the others are held."""
+        for request_id, publication in batch:
+            try:
+                client.hold([publication])
+            except InvalidInputError as exc:
+                log.error("kvxfer: %s cannot be held: %s", request_id, exc)
+                ended.add(request_id)
+            except KvxferError:
+                pass  # not asked this round: the next one tries again
+
+    def _warn(self, rank: int, message: str) -> None:
+        now = time.monotonic()
+        if now - self._warned.get(rank, -WARN_EVERY_S) >= WARN_EVERY_S:
+            self._warned[rank] = now
+            log.warning("kvxfer: rank %d: %s (logged at most every %g s)", rank, message,
+                        WARN_EVERY_S)  # fmt: skip

@@ -632,9 +632,42 @@ class AbortRequest(_message.Message):
 Global___AbortRequest: _TypeAlias = AbortRequest  # noqa: Y015
 
 @_typing.final
+class Publication(_message.Message):
+    """Which publication a reader will pull: its TransferParams without the blocks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    peer_address: _builtins.str
+    engine_id: _builtins.str
+    epoch: _builtins.int
+    tp_rank: _builtins.int
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        peer_address: _builtins.str = ...,
+        engine_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        tp_rank: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "epoch", b"epoch", "peer_address", b"peer_address", "request_id", b"request_id", "tp_rank", b"tp_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Publication: _TypeAlias = Publication  # noqa: Y015
+
+@_typing.final
 class HoldRequest(_message.Message):
     """The decode engine keeps the leases of requests it will pull alive while they wait
-    for its blocks (its queue): the sidecar asks each params' publisher to hold them
+    for its blocks (its queue): the sidecar asks each publisher to hold them
     (HoldLeases), up to the publisher's lease.max_hold_s after it published. Sent again
     every `interval_ms` until the request is pulled or finished.
     """
@@ -642,21 +675,19 @@ class HoldRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENGINE_ID_FIELD_NUMBER: _builtins.int
-    PARAMS_FIELD_NUMBER: _builtins.int
+    PUBLICATIONS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     @_builtins.property
-    def params(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransferParams]:
-        """as the router handed them to Pull"""
-
+    def publications(self) -> _containers.RepeatedCompositeFieldContainer[Global___Publication]: ...
     def __init__(
         self,
         *,
         engine_id: _builtins.str = ...,
-        params: _abc.Iterable[Global___TransferParams] | None = ...,
+        publications: _abc.Iterable[Global___Publication] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "params", b"params"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "publications", b"publications"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -672,9 +703,10 @@ class HoldResponse(_message.Message):
     """when to hold again: a third of the shortest lease TTL asked"""
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[Global___LeaseState.ValueType]:
-        """One per params, in order: HELD (held, or being read), ABORTED, UNKNOWN (released,
-        expired, never published, or the publisher restarted), UNSPECIFIED (its publisher
-        did not answer: try again at the next interval).
+        """One per publication, in order: HELD (held, or being read), ABORTED (aborted by its
+        publisher while being read), UNKNOWN (released, expired, never published, aborted
+        unread, or the publisher restarted), UNSPECIFIED (its publisher did not answer in
+        time: hold it again at the next interval).
         """
 
     def __init__(

@@ -18,6 +18,7 @@ from kvxfer.core.requests import (
     AbortState,
     EngineEvent,
     LeaseExpired,
+    Publication,
     PullDone,
     PullStatus,
     Pushed,
@@ -192,6 +193,30 @@ def params_from_proto(message: pb.TransferParams, field: str = "params") -> Tran
         )
     except InvalidInputError as exc:
         name = exc.field.removeprefix("params.")
+        raise InvalidInputError(f"{field}.{name}", exc.detail) from exc
+
+
+def publication_to_proto(publication: Publication) -> pb.Publication:
+    return pb.Publication(
+        peer_address=publication.peer_address,
+        engine_id=publication.engine_id,
+        epoch=publication.epoch,
+        tp_rank=publication.tp_rank,
+        request_id=publication.request_id,
+    )
+
+
+def publication_from_proto(message: pb.Publication, field: str) -> Publication:
+    try:
+        return Publication(
+            message.peer_address,
+            message.engine_id,
+            message.epoch,
+            message.tp_rank,
+            message.request_id,
+        )
+    except InvalidInputError as exc:
+        name = exc.field.removeprefix("publication.")
         raise InvalidInputError(f"{field}.{name}", exc.detail) from exc
 
 
