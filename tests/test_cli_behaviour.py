@@ -88,6 +88,9 @@ def test_server_help_has_readable_metavars_and_each_default_once() -> None:
     assert "[KVXFER_LEASE__TTL_S]" in text and "exit codes:" in text
 
 
+HANDSHAKE = ["handshake", "--peer", "127.0.0.1:1", "--layout", "llama-3.1-8b"]
+
+
 @pytest.mark.parametrize(
     ("argv", "code", "field"),
     [
@@ -97,6 +100,10 @@ def test_server_help_has_readable_metavars_and_each_default_once() -> None:
         # a port past int()'s 4300 digits: a field error, not a ValueError traceback
         (["status", "--sidecar", "127.0.0.1:" + "1" * 4400], 2, "--sidecar"),
         (["handshake", "--peer", "h:" + "1" * 4400, "--layout", "llama-3.1-8b"], 2, "--peer"),
+        # a rank past the handshake's uint32 was a protobuf ValueError traceback; one no
+        # layout can have was sent to the peer
+        ([*HANDSHAKE, "--peer-rank", str(1 << 32)], 2, None),
+        ([*HANDSHAKE, "--peer-rank", "4096"], 2, None),
         (["plan", "--model", "llama-3.1-8b"], 2, None),  # a required flag missing
         # the demo's prompt lengths are bounded as every other command's (argparse)
         (["demo", "--tokens", str(1 << 41)], 2, None),

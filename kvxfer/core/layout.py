@@ -27,6 +27,7 @@ BlockId = NewType("BlockId", int)
 MAX_BLOCKS = 1 << 32
 MAX_BYTES = 1 << 50
 MAX_TOKENS = 1 << 40  # of one request
+MAX_TP_SIZE = 1 << 12  # ranks of one engine
 
 
 class GroupKind(enum.StrEnum):
@@ -342,7 +343,7 @@ class EngineLayout:
                 "token rows inside a head (HND) describe head-major blocks; set head_major",
             )
         check_int("block_size", self.block_size, 1, 1 << 20)
-        check_int("tp_size", self.tp_size, 1, 1 << 12)
+        check_int("tp_size", self.tp_size, 1, MAX_TP_SIZE)
         check_int("tp_rank", self.tp_rank, 0, self.tp_size - 1)
         if not self.groups:
             raise LayoutError("groups", "a layout needs at least one KV group")
