@@ -124,6 +124,17 @@ def test_bad_input_exits_2_and_is_json_under_json(
     assert error["error"] in plain.stderr
 
 
+def test_a_tiny_model_directory_that_cannot_be_created_is_a_usage_error(tmp_path: Path) -> None:
+    """Refused before a model (or the vLLM venv's python) is started: it was a
+    FileNotFoundError traceback from the model's writer."""
+    (tmp_path / "file").write_text("")
+    for out in ("/proc/nope", str(tmp_path / "file" / "model")):
+        result = run(CLI, "tiny-model", "--family", "llama", "--out", out)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(f"kvxfer-cli: error: --out: cannot create {out}: ")
+        assert len(result.stderr.splitlines()) == 1
+
+
 @pytest.mark.parametrize("timeout", ["nan", "-1", "0", "inf", "1e300"])
 @pytest.mark.parametrize("command", ["status", "peers", "handshake"])
 def test_a_timeout_that_is_no_wait_is_a_usage_error(command: str, timeout: str) -> None:
