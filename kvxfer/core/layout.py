@@ -266,6 +266,11 @@ class Region:
         return self.offset_bytes + block_id * self.stride_bytes
 
 
+def span_where(group_id: int) -> str:
+    """How a BlockSpan names itself in its errors: by its group, as it has no position."""
+    return f"spans[group {group_id}]"
+
+
 @dataclass(frozen=True)
 class BlockSpan:
     """Block ids of one group for logical blocks first_block, first_block + 1, ..."""
@@ -275,7 +280,7 @@ class BlockSpan:
     block_ids: tuple[BlockId, ...]
 
     def __post_init__(self) -> None:
-        where = f"spans[group {self.group_id}]"
+        where = span_where(self.group_id)
         check_int(f"{where}.group_id", self.group_id, 0, 1 << 16)
         check_int(f"{where}.first_block", self.first_block, 0, MAX_BLOCKS)
         ids = self.block_ids
