@@ -14,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from pki import tls_env
 
 from kvxfer.cli.fleet import BIN, Fleet, local_fleet
 
@@ -184,6 +185,30 @@ def test_unreachable_or_silent_sidecar_exits_3(
     assert len(plain.stderr.splitlines()) == 1
     error = json.loads(run(CLI, *argv, "--json").stdout)
     assert error["code"] == 3 and error["type"] == "PeerUnavailableError"
+
+
+def test_handshake_tls_files_that_are_not_pem_are_a_usage_error(
+    tmp_path: Path, closed_port: int
+) -> None:
+    """They were read as bytes and handed to gRPC, which could then not make a handshaker:
+    the peer was reported unreachable (exit 3)."""
+    env = tls_env(tmp_path)
+    good = {
+        "--tls-cert": env["KVXFER_TLS__CERT_FILE"],
+        "--tls-key": env["KVXFER_TLS__KEY_FILE"],
+        "--tls-ca": env["KVXFER_TLS__CA_FILE"],
+    }
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not PEM\n")
+    handshake = [CLI, "handshake", "--peer", f"127.0.0.1:{closed_port}", "--layout", "llama-3.1-8b"]
+    for flag in good:
+        files = {**good, flag: str(junk)}
+        result = run(*handshake, *(part for item in files.items() for part in item))
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(f"kvxfer-cli: error: {flag}: {junk} holds no PEM ")
+        assert len(result.stderr.splitlines()) == 1
+    reached = run(*handshake, *(part for item in good.items() for part in item), "--timeout", "1")
+    assert reached.returncode == 3, reached.stderr  # good files: on to the (closed) port
 
 
 @pytest.mark.e2e
