@@ -174,6 +174,12 @@ def render() -> str:
         "`engine_address` is `unix:PATH` unless `--insecure-engine-tcp`;",
         "`transfer.stall_deadline_s` is below `lease.ttl_s`.",
         "",
+        "Only NIXL knows its backends and their parameters: `nixl.backends` and",
+        "`nixl.backend_params` are checked as the sidecar creates its NIXL agent. A backend",
+        "NIXL has no plugin for, or one it refuses with the parameters given, stops the",
+        "sidecar as a bad setting does (exit 2, naming it); NIXL's own log says which",
+        "parameter it refused.",
+        "",
     ]
     for name, doc, group in groups():
         out += [f"## {name or 'Top level'}", ""]

@@ -49,6 +49,7 @@ from kvxfer.server.settings_sources import (
     problems,
     read_file,
     refused_flags,
+    setting_name,
     unknown_env_names,
 )
 from kvxfer.wire.loops import DEFAULT_EVENT_LOOP, EventLoop
@@ -452,6 +453,12 @@ class SettingsInvalidError(InvalidInputError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+def setting_refused(path: tuple[str, ...], message: str) -> SettingsInvalidError:
+    """A setting found wrong only once it is used (a NIXL backend `nixl.*` names that NIXL
+    refuses), named as load_settings names one: the sidecar exits 2 as for those."""
+    return SettingsInvalidError([(setting_name(path), message)])
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,28 @@ def test_server_exits_2_with_one_line_on_bad_settings() -> None:
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "field"),
+    [
+        ("--nixl.backends", "FOO", "nixl.backends"),
+        ("--nixl.backend-params", "num_workers=abc", "nixl.backend_params"),
+    ],
+)
+def test_server_exits_2_naming_a_nixl_setting_nixl_refuses(
+    flag: str, value: str, field: str, tmp_path: Path
+) -> None:
+    """Only NIXL knows its backends and their parameters: the sidecar said `cannot create
+    NIXL agent: NIXL_ERR_NOT_FOUND` and exited 1, naming no setting."""
+    result = subprocess.run(
+        [str(BIN / "kvxfer-server"), flag, value, "--peer-address", "127.0.0.1:0",
+         "--engine-address", f"unix:{tmp_path}/e.sock", "--metrics-address", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("kvxfer-server:")]
+    assert line.startswith(f"kvxfer-server: {field} ({flag}, "), line
+
+
 def test_an_unknown_event_loop_is_refused_naming_the_setting() -> None:
     assert load_settings([], environ={}).event_loop == "uvloop"
     assert load_settings([], environ={"KVXFER_EVENT_LOOP": "asyncio"}).event_loop == "asyncio"
