@@ -16,6 +16,8 @@
     ├── PeerUnavailableError                  a peer sidecar cannot be reached over gRPC
     ├── ShuttingDownError                     the sidecar is draining and takes no new work
     └── DataPlaneError                        NIXL side of things
+        ├── BackendCreationError              NIXL refused a backend the agent's options name;
+        │                                     `.option` names the option to fix
         ├── RegistrationError                 memory could not be opened or registered
         ├── PeerDisconnectedError             the remote agent went away
         └── TransferError                     a transfer could not be posted or failed
@@ -119,6 +121,16 @@ class ShuttingDownError(KvxferError):
 
 class DataPlaneError(KvxferError):
     """Something went wrong on the NIXL side."""
+
+
+class BackendCreationError(DataPlaneError):
+    """NIXL could not create a backend an agent's options name, for a reason the options
+    are: `option` is "backends" (NIXL has no such backend) or "backend_params" (NIXL
+    refused it with the parameters given)."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
 
 
 class RegistrationError(DataPlaneError):

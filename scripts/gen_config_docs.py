@@ -168,10 +168,17 @@ def render() -> str:
         "```",
         "",
         "Checked across fields at start (the sidecar exits 2 naming the field):",
-        "`tls.cert_file`, `tls.key_file` and `tls.ca_file` are given together and exist;",
+        "`tls.cert_file`, `tls.key_file` and `tls.ca_file` are given together and load as",
+        "PEM (a certificate, its unencrypted private key, the CA's certificates);",
         "a `peer_address` that is not loopback needs them (or `--insecure-peer-port`);",
         "`engine_address` is `unix:PATH` unless `--insecure-engine-tcp`;",
         "`transfer.stall_deadline_s` is below `lease.ttl_s`.",
+        "",
+        "Only NIXL knows its backends and their parameters: `nixl.backends` and",
+        "`nixl.backend_params` are checked as the sidecar creates its NIXL agent. A backend",
+        "NIXL has no plugin for, or one it refuses with the parameters given, stops the",
+        "sidecar as a bad setting does (exit 2, naming it); NIXL's own log says which",
+        "parameter it refused.",
         "",
     ]
     for name, doc, group in groups():

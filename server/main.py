@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import start_http_server
 
-from kvxfer._exceptions import InvalidInputError, KvxferError
+from kvxfer._exceptions import BackendCreationError, InvalidInputError, KvxferError
 from kvxfer.dataplane.adapter import AgentOptions, NixlAgent, TransferBackend
 from kvxfer.dataplane.faults import FaultInjectingBackend, random_faults
 from kvxfer.dataplane.readers import Readers
@@ -43,7 +43,13 @@ from kvxfer.server.peer_lane import PeerLane
 from kvxfer.server.peers import server_options
 from kvxfer.server.reflection import enable_reflection
 from kvxfer.server.servicers import AdminServicer, EngineServicer, PeerServicer
-from kvxfer.server.settings import Settings, is_loopback, load_settings
+from kvxfer.server.settings import (
+    Settings,
+    SettingsInvalidError,
+    is_loopback,
+    load_settings,
+    setting_refused,
+)
 from kvxfer.server.sidecar import Sidecar
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
@@ -58,9 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(sys.argv[1:] if argv is None else argv)
     except InvalidInputError as exc:
-        for line in str(exc).splitlines():  # one line per field
-            print(f"kvxfer-server: {line}", file=sys.stderr)
-        return 2
+        return _bad_settings(exc)
     logging.basicConfig(
         level=settings.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -70,9 +74,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.setswitchinterval(settings.gil_switch_interval_s)
     try:
         return run_on(serve(settings), settings.event_loop)
+    except SettingsInvalidError as exc:  # one only its use shows wrong: nixl.*
+        return _bad_settings(exc)
     except KvxferError as exc:
         print(f"kvxfer-server: {exc}", file=sys.stderr)
         return 1
+
+
+def _bad_settings(exc: InvalidInputError) -> int:
+    for line in str(exc).splitlines():  # one line per field
+        print(f"kvxfer-server: {line}", file=sys.stderr)
+    return 2
 
 
 async def serve(settings: Settings) -> int:
@@ -160,7 +172,11 @@ async def _data_plane(settings: Settings, metrics: Metrics) -> tuple[ServingAgen
         backend_params=tuple(nixl.backend_params.items()),
     )
     backend = ServingAgent("kvxfer-sidecar", options)
-    await backend.start()
+    try:
+        await backend.start()
+    except BackendCreationError as exc:
+        # NIXL refused a backend as the settings name or configure it: they are wrong.
+        raise setting_refused(("nixl", exc.option), str(exc)) from exc
     faults = settings.faults
     rule = random_faults(faults.fail_rate, faults.stall_rate, faults.seed)
     if faults.enabled:

@@ -49,9 +49,11 @@ from kvxfer.server.settings_sources import (
     problems,
     read_file,
     refused_flags,
+    setting_name,
     unknown_env_names,
 )
 from kvxfer.wire.loops import DEFAULT_EVENT_LOOP, EventLoop
+from kvxfer.wire.tls import certificate_problem, key_problem
 
 CONFIG_ENV = "KVXFER_CONFIG"
 
@@ -226,6 +228,23 @@ class TlsSettings(_Group):
     def enabled(self) -> bool:
         return self.cert_file is not None
 
+    # The files are loaded here, as the sidecar will load them: one that is not PEM (or a
+    # key not the certificate's) stops it naming the setting, not with an ssl traceback.
+    @field_validator("cert_file", "ca_file")
+    @classmethod
+    def _certificates(cls, value: Path | None) -> Path | None:
+        return _checked(value, None if value is None else certificate_problem(value))
+
+    @field_validator("key_file")
+    @classmethod
+    def _key(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        # A key is checked as the certificate's; without a good one (refused above, or
+        # missing: _complete) there is nothing to check it against.
+        certificate = info.data.get("cert_file")
+        if value is None or certificate is None:
+            return value
+        return _checked(value, key_problem(certificate, value))
+
     @field_validator("allowed_peers")
     @classmethod
     def _peers(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
@@ -243,11 +262,14 @@ class TlsSettings(_Group):
         given = [f for f in ("cert_file", "key_file", "ca_file") if getattr(self, f) is not None]
         if given and len(given) != 3:
             raise ValueError("mTLS needs cert_file, key_file and ca_file together")
-        for name in given:
-            path = getattr(self, name)
-            if not path.is_file():
-                raise ValueError(f"{name}: no such file {str(path)!r}")
         return self
+
+
+def _checked(path: Path | None, problem: str | None) -> Path | None:
+    """`path`, unless there is a `problem` with it."""
+    if problem:
+        raise ValueError(problem)
+    return path
 
 
 class FaultSettings(_Group):
@@ -431,6 +453,12 @@ class SettingsInvalidError(InvalidInputError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+def setting_refused(path: tuple[str, ...], message: str) -> SettingsInvalidError:
+    """A setting found wrong only once it is used (a NIXL backend `nixl.*` names that NIXL
+    refuses), named as load_settings names one: the sidecar exits 2 as for those."""
+    return SettingsInvalidError([(setting_name(path), message)])
 
 
 @dataclass(frozen=True)

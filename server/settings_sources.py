@@ -70,6 +70,11 @@ def env_name(path: tuple[str, ...]) -> str:
     return PREFIX + DELIMITER.join(p.upper() for p in path)
 
 
+def setting_name(path: tuple[str, ...]) -> str:
+    """A setting as its errors name it: `lease.ttl_s (--lease.ttl-s, KVXFER_LEASE__TTL_S)`."""
+    return f"{'.'.join(path)} ({flag(path)}, {env_name(path)})"
+
+
 def _is_group(annotation: Any) -> typing.TypeGuard[type[BaseModel]]:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
@@ -359,6 +364,6 @@ def problems(exc: ValidationError, model: type[BaseModel]) -> list[tuple[str, st
                 message += f", got {given!r}"
         name = ".".join(path) or "settings"
         if _field(model, path) is not None and not _is_group(_annotation(model, path)):
-            name += f" ({flag(path)}, {env_name(path)})"
+            name = setting_name(path)
         out.append((name, message))
     return out

@@ -259,11 +259,13 @@ class Sidecar:
         self._engines[engine_id] = engine
         self.registration_version += 1
         self._engine_gauges()
+        # The name and model are the engine's words: quoted and cut short (`shown`), so a
+        # newline in them cannot forge a log line, nor 5000 characters flood one.
         log.info(
             "registered engine %s (%s, %s, rank %d, %d buffers, process %s)",
             engine_id,
-            name,
-            layout.model,
+            shown(name),
+            shown(layout.model),
             layout.tp_rank,
             len(buffers),
             _describe(caller),

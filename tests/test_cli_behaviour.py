@@ -14,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from pki import tls_env
 
 from kvxfer.cli.fleet import BIN, Fleet, local_fleet
 
@@ -88,6 +89,9 @@ def test_server_help_has_readable_metavars_and_each_default_once() -> None:
     assert "[KVXFER_LEASE__TTL_S]" in text and "exit codes:" in text
 
 
+HANDSHAKE = ["handshake", "--peer", "127.0.0.1:1", "--layout", "llama-3.1-8b"]
+
+
 @pytest.mark.parametrize(
     ("argv", "code", "field"),
     [
@@ -97,6 +101,10 @@ def test_server_help_has_readable_metavars_and_each_default_once() -> None:
         # a port past int()'s 4300 digits: a field error, not a ValueError traceback
         (["status", "--sidecar", "127.0.0.1:" + "1" * 4400], 2, "--sidecar"),
         (["handshake", "--peer", "h:" + "1" * 4400, "--layout", "llama-3.1-8b"], 2, "--peer"),
+        # a rank past the handshake's uint32 was a protobuf ValueError traceback; one no
+        # layout can have was sent to the peer
+        ([*HANDSHAKE, "--peer-rank", str(1 << 32)], 2, None),
+        ([*HANDSHAKE, "--peer-rank", "4096"], 2, None),
         (["plan", "--model", "llama-3.1-8b"], 2, None),  # a required flag missing
         # the demo's prompt lengths are bounded as every other command's (argparse)
         (["demo", "--tokens", str(1 << 41)], 2, None),
@@ -115,6 +123,17 @@ def test_bad_input_exits_2_and_is_json_under_json(
     assert set(error) == {"error", "field", "code", "type"}
     assert error["code"] == code and error["field"] == field
     assert error["error"] in plain.stderr
+
+
+def test_a_tiny_model_directory_that_cannot_be_created_is_a_usage_error(tmp_path: Path) -> None:
+    """Refused before a model (or the vLLM venv's python) is started: it was a
+    FileNotFoundError traceback from the model's writer."""
+    (tmp_path / "file").write_text("")
+    for out in ("/proc/nope", str(tmp_path / "file" / "model")):
+        result = run(CLI, "tiny-model", "--family", "llama", "--out", out)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(f"kvxfer-cli: error: --out: cannot create {out}: ")
+        assert len(result.stderr.splitlines()) == 1
 
 
 @pytest.mark.parametrize("timeout", ["nan", "-1", "0", "inf", "1e300"])
@@ -166,6 +185,30 @@ def test_unreachable_or_silent_sidecar_exits_3(
     assert len(plain.stderr.splitlines()) == 1
     error = json.loads(run(CLI, *argv, "--json").stdout)
     assert error["code"] == 3 and error["type"] == "PeerUnavailableError"
+
+
+def test_handshake_tls_files_that_are_not_pem_are_a_usage_error(
+    tmp_path: Path, closed_port: int
+) -> None:
+    """They were read as bytes and handed to gRPC, which could then not make a handshaker:
+    the peer was reported unreachable (exit 3)."""
+    env = tls_env(tmp_path)
+    good = {
+        "--tls-cert": env["KVXFER_TLS__CERT_FILE"],
+        "--tls-key": env["KVXFER_TLS__KEY_FILE"],
+        "--tls-ca": env["KVXFER_TLS__CA_FILE"],
+    }
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not PEM\n")
+    handshake = [CLI, "handshake", "--peer", f"127.0.0.1:{closed_port}", "--layout", "llama-3.1-8b"]
+    for flag in good:
+        files = {**good, flag: str(junk)}
+        result = run(*handshake, *(part for item in files.items() for part in item))
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(f"kvxfer-cli: error: {flag}: {junk} holds no PEM ")
+        assert len(result.stderr.splitlines()) == 1
+    reached = run(*handshake, *(part for item in good.items() for part in item), "--timeout", "1")
+    assert reached.returncode == 3, reached.stderr  # good files: on to the (closed) port
 
 
 @pytest.mark.e2e

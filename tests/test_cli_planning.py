@@ -133,6 +133,17 @@ def test_state_dtype_flag_sizes_the_state_a_config_leaves_open() -> None:
     assert sizes["float32"] == [2 * b for b in sizes["bfloat16"]] and sizes["bfloat16"]
 
 
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "data/configs/qwen3-next-tiny-test.json"])
+def test_an_unknown_state_dtype_is_refused_with_or_without_state_layers(model: str) -> None:
+    """gpt-oss has no state layers: the name was never looked at, and it exited 0."""
+    if model.endswith(".json"):
+        model = str(Path(__file__).parent / model)
+    refused = run("layout", "--model", model, "--state-dtype", "wat")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.startswith("kvxfer-cli: error: state_dtype: unknown dtype 'wat'")
+    assert len(refused.stderr.splitlines()) == 1
+
+
 def test_malformed_config_file(tmp_path: Path) -> None:
     bad = tmp_path / "config.json"
     bad.write_text("{not json")

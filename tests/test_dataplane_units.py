@@ -12,14 +12,21 @@ from hypothesis import strategies as st
 from strategies import layouts, requests
 from test_transfer_plan import bind, spans_for
 
-from kvxfer._exceptions import LayoutError, PlanError, RegistrationError
+from kvxfer._exceptions import (
+    BackendCreationError,
+    DataPlaneError,
+    LayoutError,
+    PlanError,
+    RegistrationError,
+)
 from kvxfer.client.cuda_ipc import buffer_from_ipc
 from kvxfer.client.shm import ShmKVCache
 from kvxfer.core.buffers import BufferHandle, MemoryKind
 from kvxfer.core.layout import BlockId, BlockSpan, EngineLayout, GroupId
 from kvxfer.core.planner import Chunk, kept_pairs, plan_transfer
 from kvxfer.core.profiles import layout_for_model
-from kvxfer.dataplane import descriptors
+from kvxfer.dataplane import adapter, descriptors
+from kvxfer.dataplane.adapter import AgentOptions, NixlAgent
 from kvxfer.dataplane.descriptors import BoundBuffer, chunk_arrays
 from kvxfer.dataplane.executor import handle_ranges
 from kvxfer.dataplane.memory import open_buffer
@@ -277,3 +284,47 @@ async def test_a_replaced_reader_that_did_not_stop_keeps_its_engine_mapped() -> 
     assert await readers.close_engine("other") is True  # nothing stuck touches it
     assert await readers.close_engine("engine") is False
     assert await readers.close() is False
+
+
+def _refusing_nixl(error: str) -> object:
+    """nixl's API as `adapter._nixl` returns it, whose agent refuses to create any
+    backend with an exception of class `error` (nixl's own are named so)."""
+    refusal = type(error, (Exception,), {})
+
+    class Agent:
+        def __init__(self, name: str, config: object) -> None:
+            pass
+
+        def get_plugin_params(self, backend: str) -> dict[str, str]:
+            return {}
+
+        def create_backend(self, backend: str, params: dict[str, str]) -> None:
+            raise refusal("NIXL_ERR_SOMETHING")
+
+    return lambda: (Agent, lambda **config: config)
+
+
+@pytest.mark.parametrize(
+    ("error", "params", "option"),
+    [
+        ("nixlNotFoundError", (), "backends"),
+        ("nixlNotFoundError", (("num_workers", "2"),), "backends"),
+        ("nixlBackendError", (("num_workers", "abc"),), "backend_params"),
+        ("nixlBackendError", (), None),  # NIXL's own defaults failed: no option to blame
+    ],
+)
+def test_a_refused_backend_blames_an_option_only_where_nixl_says_it_is_at_fault(
+    monkeypatch: pytest.MonkeyPatch,
+    error: str,
+    params: tuple[tuple[str, str], ...],
+    option: str | None,
+) -> None:
+    monkeypatch.setattr(adapter, "_nixl", _refusing_nixl(error))
+    with pytest.raises(DataPlaneError) as err:
+        NixlAgent("refused", AgentOptions(backends=("UCX",), backend_params=params))
+    if option is None:
+        assert type(err.value) is DataPlaneError
+        assert str(err.value) == "cannot create NIXL agent: NIXL_ERR_SOMETHING"
+    else:
+        assert isinstance(err.value, BackendCreationError) and err.value.option == option
+        assert "'UCX'" in str(err.value)

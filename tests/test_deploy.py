@@ -27,6 +27,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from pki import tls_env
 
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.cli.fleet import Proc, spawn
@@ -210,10 +211,8 @@ def test_image_defaults_need_tls_and_never_bind_the_peer_port_wide(
     # Without the mounted certificates the sidecar refuses to start, naming the file.
     with pytest.raises(InvalidInputError, match="cert_file"):
         load_settings([])
-    for key in ("KVXFER_TLS__CERT_FILE", "KVXFER_TLS__KEY_FILE", "KVXFER_TLS__CA_FILE"):
-        path = tmp_path / Path(env[key]).name
-        path.write_text("PEM")
-        monkeypatch.setenv(key, str(path))
+    for key, path in tls_env(tmp_path).items():
+        monkeypatch.setenv(key, path)
     settings = load_settings([])
     assert settings.peer_address == "127.0.0.1:7500"  # never 0.0.0.0 by default
     assert settings.tls.enabled
@@ -337,9 +336,7 @@ def test_manifests_configure_a_sidecar_the_server_accepts(
             env[item["name"]] = expand(item["value"], env)
     certs = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
     assert certs["tls"] == str(Path(env["KVXFER_TLS__CERT_FILE"]).parent)
-    for key in ("KVXFER_TLS__CERT_FILE", "KVXFER_TLS__KEY_FILE", "KVXFER_TLS__CA_FILE"):
-        env[key] = str(tmp_path / Path(env[key]).name)
-        Path(env[key]).write_text("PEM")
+    env |= tls_env(tmp_path)
     for key, value in env.items():
         if key.startswith("KVXFER_"):
             monkeypatch.setenv(key, value)

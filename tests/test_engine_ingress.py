@@ -78,6 +78,21 @@ async def test_failed_register_leaves_no_nixl_registration(
     assert metric(samples, "kvxfer_registered_engines") == 1
 
 
+async def test_an_engine_name_cannot_forge_or_flood_a_log_line(
+    setup: OneEngine, rank1: ShmKVCache
+) -> None:
+    """The name an engine registers with was logged as it came: a newline in it began a
+    line of the engine's choosing, and 5000 characters went whole into the log."""
+    forged = "2026-01-01 00:00:00,000 INFO kvxfer.server: FORGED"
+    async with EngineClient(setup.address) as client:
+        registration = await client.register(rank1.layout, rank1.buffers, f"x\n{forged}" * 100)
+        await client.unregister()
+    lines = setup.sidecar.log.read_text().splitlines()
+    assert not any(line.startswith(forged) for line in lines)
+    (line,) = [line for line in lines if f"registered engine {registration.engine_id}" in line]
+    assert "'x\\n2026-01-01" in line and "(5200 characters)" in line and len(line) < 400
+
+
 async def test_publish_must_cover_its_tokens(setup: OneEngine) -> None:
     async with EngineClient(setup.address, engine_id=setup.engine.engine_id) as client:
         with pytest.raises(InvalidInputError, match=r"^spans\[0\]: covers logical blocks 0\.\.1"):

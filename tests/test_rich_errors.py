@@ -192,6 +192,8 @@ def _every_error() -> list[KvxferError]:
             out.append(cls("groups[2].layers", "layer 7 appears twice"))
         elif cls is NegotiationError:
             out.append(NegotiationError([mismatch]))
+        elif cls is errors.BackendCreationError:
+            out.append(cls("backends", "NIXL has no backend 'FOO'"))
         else:
             out.append(cls("engine 'e-1' is not registered"))
     return out
@@ -230,6 +232,8 @@ def _huge_error(cls: type[KvxferError]) -> KvxferError:
         return cls(f"layout.region {text!r}.buffer", text)
     if cls is NegotiationError:
         return NegotiationError([Mismatch(f"layout.{i}", text, text, text) for i in range(300)])
+    if cls is errors.BackendCreationError:
+        return cls("backends", text)
     return cls(text)
 
 

@@ -9,11 +9,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from pki import make_pki, openssl, tls_env
 
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.cli.fleet import BIN
 from kvxfer.server import settings as settings_module
-from kvxfer.server.settings import load_settings
+from kvxfer.server.settings import SettingsInvalidError, load_settings
 
 
 def test_defaults_are_safe() -> None:
@@ -76,6 +77,28 @@ def test_server_exits_2_with_one_line_on_bad_settings() -> None:
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "field"),
+    [
+        ("--nixl.backends", "FOO", "nixl.backends"),
+        ("--nixl.backend-params", "num_workers=abc", "nixl.backend_params"),
+    ],
+)
+def test_server_exits_2_naming_a_nixl_setting_nixl_refuses(
+    flag: str, value: str, field: str, tmp_path: Path
+) -> None:
+    """Only NIXL knows its backends and their parameters: the sidecar said `cannot create
+    NIXL agent: NIXL_ERR_NOT_FOUND` and exited 1, naming no setting."""
+    result = subprocess.run(
+        [str(BIN / "kvxfer-server"), flag, value, "--peer-address", "127.0.0.1:0",
+         "--engine-address", f"unix:{tmp_path}/e.sock", "--metrics-address", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("kvxfer-server:")]
+    assert line.startswith(f"kvxfer-server: {field} ({flag}, "), line
+
+
 def test_an_unknown_event_loop_is_refused_naming_the_setting() -> None:
     assert load_settings([], environ={}).event_loop == "uvloop"
     assert load_settings([], environ={"KVXFER_EVENT_LOOP": "asyncio"}).event_loop == "asyncio"
@@ -109,18 +132,9 @@ def test_non_loopback_peer_port_is_refused_without_tls(
     assert load_settings(["--peer-address", f"{host}:7500"]).insecure_peer_port
 
 
-def _tls_files(tmp_path: Path) -> dict[str, str]:
-    """KVXFER_TLS__* naming files that exist (settings only check that they do)."""
-    env = {}
-    for name in ("cert", "key", "ca"):
-        (tmp_path / f"{name}.pem").write_text("PEM")
-        env[f"KVXFER_TLS__{name.upper()}_FILE"] = str(tmp_path / f"{name}.pem")
-    return env
-
-
 def test_list_settings_take_comma_lists_from_env_and_flags(tmp_path: Path) -> None:
     env = {
-        **_tls_files(tmp_path),
+        **tls_env(tmp_path),
         "KVXFER_NIXL__BACKENDS": "UCX",
         "KVXFER_TLS__ALLOWED_PEERS": "decode-0, decode-1",
     }
@@ -359,12 +373,50 @@ def test_a_refused_flag_is_reported_beside_every_other_field_once() -> None:
 
 
 def test_an_allow_list_needs_mtls_and_no_empty_entry(tmp_path: Path) -> None:
-    tls = _tls_files(tmp_path)
+    tls = tls_env(tmp_path)
     allowed = load_settings(["--tls.allowed-peers", "a,b"], environ=tls).tls.allowed_peers
     assert allowed == ("a", "b")
     with pytest.raises(InvalidInputError) as err:
         load_settings(["--tls.allowed-peers", "a,,b"], environ=tls)
     assert err.value.field.startswith("tls.allowed_peers") and "entry 2 of 3" in str(err.value)
+
+
+def test_tls_files_are_pem_and_the_key_is_the_certificates(tmp_path: Path) -> None:
+    """They were only checked to exist: the sidecar then died starting, with an ssl
+    traceback, on a file that was not PEM."""
+    env = tls_env(tmp_path)
+    assert load_settings([], environ=env).tls.enabled
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not PEM\n")
+    other = tmp_path / "other"
+    other.mkdir()
+    make_pki(other)  # other/ca.key: a key, but not the certificate's
+    openssl("genrsa", "-aes128", "-passout", "pass:x", "-out", "locked.key", "2048", cwd=tmp_path)
+    key = env["KVXFER_TLS__KEY_FILE"]
+    refusals = [
+        ("CERT_FILE", str(junk), "holds no PEM certificate"),
+        ("CERT_FILE", key, "holds no PEM certificate"),
+        ("CERT_FILE", str(tmp_path / "missing.pem"), "cannot be read: No such file"),
+        ("CA_FILE", str(junk), "holds no PEM certificate"),
+        ("KEY_FILE", str(junk), "holds no PEM private key"),
+        ("KEY_FILE", str(other / "ca.key"), "is not the private key of the certificate"),
+        ("KEY_FILE", str(tmp_path / "locked.key"), "is encrypted"),
+    ]
+    for name, path, why in refusals:
+        with pytest.raises(SettingsInvalidError) as err:
+            load_settings([], environ={**env, f"KVXFER_TLS__{name}": path})
+        ((field, message),) = err.value.problems
+        setting = name.lower()
+        assert field == f"tls.{setting} (--tls.{setting.replace('_', '-')}, KVXFER_TLS__{name})"
+        assert message.startswith(why) and message.endswith(f"got {path!r}"), message
+    refused = subprocess.run(
+        [str(BIN / "kvxfer-server"), "--tls.cert-file", str(junk)],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, **env},
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.startswith("kvxfer-server: tls.cert_file (--tls.cert-file, ")
+    assert len(refused.stderr.splitlines()) == 1
 
 
 def test_environment_is_the_one_given() -> None:

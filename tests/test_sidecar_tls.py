@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from pki import make_pki
 from sidecars import DecodeImage, engine_link, scrape, spans, start_engine, start_sidecar
 
 from kvxfer._exceptions import KvxferError
@@ -16,22 +17,6 @@ from kvxfer.core.requests import PullDone, PullStatus
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 MODEL = "gemma-3-4b-it"
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _make_pki(tmp: Path) -> None:
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-             "ca.pem", "-days", "1", "-subj", "/CN=kvxfer-test-ca", cwd=tmp)  # fmt: skip
-    for name in ("kvxfer-p", "kvxfer-d", "kvxfer-rogue"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
-                 f"{name}.csr", "-subj", f"/CN={name}", cwd=tmp)  # fmt: skip
-        (tmp / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
-                 "-extfile", f"{name}.ext", cwd=tmp)  # fmt: skip
 
 
 def _config(tmp: Path, name: str, allowed: list[str]) -> str:
@@ -47,7 +32,7 @@ def _config(tmp: Path, name: str, allowed: list[str]) -> str:
 
 
 async def test_mtls_allow_list(tmp_path: Path) -> None:
-    _make_pki(tmp_path)
+    make_pki(tmp_path, "kvxfer-p", "kvxfer-d", "kvxfer-rogue")
     p = start_sidecar(tmp_path, "p", "--config", _config(tmp_path, "kvxfer-p", ["kvxfer-d"]))
     pe = start_engine(tmp_path, p, MODEL, "prefill", num_blocks=32)
     d = start_sidecar(tmp_path, "d", "--config", _config(tmp_path, "kvxfer-d", []))

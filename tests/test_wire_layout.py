@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from kvxfer.core.profiles import layout_for_model
 from kvxfer.v1 import layout_pb2 as pb
 from kvxfer.v1 import sidecar_pb2
 from kvxfer.wire.layout import layout_from_proto, layout_to_proto, span_to_proto, spans_from_proto
-from kvxfer.wire.sidecar import bound_from_proto
+from kvxfer.wire.sidecar import bound_from_proto, params_from_proto
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,11 +90,31 @@ def test_kv_heads_are_optional_and_validated_by_name() -> None:
         layout_from_proto(message)
 
 
-def test_spans_round_trip_and_validate() -> None:
+def test_spans_round_trip() -> None:
     span = BlockSpan(GroupId(2), 5, (BlockId(9), BlockId(3)))
     assert spans_from_proto([span_to_proto(span)], "spans") == (span,)
-    with pytest.raises(LayoutError, match=r"spans\[0\]: must be in"):
-        spans_from_proto([pb.BlockSpan(group_id=70000)], "spans")
+
+
+@pytest.mark.parametrize(
+    ("span", "part"),
+    [
+        (pb.BlockSpan(group_id=70000), "group_id"),
+        (pb.BlockSpan(first_block=2**64 - 1), "first_block"),
+        (pb.BlockSpan(block_ids=[2**64 - 1]), "block_ids[0]"),
+        (pb.BlockSpan(block_ids=[1, 2, 2**33]), "block_ids[2]"),
+    ],
+)
+def test_a_bad_span_names_its_position_and_the_part_that_is_wrong(
+    span: pb.BlockSpan, part: str
+) -> None:
+    """Each of these was named only `spans[1]`."""
+    good = span_to_proto(BlockSpan(GroupId(0), 0, (BlockId(1),)))
+    with pytest.raises(LayoutError, match=rf"^spans\[1\]\.{re.escape(part)}: must be in"):
+        spans_from_proto([good, span], "spans")
+    params = sidecar_pb2.TransferParams(spans=[good, span])
+    with pytest.raises(LayoutError) as err:
+        params_from_proto(params)
+    assert err.value.field == f"params.spans[1].{part}"
 
 
 def test_generated_code_is_current(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.errors import guarded
 from kvxfer.wire.sidecar import PeerHello, hello_from_proto, hello_request
+from kvxfer.wire.tls import certificate_problem, key_problem
 
 T = TypeVar("T")
 
@@ -86,13 +87,24 @@ def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
         return None
     if not all(given):
         raise InvalidInputError("--tls-cert/--tls-key/--tls-ca", "give all three or none")
+    cert_file, key_file, ca_file = (Path(p) for p in given)
+    # Loaded here as the sidecar loads its own: gRPC reports a file that is not PEM only
+    # as a peer it cannot reach ("Failed to create security handshaker"), exit 3.
+    _refuse_pem("--tls-cert", cert_file, certificate_problem(cert_file))
+    _refuse_pem("--tls-key", key_file, key_problem(cert_file, key_file))
+    _refuse_pem("--tls-ca", ca_file, certificate_problem(ca_file))
     try:
-        cert, key, ca = (Path(p).read_bytes() for p in given)
+        cert, key, ca = (p.read_bytes() for p in (cert_file, key_file, ca_file))
     except OSError as exc:
         raise InvalidInputError("--tls-*", f"cannot read {exc.filename}: {exc.strerror}") from exc
     return grpc.ssl_channel_credentials(
         root_certificates=ca, private_key=key, certificate_chain=cert
     )
+
+
+def _refuse_pem(flag: str, path: Path, problem: str | None) -> None:
+    if problem:
+        raise InvalidInputError(flag, f"{path} {problem}")
 
 
 def run_handshake(args: argparse.Namespace) -> int:

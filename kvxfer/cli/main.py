@@ -187,6 +187,17 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def tp_rank(text: str) -> int:
+    """`--peer-rank`: a rank some layout can have, 0..MAX_TP_SIZE - 1. A larger one is no
+    rank of any peer, and one past 2^32 does not even fit the handshake's field."""
+    from kvxfer.core.layout import MAX_TP_SIZE  # noqa: PLC0415
+
+    value = non_negative_int(text)
+    if value >= MAX_TP_SIZE:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TP_SIZE - 1}, got {value}")
+    return value
+
+
 def _add_bench(commands: Any) -> None:
     bench = commands.add_parser(
         "bench", help="kvxfer end to end vs raw NIXL, per-block and memcpy, same buffers"
@@ -468,7 +479,7 @@ def _add_sidecar_commands(commands: Any) -> None:
     handshake.add_argument("--tp-rank", type=non_negative_int, default=0, help="rank asking")
     handshake.add_argument(
         "--peer-rank",
-        type=non_negative_int,
+        type=tp_rank,
         help="the peer's TP rank to ask (default: --tp-rank; another with different TP sizes)",
     )
     handshake.add_argument(

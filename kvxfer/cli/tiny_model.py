@@ -12,6 +12,7 @@ import importlib.util
 import subprocess
 from pathlib import Path
 
+from kvxfer._exceptions import InvalidInputError
 from kvxfer.integrations.tiny_models import TinyModelSpec, write_tiny_model
 
 EXIT_OK = 0
@@ -19,13 +20,24 @@ EXIT_OK = 0
 
 def run_tiny_model(args: argparse.Namespace) -> int:
     spec = TinyModelSpec(args.family, args.layers, args.sliding_window, args.seed)
-    out = Path(args.out).resolve()
+    out = _output_directory(args.out)
     if importlib.util.find_spec("transformers") is None:
         return _in_vllm_venv(spec, out)
     write_tiny_model(spec, out)
     window = "" if spec.window is None else f", sliding window {spec.window}"
     print(f"tiny {spec.family}: {spec.num_layers} layers{window}, seed {spec.seed} -> {out}")
     return EXIT_OK
+
+
+def _output_directory(given: str) -> Path:
+    """--out, created now: one that cannot be is a usage error before a model (or the
+    vLLM venv's python) is started, not a traceback after."""
+    out = Path(given).resolve()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidInputError("--out", f"cannot create {out}: {exc.strerror}") from exc
+    return out
 
 
 def _in_vllm_venv(spec: TinyModelSpec, out: Path) -> int:

@@ -27,6 +27,7 @@ BlockId = NewType("BlockId", int)
 MAX_BLOCKS = 1 << 32
 MAX_BYTES = 1 << 50
 MAX_TOKENS = 1 << 40  # of one request
+MAX_TP_SIZE = 1 << 12  # ranks of one engine
 
 
 class GroupKind(enum.StrEnum):
@@ -265,6 +266,11 @@ class Region:
         return self.offset_bytes + block_id * self.stride_bytes
 
 
+def span_where(group_id: int) -> str:
+    """How a BlockSpan names itself in its errors: by its group, as it has no position."""
+    return f"spans[group {group_id}]"
+
+
 @dataclass(frozen=True)
 class BlockSpan:
     """Block ids of one group for logical blocks first_block, first_block + 1, ..."""
@@ -274,7 +280,7 @@ class BlockSpan:
     block_ids: tuple[BlockId, ...]
 
     def __post_init__(self) -> None:
-        where = f"spans[group {self.group_id}]"
+        where = span_where(self.group_id)
         check_int(f"{where}.group_id", self.group_id, 0, 1 << 16)
         check_int(f"{where}.first_block", self.first_block, 0, MAX_BLOCKS)
         ids = self.block_ids
@@ -342,7 +348,7 @@ class EngineLayout:
                 "token rows inside a head (HND) describe head-major blocks; set head_major",
             )
         check_int("block_size", self.block_size, 1, 1 << 20)
-        check_int("tp_size", self.tp_size, 1, 1 << 12)
+        check_int("tp_size", self.tp_size, 1, MAX_TP_SIZE)
         check_int("tp_rank", self.tp_rank, 0, self.tp_size - 1)
         if not self.groups:
             raise LayoutError("groups", "a layout needs at least one KV group")

@@ -275,6 +275,10 @@ class _StateDtypes:
     ) -> None:
         self.config = config
         self.text = text
+        # Checked now, not when a state layer asks for it: a model without state layers
+        # would otherwise take any name.
+        if override is not None:
+            dtype_bytes(override, "state_dtype")
         self.override = override
         self.ssm_default = ssm_default
 

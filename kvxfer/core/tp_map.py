@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from kvxfer._exceptions import LayoutError, PlanError
 from kvxfer.core.layout import (
+    MAX_TP_SIZE,
     EngineLayout,
     GroupKind,
     KVGroup,
@@ -50,7 +51,7 @@ from kvxfer.core.reblock import HEAD_SPLIT_KINDS, slicing_problem, strided_probl
 def rank_heads(num_kv_heads: int, tp_size: int, rank: int) -> range:
     """The global KV heads rank `rank` of `tp_size` holds."""
     check_int("num_kv_heads", num_kv_heads, 1, 1 << 16)
-    check_int("tp_size", tp_size, 1, 1 << 12)
+    check_int("tp_size", tp_size, 1, MAX_TP_SIZE)
     check_int("tp_rank", rank, 0, tp_size - 1)
     if num_kv_heads >= tp_size:
         if num_kv_heads % tp_size:

@@ -51,10 +51,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer._exceptions import (
+    BackendCreationError,
     DataPlaneError,
     PeerDisconnectedError,
     RegistrationError,
     TransferError,
+    shown,
 )
 from kvxfer.core.buffers import MemoryKind
 from kvxfer.dataplane.memory import MappedBuffer
@@ -305,6 +307,9 @@ class NixlAgent:
         state = _State()
         try:
             state.agent = self._create_agent()
+        except BackendCreationError as exc:
+            started.set_exception(exc)
+            return
         except Exception as exc:
             started.set_exception(DataPlaneError(f"cannot create NIXL agent: {exc}"))
             return
@@ -343,8 +348,32 @@ class NixlAgent:
             params.update(self._options.backend_params)
             if self._options.num_threads:
                 params.setdefault("num_threads", str(self._options.num_threads))
-            agent.create_backend(backend, params)
+            try:
+                agent.create_backend(backend, params)
+            except Exception as exc:
+                refused = self._option_to_blame(backend, exc)
+                if refused is None:
+                    raise
+                raise refused from exc
         return agent
+
+    def _option_to_blame(self, backend: str, exc: Exception) -> BackendCreationError | None:
+        """The option to blame for NIXL refusing to create `backend`, as far as its error
+        tells: the backend's name when NIXL has no plugin of that name, else the
+        parameters given, if any. None when no option is known to be at fault (a
+        backend NIXL could not create with its own defaults)."""
+        if type(exc).__name__ == "nixlNotFoundError":
+            return BackendCreationError(
+                "backends", f"NIXL has no backend {shown(backend)} (no plugin of that name)"
+            )
+        given = ", ".join(f"{key}={value}" for key, value in self._options.backend_params)
+        if not given:
+            return None
+        return BackendCreationError(
+            "backend_params",
+            f"NIXL could not create backend {shown(backend)} with {shown(given)} "
+            f"({exc}; NIXL's log above says why)",
+        )
 
     def _run_commands(self, state: _State, wait_s: float | None) -> None:
         """Run queued commands; wait up to `wait_s` for the first (None: do not wait)."""

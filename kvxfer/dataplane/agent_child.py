@@ -30,7 +30,12 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvxfer._exceptions import DataPlaneError, KvxferError, RegistrationError
+from kvxfer._exceptions import (
+    BackendCreationError,
+    DataPlaneError,
+    KvxferError,
+    RegistrationError,
+)
 from kvxfer.core.buffers import BoundBuffer, BufferHandle
 from kvxfer.dataplane.adapter import AgentOptions, NixlAgent
 from kvxfer.dataplane.memory import MappedBuffer, bind, open_buffer
@@ -91,7 +96,7 @@ async def _serve(conn: Connection) -> int:
     try:
         agent = await asyncio.to_thread(NixlAgent, name, options)
     except DataPlaneError as exc:
-        conn.send(("err", type(exc).__name__, str(exc)))
+        conn.send(_failed(exc))
         return 1
     served = _Served(agent)
     conn.send(("ok", agent.name))
@@ -108,13 +113,20 @@ async def _serve(conn: Connection) -> int:
             try:
                 reply = ("ok", await served.run(op, tuple(args)))
             except KvxferError as exc:
-                reply = ("err", type(exc).__name__, str(exc))
+                reply = _failed(exc)
             conn.send(reply)
     finally:
         await served.close()
         if op == "close":
             with contextlib.suppress(OSError):
                 conn.send(("ok", None))  # closed: nothing of ours is registered any more
+
+
+def _failed(exc: KvxferError) -> tuple[str, str, str, str]:
+    """A failure's reply, as the sidecar raises it again (serving.AgentProcess.call): its
+    class's name, its message, and the option a BackendCreationError blames."""
+    option = exc.option if isinstance(exc, BackendCreationError) else ""
+    return ("err", type(exc).__name__, str(exc), option)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
-from kvxfer._exceptions import DataPlaneError, RegistrationError
+from kvxfer._exceptions import BackendCreationError, DataPlaneError, RegistrationError
 from kvxfer.core.buffers import BoundBuffer
 from kvxfer.dataplane.adapter import AgentOptions
 from kvxfer.dataplane.memory import MappedBuffer
@@ -107,7 +107,9 @@ class AgentProcess:
             raise DataPlaneError(f"serving agent {self.pid} is closed") from exc
         if reply[0] == "ok":
             return reply[1]
-        _, kind, message = reply
+        _, kind, message, option = reply  # agent_child._failed
+        if kind == "BackendCreationError":
+            raise BackendCreationError(option, message)
         raise (RegistrationError if kind == "RegistrationError" else DataPlaneError)(message)
 
     def _roundtrip(self, request: tuple[Any, ...]) -> tuple[Any, ...]:

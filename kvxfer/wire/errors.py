@@ -40,6 +40,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from kvxfer._exceptions import (
+    BackendCreationError,
     BusyError,
     DataPlaneError,
     InvalidInputError,
@@ -96,9 +97,11 @@ def reason(cls: type[BaseException]) -> str:
 
 # Errors only the side that raised them can know to be true travel as their base class:
 # a LaneUnreachableError says nothing of the call was sent, and a caller told so by a
-# peer that passed one on would send its own call again by another way.
+# peer that passed one on would send its own call again by another way; the option a
+# BackendCreationError blames is a setting of the sidecar that raised it.
 _LOCAL_ONLY: dict[type[KvxferError], type[KvxferError]] = {
-    LaneUnreachableError: PeerUnavailableError
+    LaneUnreachableError: PeerUnavailableError,
+    BackendCreationError: DataPlaneError,
 }
 
 

@@ -22,6 +22,7 @@ from kvxfer.core.layout import (
     ShardSegment,
     StateShard,
     TensorSpec,
+    span_where,
 )
 from kvxfer.v1 import layout_pb2 as pb
 
@@ -203,5 +204,8 @@ def spans_from_proto(messages: Iterable[pb.BlockSpan], field: str) -> tuple[Bloc
                 )
             )
         except LayoutError as exc:
-            raise LayoutError(f"{field}[{i}]", exc.detail) from exc
+            # Named by its position here, keeping the part of the span that is wrong
+            # (`.first_block`, `.block_ids[3]`): the span itself names only its group.
+            part = exc.field.removeprefix(span_where(message.group_id))
+            raise LayoutError(f"{field}[{i}]{part}", exc.detail) from exc
     return tuple(spans)
