@@ -19,8 +19,9 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
+from pki import make_pki
 from sidecars import engine_link, scrape, spans, start_engine, start_sidecar
-from test_sidecar_tls import _config, _make_pki
+from test_sidecar_tls import _config
 
 from kvxfer._exceptions import NotFoundError, PeerUnavailableError, PermissionDeniedError
 from kvxfer.cli.fleet import BIN, Proc, metric
@@ -31,6 +32,7 @@ from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.lane_client import Lane
 
+NAMES = ("kvxfer-p", "kvxfer-d", "kvxfer-rogue")  # the certificates make_pki signs
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 MODEL = "gemma-3-4b-it"
@@ -109,7 +111,7 @@ async def test_reads_are_bound_to_the_reader_that_began_them(
 
 
 async def test_with_mtls_every_peer_port_call_checks_the_allow_list(tmp_path: Path) -> None:
-    _make_pki(tmp_path)
+    make_pki(tmp_path, *NAMES)
     p = start_sidecar(tmp_path, "p", "--config", _config(tmp_path, "kvxfer-p", ["kvxfer-d"]))
     try:
         address = p.ready["peer_address"]
@@ -132,7 +134,7 @@ async def test_with_mtls_every_peer_port_call_checks_the_allow_list(tmp_path: Pa
 
 
 async def test_with_mtls_the_peer_lane_takes_only_an_allowed_certificate(tmp_path: Path) -> None:
-    _make_pki(tmp_path)
+    make_pki(tmp_path, *NAMES)
     p = start_sidecar(tmp_path, "p", "--config", _config(tmp_path, "kvxfer-p", ["kvxfer-d"]))
     request = pb.BeginReadRequest(epoch=p.ready["epoch"], request_id="nobody")
     port = p.ready["peer_lane_port"]
@@ -168,7 +170,7 @@ async def test_with_mtls_the_peer_lane_takes_only_an_allowed_certificate(tmp_pat
         # The allowed name, but signed by another CA.
         forged = tmp_path / "forged"
         forged.mkdir()
-        _make_pki(forged)
+        make_pki(forged, *NAMES)
         other_ca = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
         other_ca.load_cert_chain(forged / "kvxfer-d.pem", forged / "kvxfer-d.key")
         with pytest.raises(PeerUnavailableError, match=closed):
@@ -195,7 +197,7 @@ async def test_with_mtls_the_peer_lane_takes_only_an_allowed_certificate(tmp_pat
 async def test_with_mtls_a_lane_client_that_never_ends_its_handshake_is_closed(
     tmp_path: Path,
 ) -> None:
-    _make_pki(tmp_path)
+    make_pki(tmp_path, *NAMES)
     config = _config(tmp_path, "kvxfer-p", [])
     p = start_sidecar(tmp_path, "p", "--config", config, "--transfer.rpc-timeout-s", "1")
     port = p.ready["peer_lane_port"]
@@ -235,7 +237,7 @@ asyncio.run(main())
 async def test_closing_a_lane_to_a_frozen_peer_does_not_wait_for_its_tls_goodbye(
     tmp_path: Path,
 ) -> None:
-    _make_pki(tmp_path)
+    make_pki(tmp_path, *NAMES)
     peer = subprocess.Popen(
         [sys.executable, "-c", _FROZEN_PEER, str(tmp_path / "ca.pem"),
          str(tmp_path / "kvxfer-p.pem"), str(tmp_path / "kvxfer-p.key")],
