@@ -37,7 +37,7 @@ from kvxfer.integrations import vllm_compose, vllm_fleet
 from kvxfer.integrations.vllm_params import (
     handshake_path,
     read_handshake,
-    sweep_handshakes,
+    remove_handshake,
     write_handshake,
 )
 
@@ -77,30 +77,26 @@ def _written_by_a_worker_that_is_gone(path: str) -> None:
     subprocess.run([sys.executable, "-c", code, path], check=True)
 
 
-def test_a_registration_whose_worker_is_gone_is_none_and_the_next_worker_removes_it(
+def test_a_registration_whose_worker_is_gone_is_none_and_its_successor_replaces_it(
     tmp_path: Path,
 ) -> None:
-    gone = handshake_path("killed-engine", directory=str(tmp_path))
-    _written_by_a_worker_that_is_gone(gone)
-    assert json.loads(Path(gone).read_text())["pid"] != os.getpid()
-    assert read_handshake(gone) is None  # its worker is gone: no registration
-    half = tmp_path / (Path(handshake_path("x", 1, str(tmp_path))).name + ".999999999.tmp")
-    half.write_text("{")
-    live_half = tmp_path / (
-        Path(handshake_path("y", directory=str(tmp_path))).name + f".{os.getpid()}.tmp"
-    )
-    live_half.write_text("{")
-    other = tmp_path / "kvxfer-vllm-notes.json"  # not a name handshake_path makes
-    other.write_text("{}")
-    mine = handshake_path("live-engine", directory=str(tmp_path))
-    Path(f"{mine}.{os.getpid()}.tmp").write_text("{")  # a killed writer had this pid
-    write_handshake(mine, {"engine_id": "e-2", "epoch": 3, "peer_address": "127.0.0.1:6"})
-    left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted([Path(mine).name, live_half.name, other.name])
-    assert read_handshake(mine) == {"engine_id": "e-2", "epoch": 3, "peer_address": "127.0.0.1:6"}
+    path = handshake_path("killed-engine", directory=str(tmp_path))
+    _written_by_a_worker_that_is_gone(path)
+    assert json.loads(Path(path).read_text())["pid"] != os.getpid()
+    assert read_handshake(path) is None  # its worker is gone: no registration yet
+    remove_handshake(path)  # not this process's: left to the worker that replaces it
+    assert Path(path).exists()
+    Path(f"{path}.{os.getpid()}.tmp").write_text("{")  # a killed writer had this pid
+    write_handshake(path, {"engine_id": "e-2", "epoch": 3, "peer_address": "127.0.0.1:6"})
+    assert read_handshake(path) == {"engine_id": "e-2", "epoch": 3, "peer_address": "127.0.0.1:6"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [Path(path).name]
+    remove_handshake(path)  # this process's own: removed at close
+    assert not Path(path).exists()
 
 
-def test_a_registration_naming_no_usable_pid_is_refused(tmp_path: Path) -> None:
+def test_a_registration_that_is_no_regular_file_or_names_no_usable_pid_is_refused(
+    tmp_path: Path,
+) -> None:
     path = str(tmp_path / "h.json")
     for pid, match in (("7", "pid: missing or not int"), (True, "pid: missing or not int"),
                        (0, "pid: must be positive")):  # fmt: skip
@@ -110,7 +106,10 @@ def test_a_registration_naming_no_usable_pid_is_refused(tmp_path: Path) -> None:
         os.chmod(path, 0o600)
         with pytest.raises(InvalidInputError, match=match):
             read_handshake(path)
-    assert sweep_handshakes(str(tmp_path)) == []  # not a name it sweeps
+    fifo = str(tmp_path / "planted.json")
+    os.mkfifo(fifo, 0o600)  # would block a plain open for ever: nobody writes to it
+    with pytest.raises(InvalidInputError, match="not a regular file"):
+        read_handshake(fifo)
 
 
 def test_multiconnector_configs_keep_the_order_role_and_recompute_policy() -> None:

@@ -35,7 +35,6 @@ import collections
 import contextlib
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -106,6 +105,7 @@ from kvxfer.integrations.vllm_params import (
     read_handshake,
     reader_params,
     reader_sources,
+    remove_handshake,
     write_handshake,
 )
 from kvxfer.integrations.vllm_reblock import (
@@ -1218,8 +1218,7 @@ class _Worker:
     def close(self) -> None:
         self._closing.set()
         if self._handshake_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._handshake_file)
+            remove_handshake(self._handshake_file)
         try:
             self._client.unregister()
         except KvxferError as exc:

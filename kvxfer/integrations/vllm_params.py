@@ -346,11 +346,12 @@ def load_errors(
 # scheduler and worker processes of one engine), and the scheduler reads it when
 # the channel brought nothing of kvxfer's. The file names the worker's pid: a
 # worker killed without its `close()` cannot remove it, so a file whose writer is
-# gone is no registration, and the next worker to write one removes it.
+# gone is no registration (the scheduler waits for the new worker's), and the next
+# worker of that engine replaces it. Nothing here touches another engine's file: a
+# shared /tmp holds other users' and other containers' (other pid namespaces)
+# files, and removing one safely needs more than a pid check.
 
 HANDSHAKE_FIELDS = ("engine_id", "epoch", "peer_address")
-HANDSHAKE_PREFIX = "kvxfer-vllm-"
-_HANDSHAKE_NAME = re.compile(rf"{HANDSHAKE_PREFIX}[0-9a-f]{{20}}-tp\d+\.json(\.\d+\.tmp)?")
 
 
 def handshake_path(vllm_engine_id: str, tp_rank: int = 0, directory: str | None = None) -> str:
@@ -360,17 +361,17 @@ def handshake_path(vllm_engine_id: str, tp_rank: int = 0, directory: str | None 
         raise InvalidInputError("kv_transfer_config.engine_id", "empty")
     digest = hashlib.sha256(vllm_engine_id.encode()).hexdigest()[:20]
     return os.path.join(
-        directory or tempfile.gettempdir(), f"{HANDSHAKE_PREFIX}{digest}-tp{tp_rank}.json"
+        directory or tempfile.gettempdir(), f"kvxfer-vllm-{digest}-tp{tp_rank}.json"
     )
 
 
 def write_handshake(path: str, fields: Mapping[str, Any]) -> None:
     """Atomically replace `path` with `fields` and this process's pid (0600: the scheduler
-    trusts its contents); first remove what workers that are gone left beside it."""
-    sweep_handshakes(os.path.dirname(path) or ".")
+    trusts its contents)."""
     record = {key: fields[key] for key in HANDSHAKE_FIELDS} | {"pid": os.getpid()}
     temporary = f"{path}.{os.getpid()}.tmp"
-    # One with this pid in its name is a killed process's whose pid this one reuses.
+    # One with this pid in its name is a killed process's whose pid this one reuses (a
+    # sticky /tmp lets nobody else remove ours, nor us theirs).
     with contextlib.suppress(FileNotFoundError):
         os.unlink(temporary)
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -379,16 +380,35 @@ def write_handshake(path: str, fields: Mapping[str, Any]) -> None:
     os.replace(temporary, path)
 
 
+def remove_handshake(path: str) -> None:
+    """Remove `path` if it is still this process's registration (a worker shutting down
+    after its replacement wrote must leave the replacement's)."""
+    with contextlib.suppress(InvalidInputError, OSError):
+        record = _handshake_record(path)
+        if record is not None and record["pid"] == os.getpid():
+            os.unlink(path)
+
+
 def read_handshake(path: str) -> dict[str, Any] | None:
     """The registration at `path`, None if there is none yet or its worker is gone; a
-    file another user owns or others may write, or one missing a field, is refused
-    naming what is wrong."""
+    file another user owns or others may write, one that is not a regular file, or one
+    missing a field, is refused naming what is wrong."""
+    record = _handshake_record(path)
+    if record is None or not _alive(record["pid"]):
+        return None  # none, or left by a worker killed before its close()
+    return {key: record[key] for key in HANDSHAKE_FIELDS}
+
+
+def _handshake_record(path: str) -> dict[str, Any] | None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # Non-blocking: a FIFO planted at the path must not hang the engine.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     with os.fdopen(fd) as source:
         info = os.fstat(source.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidInputError(path, "not a regular file")
         if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise InvalidInputError(path, "not owned by this user or writable by others")
         try:
@@ -402,52 +422,7 @@ def read_handshake(path: str) -> dict[str, Any] | None:
             raise InvalidInputError(f"{path}.{key}", f"missing or not {kind.__name__}")
     if record["pid"] <= 0:
         raise InvalidInputError(f"{path}.pid", f"must be positive, got {record['pid']}")
-    if not _alive(record["pid"]):
-        return None  # left by a worker killed before its close(): the next one replaces it
-    return {key: record[key] for key in HANDSHAKE_FIELDS}
-
-
-def sweep_handshakes(directory: str) -> list[str]:
-    """Remove the registration files (and half-written ones) in `directory` that this
-    user's workers left when they were killed before their `close()`: owned by this
-    user, named as `handshake_path` names them, and naming a pid that no longer runs.
-    Returns the names removed. A file being replaced meanwhile is left alone (its
-    inode changed), and one that cannot be read is left to `read_handshake` to name."""
-    removed: list[str] = []
-    try:
-        names = [n for n in os.listdir(directory) if _HANDSHAKE_NAME.fullmatch(n)]
-    except OSError:
-        return removed
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        with os.fdopen(fd) as source:
-            info = os.fstat(source.fileno())
-            if info.st_uid != os.getuid():
-                continue
-            pid = _writer_pid(name, source)
-        if pid is None or _alive(pid):
-            continue
-        with contextlib.suppress(OSError):
-            if os.stat(path, follow_symlinks=False).st_ino == info.st_ino:
-                os.unlink(path)
-                removed.append(name)
-    return removed
-
-
-def _writer_pid(name: str, source: Any) -> int | None:
-    """The pid a registration file names (a half-written one: in its name), else None."""
-    if name.endswith(".tmp"):
-        return int(name.rsplit(".", 2)[1])
-    try:
-        record = json.load(source)
-    except ValueError:
-        return None
-    pid = record.get("pid") if isinstance(record, dict) else None
-    return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
+    return record
 
 
 def _alive(pid: int) -> bool:
