@@ -142,6 +142,23 @@ def _plan(
         raise PlanError(field, exc.detail) from exc
 
 
+@dataclass
+class _Starting:
+    """A push being started: its params, and the readiness its calls so far said."""
+
+    params: TransferParams
+    ready: int = 0
+    final: bool = False
+    task: asyncio.Future[Push] | None = None
+
+
+def _check_same(held: TransferParams, params: TransferParams) -> None:
+    if held != params:
+        raise InvalidInputError(
+            "params", f"differ from the params {params.request_id!r} is being pushed with"
+        )
+
+
 def _retrieved(task: asyncio.Future[Push]) -> None:
     """A start whose caller went away: its error was ended at the peer already."""
     if not task.cancelled() and task.exception() is not None:
@@ -193,8 +210,9 @@ class Pushes:
         self._emit = emit
         self._pushes: dict[tuple[str, str], Push] = {}
         # Pushes being started (linking, BeginWrite): a call for one meanwhile (the engine
-        # sent its next readiness, or retried after a deadline) waits for that start.
-        self._starting: dict[tuple[str, str], asyncio.Future[Push]] = {}
+        # sent its next readiness, or retried after a deadline) waits for that start, and
+        # what the calls said so far is applied as the push is recorded (`_Starting`).
+        self._starting: dict[tuple[str, str], _Starting] = {}
         self._options = ExecOptions(
             stall_deadline_s=settings.transfer.stall_deadline_s,
             max_inflight=settings.transfer.max_inflight_chunks,
@@ -224,26 +242,37 @@ class Pushes:
         if push is None:
             starting = self._starting.get(key)
             if starting is None:
+                starting = _Starting(params)
                 # Shielded: an engine's deadline cancelling this call must not cut the start
                 # between BeginWrite and the push that ends the write (the push then runs
                 # on, and ends by itself a lease TTL after the engine's last call).
-                starting = asyncio.ensure_future(self._start(engine, params, local_spans))
-                starting.add_done_callback(_retrieved)
-                starting.add_done_callback(lambda _: self._starting.pop(key, None))
+                starting.task = asyncio.ensure_future(
+                    self._start(engine, params, local_spans, starting)
+                )
+                starting.task.add_done_callback(_retrieved)
+                starting.task.add_done_callback(lambda _: self._starting.pop(key, None))
                 self._starting[key] = starting
-            push = await asyncio.shield(starting)
-        if push.params != params:
-            raise InvalidInputError(
-                "params", f"differ from the params {params.request_id!r} is being pushed with"
-            )
-        push.update(tokens_ready, final)
+            else:
+                _check_same(starting.params, params)
+            # Calls during the start have no order among themselves: the readiest counts.
+            starting.ready = max(starting.ready, tokens_ready)
+            starting.final = starting.final or final
+            assert starting.task is not None
+            push = await asyncio.shield(starting.task)
+        else:
+            _check_same(push.params, params)
+            push.update(tokens_ready, final)
         await asyncio.sleep(0)  # let the run post what became ready: the reply counts it
         return PushAccepted(
             bytes_planned=push.plan.nbytes, chunks=len(push.plan.chunks), chunks_posted=push.posted
         )
 
     async def _start(
-        self, engine: Engine, params: TransferParams, local_spans: tuple[BlockSpan, ...]
+        self,
+        engine: Engine,
+        params: TransferParams,
+        local_spans: tuple[BlockSpan, ...],
+        starting: _Starting,
     ) -> Push:
         if params.mode is not TransferMode.PUSH:
             raise InvalidInputError(
@@ -284,6 +313,8 @@ class Pushes:
             await self._end_write(link, params.request_id, aborted=True, detail=str(exc))
             raise
         push = Push(engine, params, link, plan, begun.lease_ttl_ms / 1000)
+        # What the calls so far said, before a later call can find the push and say more.
+        push.update(starting.ready, starting.final)
         key = (engine.engine_id, params.request_id)
         self._pushes[key] = push
         push.task = asyncio.create_task(self._finish(key, push))
