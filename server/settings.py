@@ -200,7 +200,11 @@ class NixlSettings(_Group):
     @field_validator("backends")
     @classmethod
     def _backends(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        return _no_empty_entries(value)
+        value = _no_empty_entries(value)
+        twice = sorted({name for name in value if value.count(name) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed twice: NIXL creates each backend once")
+        return value
 
     @field_validator("backend_params")
     @classmethod

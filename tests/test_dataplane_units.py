@@ -286,40 +286,54 @@ async def test_a_replaced_reader_that_did_not_stop_keeps_its_engine_mapped() -> 
     assert await readers.close() is False
 
 
-def _refusing_nixl(error: str) -> object:
-    """nixl's API as `adapter._nixl` returns it, whose agent refuses to create any
-    backend with an exception of class `error` (nixl's own are named so)."""
+def _refusing_nixl(error: str, listed: bool = False, defaults_fail: bool = False) -> object:
+    """nixl's API as `adapter._nixl` returns it, whose agent refuses to create a backend
+    with an exception of class `error` (nixl's own are named so): whenever a parameter
+    is given beyond the plugin's defaults, and also with the defaults alone when
+    `defaults_fail`. `listed`: the plugin is in NIXL's list (it exists but does not
+    load)."""
     refusal = type(error, (Exception,), {})
 
     class Agent:
         def __init__(self, name: str, config: object) -> None:
             pass
 
+        def get_plugin_list(self) -> list[str]:
+            return ["UCX"] if listed else []
+
         def get_plugin_params(self, backend: str) -> dict[str, str]:
-            return {}
+            return {"default": "1"}
 
         def create_backend(self, backend: str, params: dict[str, str]) -> None:
-            raise refusal("NIXL_ERR_SOMETHING")
+            if defaults_fail or set(params) != {"default"}:
+                raise refusal("NIXL_ERR_SOMETHING")
 
     return lambda: (Agent, lambda **config: config)
 
 
 @pytest.mark.parametrize(
-    ("error", "params", "option"),
+    ("error", "params", "listed", "defaults_fail", "option", "says"),
     [
-        ("nixlNotFoundError", (), "backends"),
-        ("nixlNotFoundError", (("num_workers", "2"),), "backends"),
-        ("nixlBackendError", (("num_workers", "abc"),), "backend_params"),
-        ("nixlBackendError", (), None),  # NIXL's own defaults failed: no option to blame
+        ("nixlNotFoundError", (), False, True, "backends", "no plugin of that name"),
+        ("nixlNotFoundError", (("num_workers", "2"),), False, True, "backends", "no plugin"),
+        ("nixlNotFoundError", (), True, True, "backends", "does not load here"),
+        ("nixlBackendError", (("num_workers", "abc"),), False, False, "backend_params", "can"),
+        # NIXL fails with its own defaults too: neither the parameters nor any option is
+        # shown at fault (the host, its drivers, UCX_TLS in the environment)
+        ("nixlBackendError", (("num_workers", "2"),), False, True, None, ""),
+        ("nixlBackendError", (), False, True, None, ""),
     ],
 )
 def test_a_refused_backend_blames_an_option_only_where_nixl_says_it_is_at_fault(
     monkeypatch: pytest.MonkeyPatch,
     error: str,
     params: tuple[tuple[str, str], ...],
+    listed: bool,
+    defaults_fail: bool,
     option: str | None,
+    says: str,
 ) -> None:
-    monkeypatch.setattr(adapter, "_nixl", _refusing_nixl(error))
+    monkeypatch.setattr(adapter, "_nixl", _refusing_nixl(error, listed, defaults_fail))
     with pytest.raises(DataPlaneError) as err:
         NixlAgent("refused", AgentOptions(backends=("UCX",), backend_params=params))
     if option is None:
@@ -327,4 +341,4 @@ def test_a_refused_backend_blames_an_option_only_where_nixl_says_it_is_at_fault(
         assert str(err.value) == "cannot create NIXL agent: NIXL_ERR_SOMETHING"
     else:
         assert isinstance(err.value, BackendCreationError) and err.value.option == option
-        assert "'UCX'" in str(err.value)
+        assert "'UCX'" in str(err.value) and says in str(err.value)

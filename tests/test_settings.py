@@ -47,6 +47,7 @@ def test_precedence_flag_env_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         (["--lease.ttl-s", "5", "--transfer.stall-deadline-s", "6"], "transfer.stall_deadline_s"),
         (["--lease.ttl-s", "60", "--lease.max-hold-s", "30"], "lease.max_hold_s"),
         (["--lease.max-hold-s", "0"], "lease.max_hold_s"),
+        (["--nixl.backends", "UCX,GDS,UCX"], "nixl.backends"),
         (["--faults.fail-rate", "2"], "faults.fail_rate"),
         (["--tls.cert-file", "/nonexistent"], "tls"),
     ],
@@ -392,6 +393,9 @@ def test_tls_files_are_pem_and_the_key_is_the_certificates(tmp_path: Path) -> No
     other.mkdir()
     make_pki(other)  # other/ca.key: a key, but not the certificate's
     openssl("genrsa", "-aes128", "-passout", "pass:x", "-out", "locked.key", "2048", cwd=tmp_path)
+    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+            "-keyout", "ec.key", "-out", "ec.pem", "-days", "1", "-subj", "/CN=ec",
+            cwd=tmp_path)  # fmt: skip
     key = env["KVXFER_TLS__KEY_FILE"]
     refusals = [
         ("CERT_FILE", str(junk), "holds no PEM certificate"),
@@ -401,10 +405,15 @@ def test_tls_files_are_pem_and_the_key_is_the_certificates(tmp_path: Path) -> No
         ("KEY_FILE", str(junk), "holds no PEM private key"),
         ("KEY_FILE", str(other / "ca.key"), "is not the private key of the certificate"),
         ("KEY_FILE", str(tmp_path / "locked.key"), "is encrypted"),
+        # an RSA key for an EC certificate: OpenSSL says NO_CERTIFICATE_ASSIGNED
+        ("KEY_FILE", key, "is not the private key of the certificate", "ec.pem"),
     ]
-    for name, path, why in refusals:
+    for name, path, why, *cert in refusals:
+        given = {f"KVXFER_TLS__{name}": path}
+        if cert:
+            given["KVXFER_TLS__CERT_FILE"] = str(tmp_path / cert[0])
         with pytest.raises(SettingsInvalidError) as err:
-            load_settings([], environ={**env, f"KVXFER_TLS__{name}": path})
+            load_settings([], environ={**env, **given})
         ((field, message),) = err.value.problems
         setting = name.lower()
         assert field == f"tls.{setting} (--tls.{setting.replace('_', '-')}, KVXFER_TLS__{name})"

@@ -223,6 +223,13 @@ def _nixl() -> Any:
     return nixl_agent, nixl_agent_config
 
 
+def _plugin_list(agent: Any) -> list[str]:
+    try:
+        return [str(name) for name in agent.get_plugin_list()]
+    except Exception:  # NIXL that cannot list its plugins lists none
+        return []
+
+
 def _logs_to_stderr() -> None:
     """NIXL and UCX log to stdout; stdout belongs to the program (JSON output, ready
     lines), and a parent that reads only the ready line leaves that pipe undrained: UCX
@@ -340,39 +347,54 @@ class NixlAgent:
         )
         agent = nixl_agent(self._name, config)
         for backend in self._options.backends:
-            # The plugin's defaults first: createBackend with a parameter missing does not
-            # take the plugin's default for it. For UCX that default is peer error
-            # handling; without it a peer that tears its endpoints down (a severed reader)
-            # makes this side's UCX abort on a failed lane when it next progresses.
-            params = {str(k): str(v) for k, v in agent.get_plugin_params(backend).items()}
-            params.update(self._options.backend_params)
-            if self._options.num_threads:
-                params.setdefault("num_threads", str(self._options.num_threads))
+            params = self._backend_params(agent, backend, given=True)
             try:
                 agent.create_backend(backend, params)
             except Exception as exc:
-                refused = self._option_to_blame(backend, exc)
+                refused = self._option_to_blame(agent, backend, exc)
                 if refused is None:
                     raise
                 raise refused from exc
         return agent
 
-    def _option_to_blame(self, backend: str, exc: Exception) -> BackendCreationError | None:
-        """The option to blame for NIXL refusing to create `backend`, as far as its error
-        tells: the backend's name when NIXL has no plugin of that name, else the
-        parameters given, if any. None when no option is known to be at fault (a
-        backend NIXL could not create with its own defaults)."""
+    def _backend_params(self, agent: Any, backend: str, *, given: bool) -> dict[str, str]:
+        """The plugin's defaults, and the parameters the options give when `given`:
+        createBackend with a parameter missing does not take the plugin's default for it.
+        For UCX that default is peer error handling; without it a peer that tears its
+        endpoints down (a severed reader) makes this side's UCX abort on a failed lane
+        when it next progresses."""
+        params = {str(k): str(v) for k, v in agent.get_plugin_params(backend).items()}
+        if given:
+            params.update(self._options.backend_params)
+        if self._options.num_threads:
+            params.setdefault("num_threads", str(self._options.num_threads))
+        return params
+
+    def _option_to_blame(
+        self, agent: Any, backend: str, exc: Exception
+    ) -> BackendCreationError | None:
+        """The option to blame for NIXL refusing to create `backend`, where NIXL shows it
+        at fault: the backend's name when NIXL finds no plugin it can load by that name;
+        the parameters given when NIXL creates the backend without them. None when no
+        option is known to be at fault (NIXL fails with its own defaults too: the host,
+        its drivers or the environment)."""
         if type(exc).__name__ == "nixlNotFoundError":
+            listed = backend in _plugin_list(agent)
+            why = "its plugin does not load here" if listed else "no plugin of that name"
             return BackendCreationError(
-                "backends", f"NIXL has no backend {shown(backend)} (no plugin of that name)"
+                "backends", f"NIXL cannot create backend {shown(backend)}: {why}"
             )
         given = ", ".join(f"{key}={value}" for key, value in self._options.backend_params)
         if not given:
             return None
+        try:  # the parameters are at fault only if NIXL takes the backend without them
+            agent.create_backend(backend, self._backend_params(agent, backend, given=False))
+        except Exception:
+            return None
         return BackendCreationError(
             "backend_params",
-            f"NIXL could not create backend {shown(backend)} with {shown(given)} "
-            f"({exc}; NIXL's log above says why)",
+            f"NIXL could not create backend {shown(backend)} with {shown(given)}, and can "
+            f"without them ({exc}; NIXL's log above says why)",
         )
 
     def _run_commands(self, state: _State, wait_s: float | None) -> None:

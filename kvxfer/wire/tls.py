@@ -39,8 +39,12 @@ def key_problem(certificate: Path, key: Path) -> str | None:
         # gRPC takes no passphrase, and ssl would ask for one on the terminal.
         return "is encrypted: give the private key unencrypted (gRPC takes no passphrase)"
     except ssl.SSLError as exc:
-        if exc.reason == "KEY_VALUES_MISMATCH":
+        # A key of another type than the certificate's (RSA for an EC certificate) is
+        # NO_CERTIFICATE_ASSIGNED to OpenSSL: as much not its key as a mismatched one.
+        if exc.reason in ("KEY_VALUES_MISMATCH", "NO_CERTIFICATE_ASSIGNED"):
             return f"is not the private key of the certificate in {certificate}"
+        if exc.reason == "EE_KEY_TOO_SMALL":
+            return "holds a key too small for this host's OpenSSL security level"
         return _no_pem("private key", exc)
     except OSError as exc:
         return f"cannot be read: {exc.strerror}"
