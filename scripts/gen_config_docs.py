@@ -175,10 +175,12 @@ def render() -> str:
         "`transfer.stall_deadline_s` is below `lease.ttl_s`.",
         "",
         "Only NIXL knows its backends and their parameters: `nixl.backends` and",
-        "`nixl.backend_params` are checked as the sidecar creates its NIXL agent. A backend",
-        "NIXL has no plugin for, or one it refuses with the parameters given, stops the",
-        "sidecar as a bad setting does (exit 2, naming it); NIXL's own log says which",
-        "parameter it refused.",
+        "`nixl.backend_params` are checked as the sidecar creates its NIXL agent (a backend",
+        "listed twice is refused at once). A backend NIXL has no loadable plugin for, or one",
+        "it refuses with the parameters given but creates without them, stops the sidecar",
+        "as a bad setting does (exit 2, naming it); NIXL's own log says which parameter it",
+        "refused. A backend NIXL cannot create even with its own defaults (the host, its",
+        "drivers, `UCX_*` in the environment) names no setting: exit 1.",
         "",
     ]
     for name, doc, group in groups():
