@@ -105,6 +105,9 @@ HANDSHAKE = ["handshake", "--peer", "127.0.0.1:1", "--layout", "llama-3.1-8b"]
         # layout can have was sent to the peer
         ([*HANDSHAKE, "--peer-rank", str(1 << 32)], 2, None),
         ([*HANDSHAKE, "--peer-rank", "4096"], 2, None),
+        # a block size past the layout's bound was blamed on a tensor's bytes per block
+        (["layout", "--model", "gpt-oss-20b", "--block-size", "9" * 20], 2, None),
+        (["demo", "--decode-block-size", str((1 << 20) + 1)], 2, None),
         (["plan", "--model", "llama-3.1-8b"], 2, None),  # a required flag missing
         # the demo's prompt lengths are bounded as every other command's (argparse)
         (["demo", "--tokens", str(1 << 41)], 2, None),

@@ -187,6 +187,17 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def block_size(text: str) -> int:
+    """`--block-size` and its kin: tokens per block, 1..MAX_BLOCK_SIZE (a larger one would
+    first overflow a tensor's bytes per block, and be refused naming the tensor)."""
+    from kvxfer.core.layout import MAX_BLOCK_SIZE  # noqa: PLC0415
+
+    value = positive_int(text)
+    if value > MAX_BLOCK_SIZE:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_BLOCK_SIZE}, got {value}")
+    return value
+
+
 def tp_rank(text: str) -> int:
     """`--peer-rank`: a rank some layout can have, 0..MAX_TP_SIZE - 1. A larger one is no
     rank of any peer, and one past 2^32 does not even fit the handshake's field."""
@@ -305,7 +316,7 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
         "--state-dtype",
         help="Mamba / linear-attention state dtype (default: what the config declares)",
     )
-    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    parser.add_argument("--block-size", type=block_size, default=16, help="tokens per block")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -427,7 +438,7 @@ def _add_engine_sim(commands: Any) -> None:
         "--model", required=True, help="built-in profile name or path to a config.json"
     )
     sim.add_argument("--role", required=True, choices=["prefill", "decode"])
-    sim.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    sim.add_argument("--block-size", type=block_size, default=16, help="tokens per block")
     sim.add_argument(
         "--num-blocks",
         type=positive_int,
@@ -466,7 +477,7 @@ def _add_sidecar_commands(commands: Any) -> None:
     handshake.add_argument(
         "--layout", required=True, help="the model of the engine asking (profile or config.json)"
     )
-    handshake.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    handshake.add_argument("--block-size", type=block_size, default=16, help="tokens per block")
     handshake.add_argument(
         "--mode",
         choices=("pull", "push"),
@@ -539,16 +550,16 @@ def _add_demo(commands: Any) -> None:
     demo.add_argument(
         "--fail-rate", type=float, default=0.0, help="inject this share of chunk failures"
     )
-    demo.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    demo.add_argument("--block-size", type=block_size, default=16, help="tokens per block")
     demo.add_argument(
         "--prefill-block-size",
-        type=positive_int,
+        type=block_size,
         help="the prefill engine's tokens per block (sim: default --block-size; vllm: the "
         "model's default, a multiple of 32)",
     )
     demo.add_argument(
         "--decode-block-size",
-        type=positive_int,
+        type=block_size,
         help="the decode engine's tokens per block (default as --prefill-block-size); "
         "different sizes move token ranges (sim) or whole prefill pages (vllm: a multiple "
         "of the prefill's)",

@@ -25,6 +25,7 @@ BlockId = NewType("BlockId", int)
 # Largest block count / byte value accepted anywhere; keeps arithmetic sane
 # against hostile input from the wire.
 MAX_BLOCKS = 1 << 32
+MAX_BLOCK_SIZE = 1 << 20  # tokens per block
 MAX_BYTES = 1 << 50
 MAX_TOKENS = 1 << 40  # of one request
 MAX_TP_SIZE = 1 << 12  # ranks of one engine
@@ -164,7 +165,7 @@ class KVGroup:
         where = f"groups[{self.group_id}]"
         check_int(f"{where}.group_id", self.group_id, 0, 1 << 16)
         if self.block_size is not None:
-            check_int(f"{where}.block_size", self.block_size, 1, 1 << 20)
+            check_int(f"{where}.block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         if not isinstance(self.kind, GroupKind):
             raise LayoutError(f"{where}.kind", f"unknown group kind {self.kind!r}")
         if self.kind is GroupKind.SLIDING_WINDOW:
@@ -347,7 +348,7 @@ class EngineLayout:
                 "token_rows",
                 "token rows inside a head (HND) describe head-major blocks; set head_major",
             )
-        check_int("block_size", self.block_size, 1, 1 << 20)
+        check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         check_int("tp_size", self.tp_size, 1, MAX_TP_SIZE)
         check_int("tp_rank", self.tp_rank, 0, self.tp_size - 1)
         if not self.groups:
