@@ -40,7 +40,7 @@ from pydantic_settings import (
 
 from kvxfer._exceptions import InvalidInputError
 from kvxfer.core.planner import DEFAULT_CHUNK_BLOCKS
-from kvxfer.core.requests import TransferMode, check_address
+from kvxfer.core.requests import TransferMode, check_address, check_request_id
 from kvxfer.server.settings_sources import (
     PREFIX,
     EnvSource,
@@ -362,7 +362,18 @@ class Settings(BaseSettings):
     @field_validator("engine_address")
     @classmethod
     def _engine(cls, value: str) -> str:
-        return check_address(value, "engine_address", allow_unix=True, allow_port_zero=True)
+        value = check_address(value, "engine_address", allow_unix=True, allow_port_zero=True)
+        path = value.removeprefix("unix:").removeprefix("//")
+        if value.startswith("unix:") and not path.startswith("/"):
+            # Relative to the sidecar's working directory, which its engines do not share.
+            raise ValueError(f"a unix socket needs an absolute path, got {value!r}")
+        return value
+
+    @field_validator("sidecar_id")
+    @classmethod
+    def _sidecar_id(cls, value: str) -> str:
+        # In log lines and in peers' views (their labels): no spaces, newlines or controls.
+        return value and check_request_id(value, "sidecar_id")
 
     @field_validator("log_level")
     @classmethod

@@ -48,6 +48,8 @@ def test_precedence_flag_env_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         (["--lease.ttl-s", "60", "--lease.max-hold-s", "30"], "lease.max_hold_s"),
         (["--lease.max-hold-s", "0"], "lease.max_hold_s"),
         (["--nixl.backends", "UCX,GDS,UCX"], "nixl.backends"),
+        (["--sidecar-id", "p\nforged log line"], "sidecar_id"),
+        (["--engine-address", "unix:relative.sock"], "engine_address"),
         (["--faults.fail-rate", "2"], "faults.fail_rate"),
         (["--tls.cert-file", "/nonexistent"], "tls"),
     ],
