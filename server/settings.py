@@ -12,6 +12,7 @@ Built once in `main()` and passed down; nothing reads it at import time.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
@@ -70,9 +71,22 @@ class LeaseSettings(_Group):
         le=86400,
         description="the longest a reader's holds (HoldLeases, while its request waits in "
         "its engine's queue) keep a published request nobody reads yet, from its publish; "
-        "at least ttl_s",
+        "at least ttl_s (unset: 600, or ttl_s if that is longer)",
     )
     sweep_s: float = Field(0.25, gt=0, le=60, description="how often expired leases are swept")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hold_at_least_a_ttl(cls, data: Any) -> Any:
+        """Unset, max_hold_s follows a ttl_s raised past its default: a configuration that
+        set only a long TTL (the mitigation before holds existed) keeps working. Set below
+        ttl_s, it is refused (`Settings._deadlines`)."""
+        if isinstance(data, dict) and "max_hold_s" not in data:
+            with contextlib.suppress(TypeError, ValueError):
+                ttl = float(data.get("ttl_s", 30.0))
+                if ttl > 600.0:
+                    return {**data, "max_hold_s": ttl}
+        return data
 
 
 class LaneSettings(_Group):

@@ -430,6 +430,19 @@ def test_tls_files_are_pem_and_the_key_is_the_certificates(tmp_path: Path) -> No
     assert len(refused.stderr.splitlines()) == 1
 
 
+def test_a_long_ttl_alone_raises_the_hold_cap_with_it() -> None:
+    """A long lease.ttl_s was the mitigation for a long decode queue before holds: set
+    alone, it must not stop the sidecar from starting (max_hold_s follows it); set
+    below it, max_hold_s is refused."""
+    assert load_settings([], environ={}).lease.max_hold_s == 600.0
+    lease = load_settings(["--lease.ttl-s", "900"], environ={}).lease
+    assert lease.ttl_s == lease.max_hold_s == 900.0
+    lease = load_settings([], environ={"KVXFER_LEASE__TTL_S": "1200"}).lease
+    assert lease.max_hold_s == 1200.0
+    with pytest.raises(InvalidInputError, match="max_hold_s"):
+        load_settings(["--lease.ttl-s", "900", "--lease.max-hold-s", "700"], environ={})
+
+
 def test_environment_is_the_one_given() -> None:
     """load_settings(environ=...) reads that mapping, not the process environment."""
     s = load_settings([], environ={"KVXFER_LEASE__TTL_S": "45"})
