@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import TypeAlias
 
-from kvxfer._exceptions import KvxferError, shown
+from kvxfer._exceptions import KvxferError, NotFoundError, shown
 from kvxfer.core.requests import Publication
 from kvxfer.server.engines import Engine
 from kvxfer.server.peers import PeerLinks
@@ -68,6 +68,8 @@ class Holds:
                     else:
                         ttls.append(link.hello.lease_ttl_s)
                         answered = await self._links.hold(link, ids)
+            except NotFoundError:  # no engine of that rank there, nor anything it published
+                answered = [pb.LEASE_STATE_UNKNOWN] * len(ids)
             except (KvxferError, TimeoutError) as exc:
                 self._warn(address, engine, exc)
                 return

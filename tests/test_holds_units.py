@@ -1,0 +1,65 @@
+"""server/holds.py against a fake PeerLinks (the seam every Hold's publisher goes
+through: `link` and `hold`), for what real sidecars make hard to stage: which answers
+fill which slots, what a publisher with no such engine means, and the interval."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from kvxfer._exceptions import NotFoundError, PeerUnavailableError
+from kvxfer.core.requests import Publication
+from kvxfer.server.holds import MIN_INTERVAL_S, Holds
+from kvxfer.v1 import sidecar_pb2 as pb
+
+ENGINE = SimpleNamespace(engine_id="decode-0", layout=None)
+
+
+class Links:
+    """Publishers by address: a TTL (answers HELD for every id), or an error to raise
+    from `link` (its handshake)."""
+
+    def __init__(self, publishers: dict[str, float | Exception]) -> None:
+        self.publishers = publishers
+        self.asked: list[tuple[str, list[str]]] = []
+
+    async def link(self, address: str, *args: Any) -> tuple[Any, None]:
+        answer = self.publishers[address]
+        if isinstance(answer, Exception):
+            raise answer
+        hello = SimpleNamespace(lease_ttl_s=answer)
+        return SimpleNamespace(address=address, epoch=args[2], hello=hello), None
+
+    async def hold(self, link: Any, ids: list[str]) -> list[int]:
+        self.asked.append((link.address, ids))
+        return [pb.LEASE_STATE_HELD] * len(ids)
+
+
+def pub(address: str, request_id: str) -> Publication:
+    return Publication(address, "prefill", 3, 0, request_id)
+
+
+def test_each_slot_gets_its_publishers_answer_and_the_interval_its_shortest_ttl() -> None:
+    links = Links({
+        "10.0.0.1:1": 30.0,
+        "10.0.0.2:1": 6.0,
+        "10.0.0.3:1": NotFoundError("no engine of rank 0 is registered here"),
+        "10.0.0.4:1": PeerUnavailableError("unreachable"),
+    })  # fmt: skip
+    holds = Holds(links, own_ttl_s=30.0)
+    asked = [pub("10.0.0.1:1", "a"), pub("10.0.0.3:1", "b"), pub("10.0.0.2:1", "c"),
+             pub("10.0.0.4:1", "d"), pub("10.0.0.1:1", "e")]  # fmt: skip
+    states, interval = asyncio.run(holds.hold(ENGINE, asked))
+    assert states == [
+        pb.LEASE_STATE_HELD,
+        pb.LEASE_STATE_UNKNOWN,  # nothing of an engine that is not there is held
+        pb.LEASE_STATE_HELD,
+        pb.LEASE_STATE_UNSPECIFIED,  # not asked: hold again next time
+        pb.LEASE_STATE_HELD,
+    ]
+    assert sorted(links.asked) == [("10.0.0.1:1", ["a", "e"]), ("10.0.0.2:1", ["c"])]
+    assert interval == 2.0  # a third of the shortest TTL asked
+    links.publishers["10.0.0.1:1"] = 0.003
+    _, interval = asyncio.run(holds.hold(ENGINE, [pub("10.0.0.1:1", "a")]))
+    assert interval == MIN_INTERVAL_S
