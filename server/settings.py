@@ -63,8 +63,13 @@ class _Group(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_MAX_TTL_S = 3600
+
+
 class LeaseSettings(_Group):
-    ttl_s: float = Field(30.0, gt=0, le=3600, description="how long a published request is held")
+    ttl_s: float = Field(
+        30.0, gt=0, le=_MAX_TTL_S, description="how long a published request is held"
+    )
     max_hold_s: float = Field(
         600.0,
         gt=0,
@@ -81,10 +86,12 @@ class LeaseSettings(_Group):
         """Unset, max_hold_s follows a ttl_s raised past its default: a configuration that
         set only a long TTL (the mitigation before holds existed) keeps working. Set below
         ttl_s, it is refused (`Settings._deadlines`)."""
+        fields = cls.model_fields
         if isinstance(data, dict) and "max_hold_s" not in data:
             with contextlib.suppress(TypeError, ValueError):
-                ttl = float(data.get("ttl_s", 30.0))
-                if ttl > 600.0:
+                ttl = float(data.get("ttl_s", fields["ttl_s"].default))
+                # Only a TTL of its own range: one out of it is refused as ttl_s alone.
+                if fields["max_hold_s"].default < ttl <= _MAX_TTL_S:
                     return {**data, "max_hold_s": ttl}
         return data
 

@@ -441,6 +441,9 @@ def test_a_long_ttl_alone_raises_the_hold_cap_with_it() -> None:
     assert lease.max_hold_s == 1200.0
     with pytest.raises(InvalidInputError, match="max_hold_s"):
         load_settings(["--lease.ttl-s", "900", "--lease.max-hold-s", "700"], environ={})
+    with pytest.raises(InvalidInputError) as err:  # named once, as ttl_s alone
+        load_settings(["--lease.ttl-s", "90000"], environ={})
+    assert "lease.ttl_s" in str(err.value) and "max_hold_s" not in str(err.value)
 
 
 def test_environment_is_the_one_given() -> None:

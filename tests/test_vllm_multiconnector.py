@@ -110,6 +110,18 @@ def test_a_registration_that_is_no_regular_file_or_names_no_usable_pid_is_refuse
     os.mkfifo(fifo, 0o600)  # would block a plain open for ever: nobody writes to it
     with pytest.raises(InvalidInputError, match="not a regular file"):
         read_handshake(fifo)
+    planted = tmp_path / "dir.json"
+    planted.mkdir()  # a directory opens, but must not leak its descriptor when refused
+    open_fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        with pytest.raises(InvalidInputError, match="not a regular file"):
+            read_handshake(str(planted))
+        remove_handshake(str(planted))
+    assert len(os.listdir("/proc/self/fd")) == open_fds and planted.is_dir()
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    with pytest.raises(InvalidInputError, match="cannot be opened"):
+        read_handshake(str(link))  # never followed (O_NOFOLLOW): the scheduler's error
 
 
 def test_multiconnector_configs_keep_the_order_role_and_recompute_policy() -> None:

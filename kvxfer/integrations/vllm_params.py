@@ -377,7 +377,11 @@ def write_handshake(path: str, fields: Mapping[str, Any]) -> None:
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as out:
         json.dump(record, out)
-    os.replace(temporary, path)
+    try:
+        os.replace(temporary, path)
+    except OSError as exc:  # another user's file there, in a sticky /tmp
+        os.unlink(temporary)
+        raise InvalidInputError(path, f"cannot be replaced: {exc.strerror}") from exc
 
 
 def remove_handshake(path: str) -> None:
@@ -405,12 +409,19 @@ def _handshake_record(path: str) -> dict[str, Any] | None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
-    with os.fdopen(fd) as source:
-        info = os.fstat(source.fileno())
+    except OSError as exc:  # another user's 0600 file, a symlink (ELOOP)
+        raise InvalidInputError(path, f"cannot be opened: {exc.strerror}") from exc
+    try:  # checked on the descriptor, before anything reads it (a directory cannot be)
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise InvalidInputError(path, "not a regular file")
         if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise InvalidInputError(path, "not owned by this user or writable by others")
+        source = os.fdopen(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    with source:
         try:
             record = json.load(source)
         except ValueError as exc:
