@@ -78,37 +78,44 @@ class ReadSide:
         reader: str,
         tokens: Sequence[str],
     ) -> list[LeaseState | None]:
-        limit = self._sidecar.settings.limits.max_heartbeat_ids
-        if len(request_ids) > limit:
-            raise LimitExceededError(
-                f"request_ids: {len(request_ids)} ids exceed limits.max_heartbeat_ids ({limit})"
-            )
+        self._check_count(request_ids)
         if len(tokens) != len(request_ids):
             raise InvalidInputError(
                 "read_tokens", f"{len(tokens)} tokens for {len(request_ids)} request ids"
             )
-        for i, request_id in enumerate(request_ids):
-            check_request_id(request_id, f"request_ids[{i}]")
-        if epoch != self._sidecar.epoch:
+        engine_id = self._serving_engine_of(epoch, tp_rank, request_ids)
+        if engine_id is None:
             return [None] * len(request_ids)
-        engine = self._sidecar.serving_engine(tp_rank)
-        return self._sidecar._leases.renew(engine.engine_id, request_ids, reader, tokens)
+        return self._sidecar._leases.renew(engine_id, request_ids, reader, tokens)
 
     def hold(self, epoch: int, tp_rank: int, request_ids: Sequence[str]) -> list[LeaseState | None]:
         """HoldLeases: keep published requests a reader will read once its engine has
         blocks for them (LeaseTable.hold); None for each when `epoch` is not ours."""
+        self._check_count(request_ids)
+        engine_id = self._serving_engine_of(epoch, tp_rank, request_ids)
+        if engine_id is None:
+            return [None] * len(request_ids)
+        max_hold_s = self._sidecar.settings.lease.max_hold_s
+        return self._sidecar._leases.hold(engine_id, request_ids, max_hold_s)
+
+    def _check_count(self, request_ids: Sequence[str]) -> None:
+        """Heartbeat and HoldLeases carry at most limits.max_heartbeat_ids ids."""
         limit = self._sidecar.settings.limits.max_heartbeat_ids
         if len(request_ids) > limit:
             raise LimitExceededError(
                 f"request_ids: {len(request_ids)} ids exceed limits.max_heartbeat_ids ({limit})"
             )
+
+    def _serving_engine_of(
+        self, epoch: int, tp_rank: int, request_ids: Sequence[str]
+    ) -> str | None:
+        """The engine whose leases `request_ids` name, each id checked; None when `epoch`
+        is not ours (nothing the caller names is held here)."""
         for i, request_id in enumerate(request_ids):
             check_request_id(request_id, f"request_ids[{i}]")
         if epoch != self._sidecar.epoch:
-            return [None] * len(request_ids)
-        engine = self._sidecar.serving_engine(tp_rank)
-        max_hold_s = self._sidecar.settings.lease.max_hold_s
-        return self._sidecar._leases.hold(engine.engine_id, request_ids, max_hold_s)
+            return None
+        return self._sidecar.serving_engine(tp_rank).engine_id
 
     def end_read(
         self,
