@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 from typing import TypeAlias
 
 from kvxfer._exceptions import KvxferError, NotFoundError, shown
 from kvxfer.core.requests import Publication
+from kvxfer.core.throttle import LogThrottle
 from kvxfer.server.engines import Engine
 from kvxfer.server.peers import PeerLinks
 from kvxfer.v1 import sidecar_pb2 as pb
@@ -39,7 +39,7 @@ class Holds:
     def __init__(self, links: PeerLinks, own_ttl_s: float) -> None:
         self._links = links
         self._own_ttl_s = own_ttl_s
-        self._warned: dict[str, float] = {}  # publisher address -> when last logged
+        self._logs = LogThrottle(WARN_EVERY_S)  # by publisher address
 
     async def hold(
         self, engine: Engine, publications: Sequence[Publication]
@@ -80,12 +80,8 @@ class Holds:
         return states, max(min(ttls) / 3, MIN_INTERVAL_S)
 
     def _warn(self, address: str, engine: Engine, exc: BaseException) -> None:
-        now = time.monotonic()
-        if now - self._warned.get(address, -WARN_EVERY_S) < WARN_EVERY_S:
+        if self._logs.due(address) is None:
             return
-        self._warned[address] = now
-        if len(self._warned) > 4096:  # addresses come from the engine: keep the map bounded
-            self._warned.clear()
         why = str(exc) or f"no answer within {HOLD_ASK_S:g} s"
         log.warning(
             "hold at %s for engine %s: %s (logged at most every %g s per publisher)",

@@ -39,7 +39,6 @@ import os
 import stat
 import struct
 import termios
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, NoReturn
 
@@ -49,6 +48,7 @@ from google.protobuf.message import Message
 from google.rpc import status_pb2
 
 from kvxfer._exceptions import InvalidInputError, shown
+from kvxfer.core.throttle import LogThrottle
 from kvxfer.server.guard import LOG_EVERY_S, Refusals, checked_decode
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.servicers import EngineServicer
@@ -148,8 +148,7 @@ class LaneListener:
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._serving = 0  # of those, the ones not turned away
         self._turning_away = 0  # and the ones being turned away
-        self._last_log: dict[str, float] = {}  # by kind of warning
-        self._unlogged: dict[str, int] = {}
+        self._logs = LogThrottle(LOG_EVERY_S)  # by kind of warning
 
     def broken(self, exc: LaneProtocolError) -> None:
         """A connection broke the framing and was closed."""
@@ -177,14 +176,11 @@ class LaneListener:
     def _warn(self, kind: str, message: str) -> None:
         """At most one line of each `kind` per LOG_EVERY_S: a client sending junk, or
         opening connections without end, must not flood the log (nor hide the other)."""
-        now = time.monotonic()
-        if now - self._last_log.get(kind, -LOG_EVERY_S) < LOG_EVERY_S:
-            self._unlogged[kind] = self._unlogged.get(kind, 0) + 1
+        unlogged = self._logs.due(kind)
+        if unlogged is None:
             return
-        unlogged = self._unlogged.pop(kind, 0)
         more = f" ({unlogged} more since the last line)" if unlogged else ""
         log.warning("%s%s", message, more)
-        self._last_log[kind] = now
 
     def context(self, writer: asyncio.StreamWriter) -> LaneContext:
         return LaneContext()

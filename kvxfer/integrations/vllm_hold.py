@@ -31,6 +31,7 @@ from typing import Protocol
 
 from kvxfer._exceptions import InvalidInputError, KvxferError, LimitExceededError
 from kvxfer.core.requests import Held, HoldState, Publication
+from kvxfer.core.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class Holder:
         self._waiting: dict[str, dict[int, list[Publication]]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._warned: dict[int, float] = {}
+        self._logs = LogThrottle(WARN_EVERY_S)  # by rank
         self.rounds = 0  # rounds held, for tests and logs
 
     def add(self, request_id: str, by_rank: Mapping[int, Sequence[Publication]]) -> None:
@@ -170,8 +171,6 @@ class Holder:
                 pass  # not asked this round: the next one tries again
 
     def _warn(self, rank: int, message: str) -> None:
-        now = time.monotonic()
-        if now - self._warned.get(rank, -WARN_EVERY_S) >= WARN_EVERY_S:
-            self._warned[rank] = now
+        if self._logs.due(rank) is not None:
             log.warning("kvxfer: rank %d: %s (logged at most every %g s)", rank, message,
                         WARN_EVERY_S)  # fmt: skip
