@@ -75,6 +75,9 @@ def test_malformed_params_are_prefilled_locally_not_raised(report: dict[str, Any
         assert bad["params_after"]["do_remote_prefill"] is False, (case, bad)
     other = schedule["not_an_object"]
     assert other["matched"] == [0, False] and other["params_after"] is None
+    # A peer_address that is no string passes the token count: holding it must not raise
+    # out of add_request (it ended the engine); it is not held, and its pull names it.
+    assert report["held_bad_address"] == [{"raised": None, "waiting": []}] * 3
 
 
 def test_after_an_unanswered_publish_the_scheduler_does_not_wait_on_each_request(

@@ -47,6 +47,9 @@ def test_params_survive_a_json_round_trip() -> None:
         ({"num_tokens": 0}, "params.num_tokens"),
         ({"spans": [[0, 1]]}, "kv_transfer_params.kvxfer.spans"),
         ({"engine_id": "has space"}, "params.engine_id"),
+        ({"peer_address": None}, "params.peer_address"),
+        ({"peer_address": 5000}, "params.peer_address"),
+        ({"peer_address": ["127.0.0.1:5000"]}, "params.peer_address"),
     ],
 )
 def test_bad_params_name_the_field(change: dict[str, object], field: str) -> None:
@@ -54,6 +57,7 @@ def test_bad_params_name_the_field(change: dict[str, object], field: str) -> Non
     with pytest.raises(KvxferError) as caught:
         params_from_dict(bad)
     assert field in str(caught.value)
+    assert getattr(caught.value, "field", None) == field  # the field itself, not spans
 
 
 def test_the_tokens_a_decode_pulls_are_read_from_its_params_or_none() -> None:

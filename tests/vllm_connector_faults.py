@@ -199,6 +199,31 @@ def scheduler(params: object) -> dict[str, Any]:
     }
 
 
+def held_by_the_real_scheduler(peer_address: object) -> dict[str, Any]:
+    """on_new_request through the real `_Scheduler.hold` (its holder never gets to call
+    anyone: the sidecar address leads nowhere), with router params whose peer_address is
+    not a string, all else valid."""
+    owner = SimpleNamespace(_tp_size=1, _state_cuts=(), _kinds=())
+    made = object.__new__(connector.KvxferConnector)
+    made._has_state = False
+    made._scheduler = connector._Scheduler(owner, "unix:/nonexistent/kvxfer.sock")
+    params = {**order().params, "peer_address": peer_address}
+    request = SimpleNamespace(
+        request_id="r-1",
+        kv_transfer_params={"do_remote_prefill": True, KEY: params},
+        num_prompt_tokens=64,
+    )
+    try:
+        connector.KvxferConnector.on_new_request(made, request)
+        raised = None
+    except Exception as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    finally:
+        waiting = made._scheduler.holder.waiting()
+        made._scheduler.close()
+    return {"raised": raised, "waiting": waiting}
+
+
 def main() -> None:
     connector._UNSURE_RETRY_S = 0.0  # ask again at the next step
     good = order().params
@@ -218,6 +243,7 @@ def main() -> None:
             "text_tokens": scheduler({"do_remote_prefill": True, KEY: {"num_tokens": "32"}}),
             "not_an_object": scheduler(["do_remote_prefill"]),
         },
+        "held_bad_address": [held_by_the_real_scheduler(v) for v in (None, 5000, ["a:1"])],
     }
     json.dump(report, sys.stdout)
 

@@ -37,6 +37,8 @@ def check_address(
 ) -> str:
     """`HOST:PORT` (IPv6 as `[::1]:PORT`), or `unix:PATH` where allowed. Port 0 (pick a
     free one) only for addresses this process binds."""
+    if not isinstance(value, str):  # from JSON (router params, config files): anything
+        raise InvalidInputError(field, f"must be a string, got {type(value).__name__}")
     if allow_unix and value.startswith("unix:"):
         if len(value) <= len("unix:") or len(value) > 108 + len("unix:"):
             raise InvalidInputError(

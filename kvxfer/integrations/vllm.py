@@ -582,6 +582,9 @@ class _Scheduler:
         except KvxferError as exc:
             log.debug("kvxfer: %s not held: %s", request.request_id, exc)
             return
+        except Exception:  # vLLM calls this inside add_request: a bug must not end the engine
+            log.exception("kvxfer: %s not held: its params could not be read", request.request_id)
+            return
         self.holder.add(request.request_id, by_rank)
 
     def _hold_client(self, rank: int) -> SyncEngineClient | None:

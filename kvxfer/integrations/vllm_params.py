@@ -108,6 +108,8 @@ def params_from_dict(value: object, field: str = f"kv_transfer_params.{KEY}") ->
         )
     except KeyError as exc:
         raise InvalidInputError(f"{field}.{exc.args[0]}", "missing") from exc
+    except InvalidInputError:  # a field TransferParams refused: it names that field
+        raise
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"{field}.spans", f"must be [group, first, [ids]]: {exc}") from exc
 
