@@ -14,7 +14,12 @@ from strategies import requests
 from kvxfer._exceptions import InvalidInputError, LayoutError, ProfileError, UnsupportedModelError
 from kvxfer.core.layout import GroupKind
 from kvxfer.core.planner import plan_blocks
-from kvxfer.core.profiles import builtin_profiles, layout_for_model, layout_from_config
+from kvxfer.core.profiles import (
+    builtin_profiles,
+    layout_for_model,
+    layout_from_config,
+    load_config,
+)
 
 EXPECTED_BUILTINS = {
     "gpt-oss-20b",
@@ -586,3 +591,77 @@ def test_mimo_v2_what_vllm_would_read_differently_is_refused(
     with pytest.raises(error) as info:
         layout_from_config(_mimo(**extra), name="mimo")
     assert info.value.field == field  # type: ignore[attr-defined]
+
+
+def _llama(**extra: object) -> dict[str, object]:
+    return {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "hidden_size": 512,
+        **extra,
+    }
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        # head_dim, when given, is read as it is: never truncated, coerced or replaced
+        (_llama(head_dim="abc"), "head_dim"),
+        (_llama(head_dim=64.9), "head_dim"),
+        (_llama(head_dim=True), "head_dim"),
+        (_llama(head_dim=0), "head_dim"),
+        (_llama(head_dim=-64), "head_dim"),
+        (_llama(head_dim=[64]), "head_dim"),
+        # KV heads must share the query heads out evenly (no engine runs otherwise)
+        (_llama(num_key_value_heads=16), "num_key_value_heads"),
+        (_llama(num_key_value_heads=3), "num_key_value_heads"),
+        # past what a layout may carry, refused before a layer is read
+        (_llama(num_hidden_layers=100_000_000), "num_hidden_layers"),
+        # an architecture never stands in for a model_type that is there but unreadable
+        (_llama(model_type=5, architectures=["LlamaForCausalLM"]), "model_type"),
+        ({"text_config": _llama(model_type=["llama"])}, "text_config.model_type"),
+    ],
+)
+def test_config_values_no_engine_could_run_are_refused_by_name(
+    config: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ProfileError) as info:
+        layout_from_config(config, name="bad")
+    assert info.value.field == field
+
+
+def test_head_dim_given_or_derived_sizes_the_blocks() -> None:
+    derived = layout_from_config(_llama(), name="derived")
+    given = layout_from_config(_llama(head_dim=128), name="given")
+    assert derived.groups[0].tensors[0].bytes_per_block == 16 * 8 * 64 * 2
+    assert given.groups[0].tensors[0].bytes_per_block == 16 * 8 * 128 * 2
+
+
+@pytest.mark.parametrize("indices", ["0,1", 7, ["0", "1"], [999], [True]])
+def test_falcon_h1_attention_layers_must_be_layer_indices(indices: object) -> None:
+    _, config = load_config("falcon-h1-7b")
+    with pytest.raises(ProfileError) as info:
+        layout_from_config({**config, "attn_layer_indices": indices}, name="falcon")
+    assert info.value.field == "attn_layer_indices"
+
+
+@pytest.mark.parametrize("offset", [8, -1, "4", 4.0, True])
+def test_jamba_attention_offset_must_fall_within_its_period(offset: object) -> None:
+    _, config = load_config("jamba-mini-1.5")
+    assert config["attn_layer_period"] == 8
+    with pytest.raises(ProfileError) as info:
+        layout_from_config({**config, "attn_layer_offset": offset}, name="jamba")
+    assert info.value.field == "attn_layer_offset"
+
+
+def test_model_files_that_are_not_json_text_are_refused(tmp_path: Path) -> None:
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe{}")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    for path, says in ((binary, "not UTF-8"), (deep, "nests too deeply")):
+        with pytest.raises(ProfileError, match=says) as info:
+            layout_for_model(str(path))
+        assert info.value.field == "model"

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer._exceptions import UnsupportedModelError
+from kvxfer._exceptions import ProfileError, UnsupportedModelError
 
 Config = Mapping[str, Any]
 
@@ -314,8 +314,13 @@ def model_type_of(config: Config, text: Config) -> str | None:
     """The text model's type: text_config's own, else the outer one, else by architecture."""
     for source in (text, config):
         value = source.get("model_type")
-        if isinstance(value, str) and value:
-            return value
+        if value is None or value == "":  # "" is transformers' default for none
+            continue
+        if not isinstance(value, str):
+            # Not a type kvxfer could read: an architecture must not stand in for it.
+            where = "model_type" if source is config else "text_config.model_type"
+            raise ProfileError(where, f"must be a string, got {value!r}")
+        return value
     architectures = config.get("architectures")
     if isinstance(architectures, list):
         for name in architectures:

@@ -29,6 +29,7 @@ MAX_BLOCK_SIZE = 1 << 20  # tokens per block
 MAX_BYTES = 1 << 50
 MAX_TOKENS = 1 << 40  # of one request
 MAX_TP_SIZE = 1 << 12  # ranks of one engine
+MAX_LAYERS = 1 << 12  # of one model, and of one group (many times the largest real ones)
 
 
 class GroupKind(enum.StrEnum):

@@ -29,6 +29,7 @@ from typing import Any
 from kvxfer._exceptions import ProfileError, UnsupportedModelError
 from kvxfer.core.hf_config import CHUNKED, FULL, LINEAR, SLIDING, Family, recognise, refusal
 from kvxfer.core.layout import (
+    MAX_LAYERS,
     EngineLayout,
     GroupId,
     GroupKind,
@@ -70,9 +71,13 @@ def load_config(model: str) -> tuple[str, dict[str, Any]]:
         known = ", ".join(builtin_profiles())
         raise ProfileError("model", f"{model!r} is neither a built-in profile ({known}) nor a file")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ProfileError("model", f"cannot read {model!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ProfileError(
+            "model", f"{model!r} is not UTF-8 text (byte {exc.start}): not a config.json"
+        ) from exc
     return path.stem if path.name != "config.json" else path.parent.name or "model", _parse_json(
         text, model
     )
@@ -85,6 +90,8 @@ def _parse_json(text: str, source: str) -> dict[str, Any]:
         raise ProfileError(
             "model", f"{source!r} is not valid JSON: {exc.msg} at line {exc.lineno}"
         ) from exc
+    except RecursionError as exc:  # a config.json is a few levels deep
+        raise ProfileError("model", f"{source!r} nests too deeply to be a model config") from exc
     if not isinstance(config, dict):
         raise ProfileError("model", f"{source!r} must hold a JSON object")
     return config
@@ -202,6 +209,10 @@ class _Sizing:
         self.tp = tp_size
         self.conv_layout = "SD"  # how a conv state is stored (state_shards.conv_cut)
         self.num_layers = self.positive("num_hidden_layers")
+        if self.num_layers > MAX_LAYERS:
+            raise ProfileError(
+                "num_hidden_layers", f"{self.num_layers} exceeds the limit of {MAX_LAYERS}"
+            )
 
     def positive(self, key: str) -> int:
         value = self.text.get(key)
@@ -237,8 +248,22 @@ class _Sizing:
         kv_heads = self.text.get("num_key_value_heads")
         if kv_heads is None:  # HF: no KV head count means one per query head
             kv_heads = heads
-        head_dim = self.text.get("head_dim") or self.positive("hidden_size") // heads
-        return self.head_bytes("num_key_value_heads", kv_heads, int(head_dim)), int(kv_heads)
+        self.query_groups("num_key_value_heads", kv_heads, heads)
+        if self.text.get("head_dim") is None:  # HF: hidden_size / heads, floored
+            head_dim = self.positive("hidden_size") // heads
+        else:
+            head_dim = self.positive("head_dim")
+        return self.head_bytes("num_key_value_heads", kv_heads, head_dim), int(kv_heads)
+
+    def query_groups(self, key: str, kv_heads: object, heads: int) -> None:
+        """`kv_heads` (read from `key`) must share the `heads` query heads out evenly:
+        grouped-query attention gives each KV head the same number of query heads."""
+        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+            raise ProfileError(key, f"must be a positive integer, got {kv_heads!r}")
+        if heads % kv_heads:
+            raise ProfileError(
+                key, f"{kv_heads} KV heads do not divide num_attention_heads ({heads})"
+            )
 
     def head_bytes(self, key: str, kv_heads: object, head_dim: int) -> int:
         """Bytes of one block of `kv_heads` (read from `key`) heads of `head_dim`, per TP

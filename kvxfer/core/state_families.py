@@ -41,6 +41,8 @@ def _full_attention(sizing: _Sizing, head_dim: int, kv_heads: Any = None) -> _La
     (or `kv_heads` where the model fixes them), split or replicated per TP rank."""
     key = "num_key_value_heads"
     heads = sizing.text.get(key) if kv_heads is None else kv_heads
+    if kv_heads is None:
+        sizing.query_groups(key, heads, sizing.positive("num_attention_heads"))
     size = sizing.head_bytes(key, heads, head_dim)
     return _LayerTensors(GroupKind.FULL_ATTENTION, None, (("k", size), ("v", size)))
 
@@ -122,6 +124,10 @@ def gated_deltanet(sizing: _Sizing) -> _LayerTensors:
 def jamba(text: Config, sizing: _Sizing, index: int) -> _LayerTensors:
     period = sizing.positive("attn_layer_period")
     offset = text.get("attn_layer_offset", 0)
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
+        raise ProfileError(
+            "attn_layer_offset", f"must be an integer in [0, {period}) (attn_layer_period)"
+        )
     if index % period == offset:
         return _attention(GroupKind.FULL_ATTENTION, None, sizing)
     intermediate = sizing.split(
@@ -145,7 +151,7 @@ def falcon_h1(text: Config, sizing: _Sizing, index: int) -> list[_LayerTensors]:
     """Falcon-H1: a Mamba-2 mixer in every layer, attention beside it (all layers by default)."""
     attn_layers = text.get("attn_layer_indices")
     kinds: list[_LayerTensors] = []
-    if attn_layers is None or index in attn_layers:
+    if attn_layers is None or index in _layer_indices(sizing):
         kinds.append(_attention(GroupKind.FULL_ATTENTION, None, sizing))
     kinds.append(
         _mamba2_state(
@@ -367,9 +373,8 @@ def _granite_hybrid(sizing: _Sizing, index: int) -> list[_LayerTensors]:
     return [_granite_mamba(sizing)]
 
 
-def _bamba(sizing: _Sizing, index: int) -> list[_LayerTensors]:
-    """Bamba: attention on the layers in attn_layer_indices, Mamba-2 elsewhere
-    (transformers' layers_block_type, which bamba.py reads)."""
+def _layer_indices(sizing: _Sizing) -> list[int]:
+    """`attn_layer_indices`: the layers with attention, each an index of a layer."""
     indices = sizing.text.get("attn_layer_indices")
     if not isinstance(indices, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < sizing.num_layers
@@ -378,7 +383,13 @@ def _bamba(sizing: _Sizing, index: int) -> list[_LayerTensors]:
         raise ProfileError(
             "attn_layer_indices", f"must be a list of layer indices below {sizing.num_layers}"
         )
-    if index in indices:
+    return indices
+
+
+def _bamba(sizing: _Sizing, index: int) -> list[_LayerTensors]:
+    """Bamba: attention on the layers in attn_layer_indices, Mamba-2 elsewhere
+    (transformers' layers_block_type, which bamba.py reads)."""
+    if index in _layer_indices(sizing):
         return [_full_attention(sizing, _hidden_over_heads(sizing))]
     return [_granite_mamba(sizing)]
 

@@ -12,6 +12,7 @@ from typing import cast
 
 from kvxfer._exceptions import LayoutError
 from kvxfer.core.layout import (
+    MAX_LAYERS,
     BlockId,
     BlockSpan,
     EngineLayout,
@@ -84,7 +85,7 @@ def _region_to_proto(region: Region) -> pb.Region:
 # What the largest real models need, many times over; checked on the decoded message's
 # counts before any kvxfer object is built, so a hostile layout costs no more.
 MAX_GROUPS = 256
-MAX_LAYERS_PER_GROUP = 4096
+MAX_LAYERS_PER_GROUP = MAX_LAYERS
 MAX_TENSORS_PER_GROUP = 16384
 MAX_REGIONS = 65536
 
