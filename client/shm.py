@@ -146,9 +146,13 @@ def new_segment_fd(name: str, size: int) -> int:
         raise RegistrationError(f"cannot create shared memory {name!r}: {exc.strerror}") from exc
     try:
         os.ftruncate(fd, size)
-    except BaseException:
+    except BaseException as exc:
         os.close(fd)
         os.unlink(path)
+        if isinstance(exc, OSError):
+            raise RegistrationError(
+                f"cannot size shared memory {name!r} to {size} bytes: {exc.strerror}"
+            ) from exc
         raise
     return fd
 
@@ -158,8 +162,12 @@ def _create(name: str, size: int) -> _Segment:
     fd = new_segment_fd(name, size)
     try:
         mapping = mmap.mmap(fd, size)
-    except BaseException:
+    except BaseException as exc:
         os.unlink(os.path.join(SHM_DIR, name))
+        if isinstance(exc, OSError):
+            raise RegistrationError(
+                f"cannot map {size} bytes of shared memory {name!r}: {exc.strerror}"
+            ) from exc
         raise
     finally:
         os.close(fd)

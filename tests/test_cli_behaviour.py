@@ -112,6 +112,12 @@ HANDSHAKE = ["handshake", "--peer", "127.0.0.1:1", "--layout", "llama-3.1-8b"]
         # the demo's prompt lengths are bounded as every other command's (argparse)
         (["demo", "--tokens", str(1 << 41)], 2, None),
         (["demo", "--tokens-range", f"1:{1 << 41}"], 2, None),
+        # `--tls-ca "$UNSET"` went plaintext without a word
+        ([*HANDSHAKE, "--tls-cert", "", "--tls-key", "", "--tls-ca", ""], 2, "--tls-cert"),
+        ([*HANDSHAKE, "--tls-cert", "c", "--tls-key", "k", "--tls-ca", ""], 2, "--tls-ca"),
+        # options of bursts that do not run were dropped silently
+        (["bench", "--concurrency-sizes", "16k"], 2, "--concurrency-sizes"),
+        (["bench", "--concurrency-max-gib", "1"], 2, "--concurrency-max-gib"),
     ],
 )
 def test_bad_input_exits_2_and_is_json_under_json(
@@ -274,3 +280,36 @@ def test_local_fleet_cleans_up_on_ctrl_c_and_keeps_logs_on_failure(
         raise RuntimeError("a check failed")
     assert sidecar.popen.poll() is not None
     assert (fleet.workdir / "p.log").exists()
+
+
+SIM = [
+    "engine-sim",
+    "--sidecar",
+    "unix:/nonexistent/kvxfer.sock",
+    "--model",
+    "llama-3.1-8b",
+    "--role",
+    "prefill",
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        # the spec's field was named (`sliding_window:`), not the flag that gave it
+        (
+            ["tiny-model", "--family", "llama", "--out", "/nonexistent/m", "--sliding-window", "4"],
+            "--sliding-window",
+        ),
+        # shared memory that cannot be had: an OSError traceback, or a SIGBUS mid-fill
+        ([*SIM, "--num-blocks", str(1 << 32)], "--num-blocks"),
+        ([*SIM, "--num-blocks", str(1 << 31)], "--num-blocks"),
+    ],
+)
+def test_commands_without_json_name_the_flag_in_one_line(argv: list[str], flag: str) -> None:
+    before = set(os.listdir("/dev/shm"))
+    result = run(CLI, *argv)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
+    assert f"error: {flag}: " in result.stderr
+    assert set(os.listdir("/dev/shm")) <= before  # nothing left behind

@@ -82,8 +82,12 @@ async def fetch_hello(
 
 def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
     """mTLS toward a peer sidecar that requires it: --tls-cert, --tls-key, --tls-ca."""
-    given = [args.tls_cert, args.tls_key, args.tls_ca]
-    if not any(given):
+    flags = {"--tls-cert": args.tls_cert, "--tls-key": args.tls_key, "--tls-ca": args.tls_ca}
+    for flag, value in flags.items():  # `--tls-ca "$UNSET"` must not mean plaintext
+        if value == "":
+            raise InvalidInputError(flag, "is empty: give a file's path")
+    given = list(flags.values())
+    if all(value is None for value in given):
         return None
     if not all(given):
         raise InvalidInputError("--tls-cert/--tls-key/--tls-ca", "give all three or none")

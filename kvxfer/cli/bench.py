@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer._exceptions import KvxferError, NotFoundError
+from kvxfer._exceptions import InvalidInputError, KvxferError, NotFoundError
 from kvxfer.cli.admin import fetch_hello
 from kvxfer.cli.bench_concurrency import (
     DEFAULT_MAX_GIB,
@@ -203,6 +203,13 @@ class _ModelSetup:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if not args.concurrency:  # their bursts run only with it: never silently unused
+        for flag, value in (
+            ("--concurrency-sizes", args.concurrency_sizes),
+            ("--concurrency-max-gib", args.concurrency_max_gib),
+        ):
+            if value is not None:
+                raise InvalidInputError(flag, "applies only with --concurrency")
     models = args.models or list(MODELS)
     sizes = args.sizes or (["1k", "16k"] if args.quick else list(DEFAULT_SIZES))
     repeat = args.repeat or (2 if args.quick else 5)

@@ -12,31 +12,53 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import signal
 
-from kvxfer._exceptions import KvxferError
+from kvxfer._exceptions import InvalidInputError, KvxferError, RegistrationError
 from kvxfer.cli.main import layout_from_args
 from kvxfer.client.engine import EngineClient
 from kvxfer.client.patterns import fill, salt_for
-from kvxfer.client.shm import ShmKVCache, shm_kv_cache
+from kvxfer.client.shm import SHM_DIR, ShmKVCache, shm_kv_cache
 
 
 def run_engine_sim(args: argparse.Namespace) -> int:
     layout = layout_from_args(args, args.model)
-    with shm_kv_cache(
-        layout,
-        args.num_blocks,
-        prefix=f"kvxfer-{args.role}",
-        num_state_blocks=args.state_blocks,
-        num_sliding_blocks=args.sliding_blocks,
-        num_chunked_blocks=args.chunked_blocks,
-    ) as cache:
+    with contextlib.ExitStack() as stack:
+        try:
+            cache = stack.enter_context(
+                shm_kv_cache(
+                    layout,
+                    args.num_blocks,
+                    prefix=f"kvxfer-{args.role}",
+                    num_state_blocks=args.state_blocks,
+                    num_sliding_blocks=args.sliding_blocks,
+                    num_chunked_blocks=args.chunked_blocks,
+                )
+            )
+        except RegistrationError as exc:  # the segments do not fit in this host's memory
+            raise InvalidInputError("--num-blocks", f"{exc} (fewer blocks would fit)") from exc
+        _check_fits(cache)
         for index, handle in enumerate(cache.buffers):
             fill(cache.view(handle.name), salt_for(args.role, args.seed, index))
         return asyncio.run(_serve(args, cache))
+
+
+def _check_fits(cache: ShmKVCache) -> None:
+    """Shared memory is sized before it is used: filling segments larger than the space
+    left would end this process with SIGBUS halfway, not with an error."""
+    needed = sum(handle.size_bytes for handle in cache.buffers)
+    stat = os.statvfs(SHM_DIR)
+    free = stat.f_bavail * stat.f_frsize
+    if needed > free:
+        raise InvalidInputError(
+            "--num-blocks",
+            f"the KV cache takes {needed} bytes of shared memory, and {SHM_DIR} has "
+            f"{free} free (fewer blocks would fit)",
+        )
 
 
 async def _serve(args: argparse.Namespace, cache: ShmKVCache) -> int:

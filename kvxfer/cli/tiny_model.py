@@ -19,7 +19,11 @@ EXIT_OK = 0
 
 
 def run_tiny_model(args: argparse.Namespace) -> int:
-    spec = TinyModelSpec(args.family, args.layers, args.sliding_window, args.seed)
+    try:
+        spec = TinyModelSpec(args.family, args.layers, args.sliding_window, args.seed)
+    except InvalidInputError as exc:  # the spec's field, said as the flag that gave it
+        flag = "--" + exc.field.replace("_", "-")
+        raise InvalidInputError(flag, exc.detail) from exc
     out = _output_directory(args.out)
     if importlib.util.find_spec("transformers") is None:
         return _in_vllm_venv(spec, out)
