@@ -192,9 +192,12 @@ def read_file(path: Path) -> dict[str, Any]:
             "config", f"{str(path)!r}: unknown extension {path.suffix!r}; use one of {known}"
         )
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise InvalidInputError("config", f"cannot read {str(path)!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        why = f"{exc.reason} at byte {exc.start}"
+        raise InvalidInputError("config", f"{str(path)!r} is not UTF-8 text: {why}") from exc
     try:
         if kind == "YAML":
             data = yaml.safe_load(text)
@@ -205,9 +208,50 @@ def read_file(path: Path) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
         why = " ".join(str(exc).split())
         raise InvalidInputError("config", f"{str(path)!r} is not valid {kind}: {why}") from exc
+    except RecursionError as exc:  # each parser recurses once per level
+        raise InvalidInputError("config", f"{str(path)!r} is {_TOO_DEEP}") from exc
     if not isinstance(data, dict):
         raise InvalidInputError("config", f"{str(path)!r} must hold an object (a mapping)")
+    problem = _not_settings(data)
+    if problem:
+        raise InvalidInputError("config", f"{str(path)!r} {problem}")
     return data
+
+
+# Far deeper than any setting (a group's list or map is 3 levels down), far shallower
+# than Python's recursion limit, which the parsers and pydantic would reach.
+_MAX_DEPTH = 32
+_TOO_DEEP = f"nested more than {_MAX_DEPTH} levels deep"
+
+
+def _not_settings(data: dict[Any, Any]) -> str | None:
+    """Why a file that parsed cannot hold settings, to follow its name, else None: a key
+    that is not a string (YAML reads an unquoted `1:`, `on:`, `~:` as a number, a
+    boolean, null), or nesting deeper than any setting. Walked in file order without
+    recursion: a YAML alias of its own parent (`&a [*a]`) ends at the depth limit too."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            return f"is {_TOO_DEEP}"
+        items: list[tuple[str, Any]] = []
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    return _key_problem(key, where)
+                items.append((f"{where}.{key}" if where else key, item))
+        elif isinstance(value, list):
+            items = [(f"{where}[{index}]", item) for index, item in enumerate(value)]
+        stack.extend((item, at, depth + 1) for at, item in reversed(items))
+    return None
+
+
+def _key_problem(key: object, where: str) -> str:
+    place = f"in {where}" if where else "at the top level"
+    hint = " (YAML reads an unquoted on, off, yes or no as one)" if isinstance(key, bool) else ""
+    kinds = {bool: "a boolean", int: "a number", float: "a number", type(None): "null"}
+    kind = kinds.get(type(key), f"a {type(key).__name__}")
+    return f"has the key {key!r} {place}: {kind}, not a string{hint}; quote it"
 
 
 def cli_source(settings_cls: type[BaseSettings], prog: str, epilog: str) -> CliSettingsSource[Any]:

@@ -493,6 +493,75 @@ def test_config_file_is_read_as_its_extension_says(tmp_path: Path, suffix: str) 
         load_settings([], environ={"KVXFER_CONFIG": str(config)})
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "error"),
+    [
+        # A UTF-16 byte order mark: was a UnicodeDecodeError traceback.
+        ("bom.json", b'\xff\xfe{"lease": {}}', "is not UTF-8 text: invalid start byte at byte 0"),
+        ("bom.yaml", b"\xff\xfelease: {}\n", "is not UTF-8 text: invalid start byte at byte 0"),
+        # Keys YAML reads as no string: was "TypeError: keywords must be strings".
+        ("k.yaml", b"1: 2\n", "has the key 1 at the top level: a number, not a string; quote it"),
+        (
+            "k.yaml",
+            b"on: 1\n",
+            "has the key True at the top level: a boolean, not a string (YAML reads an "
+            "unquoted on, off, yes or no as one); quote it",
+        ),
+        (
+            "k.yaml",
+            b"nixl:\n  backend_params: {a: b, yes: c}\n",
+            "has the key True in nixl.backend_params: a boolean, not a string (YAML reads "
+            "an unquoted on, off, yes or no as one); quote it",
+        ),
+        (
+            "k.yaml",
+            b"tls:\n  allowed_peers: [a, {~: b}]\n",
+            "has the key None in tls.allowed_peers[1]: null, not a string; quote it",
+        ),
+        # Deeper than Python's recursion limit: was a RecursionError traceback.
+        ("deep.json", b'{"lease": ' + b"[" * 200_000, "is nested more than 32 levels deep"),
+        ("deep.yaml", b"lease: " + b"[" * 200_000, "is nested more than 32 levels deep"),
+        ("deep.toml", b"lease = " + b"[" * 200_000, "is nested more than 32 levels deep"),
+        # Parsed, but deeper than any setting; an alias of its own parent never ends.
+        (
+            "deep.json",
+            b'{"lease": ' + b"[" * 33 + b"]" * 33 + b"}",
+            "is nested more than 32 levels deep",
+        ),
+        ("loop.yaml", b"lease: &a [*a]\n", "is nested more than 32 levels deep"),
+    ],
+)
+def test_a_config_file_that_cannot_hold_settings_is_refused_naming_it(
+    tmp_path: Path, name: str, content: bytes, error: str
+) -> None:
+    config = tmp_path / name
+    config.write_bytes(content)
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(["--config", str(config)], environ={})
+    assert err.value.field == "config"
+    assert err.value.detail == f"{str(config)!r} {error}"
+
+
+def test_a_config_file_as_deep_as_the_limit_is_read(tmp_path: Path) -> None:
+    config = tmp_path / "deep.json"
+    config.write_text('{"lease": ' + "[" * 31 + "]" * 31 + "}")
+    with pytest.raises(InvalidInputError) as err:  # read, then refused by the setting
+        load_settings(["--config", str(config)], environ={})
+    assert err.value.field.startswith("lease")
+
+
+def test_server_exits_2_naming_a_config_file_it_cannot_read(tmp_path: Path) -> None:
+    config = tmp_path / "k.yaml"
+    config.write_text("yes: 1\n")
+    result = subprocess.run(
+        [str(BIN / "kvxfer-server"), "--config", str(config)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"kvxfer-server: config: {str(config)!r} has the key True")
+    assert len(result.stderr.splitlines()) == 1
+
+
 @pytest.mark.parametrize("name", ["kvxfer.ini", "kvxfer.conf", "kvxfer"])
 def test_config_file_of_another_extension_is_refused(tmp_path: Path, name: str) -> None:
     config = tmp_path / name
