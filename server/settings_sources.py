@@ -200,14 +200,16 @@ def read_file(path: Path) -> dict[str, Any]:
         raise InvalidInputError("config", f"{str(path)!r} is not UTF-8 text: {why}") from exc
     try:
         if kind == "YAML":
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
         elif kind == "TOML":
-            data = tomllib.loads(text)
+            data = tomllib.loads(text)  # refuses a key given twice itself
         else:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
         why = " ".join(str(exc).split())
         raise InvalidInputError("config", f"{str(path)!r} is not valid {kind}: {why}") from exc
+    except _KeyTwiceError as exc:
+        raise InvalidInputError("config", f"{str(path)!r} {exc}") from exc
     except RecursionError as exc:  # each parser recurses once per level
         raise InvalidInputError("config", f"{str(path)!r} is {_TOO_DEEP}") from exc
     if not isinstance(data, dict):
@@ -216,6 +218,42 @@ def read_file(path: Path) -> dict[str, Any]:
     if problem:
         raise InvalidInputError("config", f"{str(path)!r} {problem}")
     return data
+
+
+class _KeyTwiceError(Exception):
+    """A mapping of a config file gives a key twice; read_file names the file."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, unless it gives a key twice: json.loads keeps the last one
+    silently, even of a whole group (`"lease"` twice drops the first one's settings)."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _KeyTwiceError(f"gives the key {key!r} twice in one object")
+        found[key] = value
+    return found
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives a key twice: it keeps the last
+    one silently, as json.loads does. Keys merged in (`<<: *base`) may still be set
+    again: that is what a merge is for."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[tuple[type, Any], yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                seen = first.setdefault((type(key), key), key_node)  # 1 and true differ
+            except TypeError:  # an unhashable key: super() refuses it
+                continue
+            if seen is not key_node:
+                lines = f"lines {seen.start_mark.line + 1} and {key_node.start_mark.line + 1}"
+                raise _KeyTwiceError(f"gives the key {key!r} twice in one mapping ({lines})")
+        return super().construct_mapping(node, deep=deep)
 
 
 # Far deeper than any setting (a group's list or map is 3 levels down), far shallower

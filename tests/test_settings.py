@@ -542,6 +542,53 @@ def test_a_config_file_that_cannot_hold_settings_is_refused_naming_it(
     assert err.value.detail == f"{str(config)!r} {error}"
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "error"),
+    [
+        # The last one won silently.
+        (
+            "twice.json",
+            '{"log_level": "DEBUG", "log_level": "ERROR"}',
+            "gives the key 'log_level' twice in one object",
+        ),
+        (
+            "twice.json",
+            '{"lease": {"ttl_s": 40, "ttl_s": 50}}',
+            "gives the key 'ttl_s' twice in one object",
+        ),
+        # A whole group: the first one's ttl_s was lost, and its max_hold_s below
+        # ttl_s escaped the check that refuses it.
+        (
+            "twice.yaml",
+            "lease: {ttl_s: 5, max_hold_s: 1}\nlease: {sweep_s: 1}\n",
+            "gives the key 'lease' twice in one mapping (lines 1 and 2)",
+        ),
+        (
+            "twice.yaml",
+            "nixl:\n  backend_params:\n    a: '1'\n    'a': '2'\n",
+            "gives the key 'a' twice in one mapping (lines 3 and 4)",
+        ),
+        ("twice.toml", "log_level = 'DEBUG'\nlog_level = 'ERROR'\n", "is not valid TOML"),
+    ],
+)
+def test_a_key_given_twice_in_a_config_file_is_refused_naming_it(
+    tmp_path: Path, name: str, content: str, error: str
+) -> None:
+    config = tmp_path / name
+    config.write_text(content)
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(["--config", str(config)], environ={})
+    assert err.value.field == "config"
+    assert err.value.detail.startswith(f"{str(config)!r} {error}"), err.value.detail
+
+
+def test_a_yaml_merge_may_still_be_overridden(tmp_path: Path) -> None:
+    config = tmp_path / "merge.yaml"
+    config.write_text("lease:\n  <<: {ttl_s: 40, sweep_s: 1}\n  ttl_s: 50\n")
+    lease = load_settings(["--config", str(config)], environ={}).lease
+    assert (lease.ttl_s, lease.sweep_s) == (50, 1)
+
+
 def test_a_config_file_as_deep_as_the_limit_is_read(tmp_path: Path) -> None:
     config = tmp_path / "deep.json"
     config.write_text('{"lease": ' + "[" * 31 + "]" * 31 + "}")
