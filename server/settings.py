@@ -517,7 +517,16 @@ class _FileSource(PydanticBaseSettingsSource):
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return {} if self.path is None else read_file(self.path)
+        if self.path is None:
+            return {}
+        data = read_file(self.path)
+        if "config" in data:  # it was accepted, and never read
+            raise InvalidInputError(
+                "config",
+                f"{str(self.path)!r} sets config: a file cannot name another; "
+                f"only --config or {CONFIG_ENV} names the file read",
+            )
+        return data
 
 
 EPILOG = """\
@@ -598,10 +607,26 @@ def _env_error(message: str) -> tuple[str, str]:
 
 
 def _config_path(argv: Sequence[str], env: Mapping[str, str]) -> Path | None:
+    """The file `--config` names, else KVXFER_CONFIG's. Given twice, it is refused: the
+    file is read from here, before the flags are parsed, so a second one would be
+    shown as `config` while the first was read."""
+    given = []
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
-            return Path(argv[i + 1])
-        if arg.startswith("--config="):
-            return Path(arg.split("=", 1)[1])
+            given.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            given.append(arg.split("=", 1)[1])
+    if len(given) > 1:
+        files = ", ".join(repr(g) for g in given)
+        raise SettingsInvalidError(
+            [
+                (
+                    setting_name(("config",)),
+                    f"given {len(given)} times ({files}): only one file is read, give one",
+                )
+            ]
+        )
+    if given:
+        return Path(given[0])
     value = env.get(CONFIG_ENV)
     return Path(value) if value else None

@@ -589,6 +589,45 @@ def test_a_yaml_merge_may_still_be_overridden(tmp_path: Path) -> None:
     assert (lease.ttl_s, lease.sweep_s) == (50, 1)
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--config", "{a}", "--config", "{b}"],
+        ["--config={a}", "--config", "{b}"],
+        ["--config", "{a}", "--config={b}"],
+    ],
+)
+def test_config_given_twice_is_refused(tmp_path: Path, argv: list[str]) -> None:
+    """The first file was read, while Settings.config (argparse) said the second."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text('{"log_level": "DEBUG"}')
+    b.write_text('{"log_level": "ERROR"}')
+    with pytest.raises(InvalidInputError) as err:
+        load_settings([arg.format(a=a, b=b) for arg in argv], environ={})
+    assert str(err.value) == (
+        f"config (--config, KVXFER_CONFIG): given 2 times ({str(a)!r}, {str(b)!r}): "
+        "only one file is read, give one"
+    )
+
+
+@pytest.mark.parametrize("via", ["flag", "variable"])
+def test_a_config_file_naming_another_is_refused(tmp_path: Path, via: str) -> None:
+    """A `config` key was accepted and never read."""
+    other = tmp_path / "other.json"
+    other.write_text('{"log_level": "DEBUG"}')
+    config = tmp_path / "kvxfer.yaml"
+    config.write_text(f"config: {other}\n")
+    argv, environ = (
+        (["--config", str(config)], {}) if via == "flag" else ([], {"KVXFER_CONFIG": str(config)})
+    )
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(argv, environ=environ)
+    assert str(err.value) == (
+        f"config: {str(config)!r} sets config: a file cannot name another; only --config "
+        "or KVXFER_CONFIG names the file read"
+    )
+
+
 def test_a_config_file_as_deep_as_the_limit_is_read(tmp_path: Path) -> None:
     config = tmp_path / "deep.json"
     config.write_text('{"lease": ' + "[" * 31 + "]" * 31 + "}")
