@@ -16,6 +16,7 @@ import contextlib
 import ipaddress
 import os
 import re
+import typing
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -59,7 +60,24 @@ from kvxfer.wire.tls import certificate_problem, key_problem
 CONFIG_ENV = "KVXFER_CONFIG"
 
 
-class _Group(BaseModel):
+class _NumbersNotBooleans:
+    """Every int and float setting of a model refuses true and false: pydantic reads them
+    as 1 and 0, so a YAML `shutdown_grace_s: off` was a grace of 0 and `ttl_s: on` a
+    lease of one second. A number given as text (a flag, a variable) is still parsed."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = typing.cast(type[BaseModel], cls).model_fields[info.field_name].annotation
+            kinds = typing.get_args(annotation) or (annotation,)  # int | None: (int, None)
+            if bool not in kinds and (int in kinds or float in kinds):
+                kind = "an integer" if int in kinds else "a number"
+                raise ValueError(f"Input should be {kind}, not a boolean")
+        return value
+
+
+class _Group(_NumbersNotBooleans, BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -312,7 +330,7 @@ class FaultSettings(_Group):
         return self.fail_rate > 0 or self.stall_rate > 0
 
 
-class Settings(BaseSettings):
+class Settings(_NumbersNotBooleans, BaseSettings):
     """kvxfer-server: the KV-cache transfer sidecar of one prefill or decode engine."""
 
     model_config = SettingsConfigDict(

@@ -109,6 +109,71 @@ def test_an_unknown_event_loop_is_refused_naming_the_setting() -> None:
         load_settings([], environ={"KVXFER_EVENT_LOOP": "trio"})
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "errors"),
+    [
+        # Read as 0 and 1: a grace of nothing, a lease of one second, one block a chunk.
+        (
+            "b.yaml",
+            "shutdown_grace_s: off\nlease: {ttl_s: on}\n",
+            [
+                "shutdown_grace_s (--shutdown-grace-s, KVXFER_SHUTDOWN_GRACE_S): Input should "
+                "be a number, not a boolean, got False",
+                "lease.ttl_s (--lease.ttl-s, KVXFER_LEASE__TTL_S): Input should be a number, "
+                "not a boolean, got True",
+            ],
+        ),
+        (
+            "b.json",
+            '{"transfer": {"chunk_blocks": true}, "lane": {"port": false}}',
+            [
+                "lane.port (--lane.port, KVXFER_LANE__PORT): Input should be an integer, not a "
+                "boolean, got False",
+                "transfer.chunk_blocks (--transfer.chunk-blocks, KVXFER_TRANSFER__CHUNK_BLOCKS): "
+                "Input should be an integer, not a boolean, got True",
+            ],
+        ),
+        (
+            "b.toml",
+            "[faults]\nfail_rate = true\n",
+            [
+                "faults.fail_rate (--faults.fail-rate, KVXFER_FAULTS__FAIL_RATE): Input should be "
+                "a number, not a boolean, got True"
+            ],
+        ),
+    ],
+)
+def test_a_number_setting_refuses_a_boolean_from_a_file(
+    tmp_path: Path, name: str, content: str, errors: list[str]
+) -> None:
+    config = tmp_path / name
+    config.write_text(content)
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(["--config", str(config)], environ={})
+    assert str(err.value).splitlines() == errors
+
+
+def test_a_number_setting_refuses_a_boolean_from_flags_and_variables_too() -> None:
+    ttl = "lease.ttl_s (--lease.ttl-s, KVXFER_LEASE__TTL_S): Input should be a"
+    refused = [
+        (["--lease", '{"ttl_s": true}'], {}, f"{ttl} number, not a boolean, got True"),
+        ([], {"KVXFER_LEASE": '{"ttl_s": false}'}, f"{ttl} number, not a boolean, got False"),
+        ([], {"KVXFER_LEASE__TTL_S": "true"}, f"{ttl} valid number"),
+        (["--lease.ttl-s", "false"], {}, f"{ttl} valid number"),
+    ]
+    for argv, environ, error in refused:
+        with pytest.raises(InvalidInputError) as err:
+            load_settings(argv, environ=environ)
+        assert str(err.value).startswith(error), (argv, environ, str(err.value))
+    # Numbers as text still read, and a boolean setting still takes its flag and true/false.
+    s = load_settings(
+        ["--lease.ttl-s", "40", "--lane.enabled"],
+        environ={"KVXFER_TRANSFER__CHUNK_BLOCKS": "16", "KVXFER_INSECURE_ENGINE_TCP": "false"},
+    )
+    assert (s.lease.ttl_s, s.transfer.chunk_blocks, s.lane.enabled) == (40, 16, True)
+    assert not s.insecure_engine_tcp
+
+
 def test_the_gil_switch_interval_is_short_by_default_and_checked() -> None:
     assert load_settings([], environ={}).gil_switch_interval_s == 0.0001
     flag = load_settings(["--gil-switch-interval-s", "0.002"], environ={})
