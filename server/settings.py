@@ -369,7 +369,7 @@ class Settings(_NumbersNotBooleans, BaseSettings):
     )
     gil_switch_interval_s: float = Field(
         0.0001,
-        gt=0,
+        ge=1e-6,  # sys.setswitchinterval takes less, but runs it as 0 (microseconds)
         le=0.1,
         description="how long the event loop may keep the GIL while a NIXL thread waits "
         "for it (Python's own interval is 0.005): each post and end of a copy takes the GIL, "

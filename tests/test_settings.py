@@ -178,7 +178,10 @@ def test_the_gil_switch_interval_is_short_by_default_and_checked() -> None:
     assert load_settings([], environ={}).gil_switch_interval_s == 0.0001
     flag = load_settings(["--gil-switch-interval-s", "0.002"], environ={})
     assert flag.gil_switch_interval_s == 0.002
-    for bad in ("0", "-1", "0.5", "fast"):
+    least = load_settings([], environ={"KVXFER_GIL_SWITCH_INTERVAL_S": "0.000001"})
+    assert least.gil_switch_interval_s == 1e-6
+    # Below a microsecond CPython's sys.setswitchinterval runs it as 0, silently.
+    for bad in ("0", "-1", "0.5", "fast", "9e-7", "1e-9"):
         with pytest.raises(InvalidInputError, match="gil_switch_interval_s"):
             load_settings([], environ={"KVXFER_GIL_SWITCH_INTERVAL_S": bad})
 
