@@ -7,7 +7,8 @@
   (`a,,b`, `,a`, `a,`) is a typo and refused, except one trailing comma in a variable
   (`a,b,`, as templates emit), dropped before the entries are counted.
 - `unknown_env_names`: `KVXFER_*` names no setting has, each with the closest valid one.
-- `read_file`: the `--config` file, by extension: `.json`, `.toml`, `.yaml`/`.yml`.
+- `read_file`: the `--config` file, by extension: `.json`, `.toml`, `.yaml`/`.yml`; UTF-8,
+  no key given twice in a mapping, every key a string, nothing nested past 32 levels.
 - `cli_source`: the flags, on an argparse root with `--version`, readable metavars
   (`SECONDS`, `HOST:PORT`) and each default and variable named once; a list or map
   flag's empty entry is refused before pydantic-settings merges the values (it drops
