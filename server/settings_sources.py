@@ -261,15 +261,26 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 # than Python's recursion limit, which the parsers and pydantic would reach.
 _MAX_DEPTH = 32
 _TOO_DEEP = f"nested more than {_MAX_DEPTH} levels deep"
+# Far more than a file of settings holds (there are a few dozen settings), far fewer
+# than the walk and pydantic take long over.
+_MAX_VALUES = 100_000
 
 
 def _not_settings(data: dict[Any, Any]) -> str | None:
     """Why a file that parsed cannot hold settings, to follow its name, else None: a key
     that is not a string (YAML reads an unquoted `1:`, `on:`, `~:` as a number, a
-    boolean, null), or nesting deeper than any setting. Walked in file order without
-    recursion: a YAML alias of its own parent (`&a [*a]`) ends at the depth limit too."""
+    boolean, null), nesting deeper than any setting, or more values than any file of
+    settings holds. Walked in file order without recursion: a YAML alias of its own
+    parent (`&a [*a]`) ends at the depth limit, aliases of aliases of ... (each used
+    many times: billions of values in a few lines) at the count."""
     stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    count = 0
     while stack:
+        count += 1
+        if count > _MAX_VALUES:
+            return (
+                f"holds more than {_MAX_VALUES} values (a YAML alias counts each time it is used)"
+            )
         value, where, depth = stack.pop()
         if depth > _MAX_DEPTH:
             return f"is {_TOO_DEEP}"

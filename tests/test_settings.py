@@ -696,6 +696,24 @@ def test_a_config_file_naming_another_is_refused(tmp_path: Path, via: str) -> No
     )
 
 
+@pytest.mark.timeout(10)
+def test_a_config_file_of_aliases_of_aliases_is_refused_at_once(tmp_path: Path) -> None:
+    """Nine lines of YAML that are 9**9 values: walked for nesting and keys, it never
+    ended (pydantic refused the unknown keys without reading their values)."""
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    lines += [
+        f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]"
+        for p, n in zip("abcdefgh", "bcdefghi", strict=True)
+    ]
+    config = tmp_path / "laughs.yaml"
+    config.write_text("\n".join(lines) + "\n")
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(["--config", str(config)], environ={})
+    assert err.value.detail == (
+        f"{str(config)!r} holds more than 100000 values (a YAML alias counts each time it is used)"
+    )
+
+
 def test_a_config_file_as_deep_as_the_limit_is_read(tmp_path: Path) -> None:
     config = tmp_path / "deep.json"
     config.write_text('{"lease": ' + "[" * 31 + "]" * 31 + "}")
