@@ -91,7 +91,23 @@ def _field(model: type[BaseModel], path: tuple[str, ...]) -> FieldInfo | None:
     return field
 
 
-class EnvSource(EnvSettingsSource):
+class _JsonNotTooDeep(EnvSettingsSource):
+    """A flag's or variable's JSON nested past Python's recursion limit (`[[[[...`) is
+    refused naming it: json.loads raised RecursionError, a traceback."""
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        try:
+            return super().decode_complex_value(field_name, field, value)
+        except RecursionError as exc:
+            shown = flag if isinstance(self, CliSettingsSource) else env_name
+            paths = {p[: i + 1] for p in leaf_paths(self.settings_cls) for i in range(len(p))}
+            names = sorted(shown(p) for p in paths if p[-1] == field_name)
+            raise InvalidInputError(
+                " / ".join(names) or field_name, "its JSON is nested too deeply"
+            ) from exc
+
+
+class EnvSource(_JsonNotTooDeep):
     """`KVXFER_*` variables read from `environ` (not necessarily os.environ)."""
 
     def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
@@ -326,7 +342,7 @@ def cli_source(settings_cls: type[BaseSettings], prog: str, epilog: str) -> CliS
     return source
 
 
-class _CliSource(CliSettingsSource[Any]):
+class _CliSource(_JsonNotTooDeep, CliSettingsSource[Any]):
     """pydantic-settings' flags, with a list or map flag's empty entries refused.
 
     Its merge of a flag's values reads an empty entry as `""`, which a list keeps (for

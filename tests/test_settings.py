@@ -414,6 +414,24 @@ def test_a_group_that_does_not_parse_is_named_where_it_came_from(
     )
 
 
+@pytest.mark.parametrize(
+    ("argv", "environ", "named"),
+    [
+        (["--lease", "[" * 200_000], {}, "--lease"),
+        ([], {"KVXFER_LEASE": "[" * 200_000}, "KVXFER_LEASE"),
+        ([], {"KVXFER_NIXL__BACKENDS": "[" * 200_000}, "KVXFER_NIXL__BACKENDS"),
+        ([], {"KVXFER_NIXL__BACKEND_PARAMS": '{"a": ' * 200_000}, "KVXFER_NIXL__BACKEND_PARAMS"),
+    ],
+)
+def test_json_nested_past_the_recursion_limit_is_refused_naming_the_flag_or_variable(
+    argv: list[str], environ: dict[str, str], named: str
+) -> None:
+    """It was a RecursionError traceback."""
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(argv, environ=environ)
+    assert str(err.value) == f"{named}: its JSON is nested too deeply"
+
+
 def test_only_a_settings_field_is_named_from_a_parse_error() -> None:
     """The field is taken from pydantic-settings' message only where it is a setting:
     anything else is reported as the message says, not as a name to fix."""
