@@ -16,6 +16,7 @@ import contextlib
 import ipaddress
 import os
 import re
+import typing
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -59,7 +60,24 @@ from kvxfer.wire.tls import certificate_problem, key_problem
 CONFIG_ENV = "KVXFER_CONFIG"
 
 
-class _Group(BaseModel):
+class _NumbersNotBooleans:
+    """Every int and float setting of a model refuses true and false: pydantic reads them
+    as 1 and 0, so a YAML `shutdown_grace_s: off` was a grace of 0 and `ttl_s: on` a
+    lease of one second. A number given as text (a flag, a variable) is still parsed."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = typing.cast(type[BaseModel], cls).model_fields[info.field_name].annotation
+            kinds = typing.get_args(annotation) or (annotation,)  # int | None: (int, None)
+            if bool not in kinds and (int in kinds or float in kinds):
+                kind = "an integer" if int in kinds else "a number"
+                raise ValueError(f"Input should be {kind}, not a boolean")
+        return value
+
+
+class _Group(_NumbersNotBooleans, BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -312,7 +330,7 @@ class FaultSettings(_Group):
         return self.fail_rate > 0 or self.stall_rate > 0
 
 
-class Settings(BaseSettings):
+class Settings(_NumbersNotBooleans, BaseSettings):
     """kvxfer-server: the KV-cache transfer sidecar of one prefill or decode engine."""
 
     model_config = SettingsConfigDict(
@@ -351,7 +369,7 @@ class Settings(BaseSettings):
     )
     gil_switch_interval_s: float = Field(
         0.0001,
-        gt=0,
+        ge=1e-6,  # sys.setswitchinterval takes less, but runs it as 0 (microseconds)
         le=0.1,
         description="how long the event loop may keep the GIL while a NIXL thread waits "
         "for it (Python's own interval is 0.005): each post and end of a copy takes the GIL, "
@@ -517,7 +535,16 @@ class _FileSource(PydanticBaseSettingsSource):
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return {} if self.path is None else read_file(self.path)
+        if self.path is None:
+            return {}
+        data = read_file(self.path)
+        if "config" in data:  # it was accepted, and never read
+            raise InvalidInputError(
+                "config",
+                f"{str(self.path)!r} sets config: a file cannot name another; "
+                f"only --config or {CONFIG_ENV} names the file read",
+            )
+        return data
 
 
 EPILOG = """\
@@ -598,10 +625,26 @@ def _env_error(message: str) -> tuple[str, str]:
 
 
 def _config_path(argv: Sequence[str], env: Mapping[str, str]) -> Path | None:
+    """The file `--config` names, else KVXFER_CONFIG's. Given twice, it is refused: the
+    file is read from here, before the flags are parsed, so a second one would be
+    shown as `config` while the first was read."""
+    given = []
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
-            return Path(argv[i + 1])
-        if arg.startswith("--config="):
-            return Path(arg.split("=", 1)[1])
+            given.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            given.append(arg.split("=", 1)[1])
+    if len(given) > 1:
+        files = ", ".join(repr(g) for g in given)
+        raise SettingsInvalidError(
+            [
+                (
+                    setting_name(("config",)),
+                    f"given {len(given)} times ({files}): only one file is read, give one",
+                )
+            ]
+        )
+    if given:
+        return Path(given[0])
     value = env.get(CONFIG_ENV)
     return Path(value) if value else None

@@ -7,7 +7,8 @@
   (`a,,b`, `,a`, `a,`) is a typo and refused, except one trailing comma in a variable
   (`a,b,`, as templates emit), dropped before the entries are counted.
 - `unknown_env_names`: `KVXFER_*` names no setting has, each with the closest valid one.
-- `read_file`: the `--config` file, by extension: `.json`, `.toml`, `.yaml`/`.yml`.
+- `read_file`: the `--config` file, by extension: `.json`, `.toml`, `.yaml`/`.yml`; UTF-8,
+  no key given twice in a mapping, every key a string, nothing nested past 32 levels.
 - `cli_source`: the flags, on an argparse root with `--version`, readable metavars
   (`SECONDS`, `HOST:PORT`) and each default and variable named once; a list or map
   flag's empty entry is refused before pydantic-settings merges the values (it drops
@@ -90,7 +91,23 @@ def _field(model: type[BaseModel], path: tuple[str, ...]) -> FieldInfo | None:
     return field
 
 
-class EnvSource(EnvSettingsSource):
+class _JsonNotTooDeep(EnvSettingsSource):
+    """A flag's or variable's JSON nested past Python's recursion limit (`[[[[...`) is
+    refused naming it: json.loads raised RecursionError, a traceback."""
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        try:
+            return super().decode_complex_value(field_name, field, value)
+        except RecursionError as exc:
+            shown = flag if isinstance(self, CliSettingsSource) else env_name
+            paths = {p[: i + 1] for p in leaf_paths(self.settings_cls) for i in range(len(p))}
+            names = sorted(shown(p) for p in paths if p[-1] == field_name)
+            raise InvalidInputError(
+                " / ".join(names) or field_name, "its JSON is nested too deeply"
+            ) from exc
+
+
+class EnvSource(_JsonNotTooDeep):
     """`KVXFER_*` variables read from `environ` (not necessarily os.environ)."""
 
     def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
@@ -192,22 +209,115 @@ def read_file(path: Path) -> dict[str, Any]:
             "config", f"{str(path)!r}: unknown extension {path.suffix!r}; use one of {known}"
         )
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise InvalidInputError("config", f"cannot read {str(path)!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        why = f"{exc.reason} at byte {exc.start}"
+        raise InvalidInputError("config", f"{str(path)!r} is not UTF-8 text: {why}") from exc
     try:
         if kind == "YAML":
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
         elif kind == "TOML":
-            data = tomllib.loads(text)
+            data = tomllib.loads(text)  # refuses a key given twice itself
         else:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
         why = " ".join(str(exc).split())
         raise InvalidInputError("config", f"{str(path)!r} is not valid {kind}: {why}") from exc
+    except _KeyTwiceError as exc:
+        raise InvalidInputError("config", f"{str(path)!r} {exc}") from exc
+    except RecursionError as exc:  # each parser recurses once per level
+        raise InvalidInputError("config", f"{str(path)!r} is {_TOO_DEEP}") from exc
     if not isinstance(data, dict):
         raise InvalidInputError("config", f"{str(path)!r} must hold an object (a mapping)")
+    problem = _not_settings(data)
+    if problem:
+        raise InvalidInputError("config", f"{str(path)!r} {problem}")
     return data
+
+
+class _KeyTwiceError(Exception):
+    """A mapping of a config file gives a key twice; read_file names the file."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, unless it gives a key twice: json.loads keeps the last one
+    silently, even of a whole group (`"lease"` twice drops the first one's settings)."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _KeyTwiceError(f"gives the key {key!r} twice in one object")
+        found[key] = value
+    return found
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives a key twice: it keeps the last
+    one silently, as json.loads does. Keys merged in (`<<: *base`) may still be set
+    again: that is what a merge is for."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[tuple[type, Any], yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                seen = first.setdefault((type(key), key), key_node)  # 1 and true differ
+            except TypeError:  # an unhashable key: super() refuses it
+                continue
+            if seen is not key_node:
+                lines = f"lines {seen.start_mark.line + 1} and {key_node.start_mark.line + 1}"
+                raise _KeyTwiceError(f"gives the key {key!r} twice in one mapping ({lines})")
+        return super().construct_mapping(node, deep=deep)
+
+
+# Far deeper than any setting (a group's list or map is 3 levels down), far shallower
+# than Python's recursion limit, which the parsers and pydantic would reach.
+_MAX_DEPTH = 32
+_TOO_DEEP = f"nested more than {_MAX_DEPTH} levels deep"
+# Far more than a file of settings holds (there are a few dozen settings), far fewer
+# than the walk and pydantic take long over.
+_MAX_VALUES = 100_000
+
+
+def _not_settings(data: dict[Any, Any]) -> str | None:
+    """Why a file that parsed cannot hold settings, to follow its name, else None: a key
+    that is not a string (YAML reads an unquoted `1:`, `on:`, `~:` as a number, a
+    boolean, null), nesting deeper than any setting, or more values than any file of
+    settings holds. Walked in file order without recursion: a YAML alias of its own
+    parent (`&a [*a]`) ends at the depth limit, aliases of aliases of ... (each used
+    many times: billions of values in a few lines) at the count."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    count = 0
+    while stack:
+        count += 1
+        if count > _MAX_VALUES:
+            return (
+                f"holds more than {_MAX_VALUES} values (a YAML alias counts each time it is used)"
+            )
+        value, where, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            return f"is {_TOO_DEEP}"
+        items: list[tuple[str, Any]] = []
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    return _key_problem(key, where)
+                items.append((f"{where}.{key}" if where else key, item))
+        elif isinstance(value, list):
+            items = [(f"{where}[{index}]", item) for index, item in enumerate(value)]
+        stack.extend((item, at, depth + 1) for at, item in reversed(items))
+    return None
+
+
+def _key_problem(key: object, where: str) -> str:
+    place = f"in {where}" if where else "at the top level"
+    hint = " (YAML reads an unquoted on, off, yes or no as one)" if isinstance(key, bool) else ""
+    kinds = {bool: "a boolean", int: "a number", float: "a number", type(None): "null"}
+    kind = kinds.get(type(key), f"a {type(key).__name__}")
+    return f"has the key {key!r} {place}: {kind}, not a string{hint}; quote it"
 
 
 def cli_source(settings_cls: type[BaseSettings], prog: str, epilog: str) -> CliSettingsSource[Any]:
@@ -232,7 +342,7 @@ def cli_source(settings_cls: type[BaseSettings], prog: str, epilog: str) -> CliS
     return source
 
 
-class _CliSource(CliSettingsSource[Any]):
+class _CliSource(_JsonNotTooDeep, CliSettingsSource[Any]):
     """pydantic-settings' flags, with a list or map flag's empty entries refused.
 
     Its merge of a flag's values reads an empty entry as `""`, which a list keeps (for

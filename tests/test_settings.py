@@ -109,11 +109,79 @@ def test_an_unknown_event_loop_is_refused_naming_the_setting() -> None:
         load_settings([], environ={"KVXFER_EVENT_LOOP": "trio"})
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "errors"),
+    [
+        # Read as 0 and 1: a grace of nothing, a lease of one second, one block a chunk.
+        (
+            "b.yaml",
+            "shutdown_grace_s: off\nlease: {ttl_s: on}\n",
+            [
+                "shutdown_grace_s (--shutdown-grace-s, KVXFER_SHUTDOWN_GRACE_S): Input should "
+                "be a number, not a boolean, got False",
+                "lease.ttl_s (--lease.ttl-s, KVXFER_LEASE__TTL_S): Input should be a number, "
+                "not a boolean, got True",
+            ],
+        ),
+        (
+            "b.json",
+            '{"transfer": {"chunk_blocks": true}, "lane": {"port": false}}',
+            [
+                "lane.port (--lane.port, KVXFER_LANE__PORT): Input should be an integer, not a "
+                "boolean, got False",
+                "transfer.chunk_blocks (--transfer.chunk-blocks, KVXFER_TRANSFER__CHUNK_BLOCKS): "
+                "Input should be an integer, not a boolean, got True",
+            ],
+        ),
+        (
+            "b.toml",
+            "[faults]\nfail_rate = true\n",
+            [
+                "faults.fail_rate (--faults.fail-rate, KVXFER_FAULTS__FAIL_RATE): Input should be "
+                "a number, not a boolean, got True"
+            ],
+        ),
+    ],
+)
+def test_a_number_setting_refuses_a_boolean_from_a_file(
+    tmp_path: Path, name: str, content: str, errors: list[str]
+) -> None:
+    config = tmp_path / name
+    config.write_text(content)
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(["--config", str(config)], environ={})
+    assert str(err.value).splitlines() == errors
+
+
+def test_a_number_setting_refuses_a_boolean_from_flags_and_variables_too() -> None:
+    ttl = "lease.ttl_s (--lease.ttl-s, KVXFER_LEASE__TTL_S): Input should be a"
+    refused = [
+        (["--lease", '{"ttl_s": true}'], {}, f"{ttl} number, not a boolean, got True"),
+        ([], {"KVXFER_LEASE": '{"ttl_s": false}'}, f"{ttl} number, not a boolean, got False"),
+        ([], {"KVXFER_LEASE__TTL_S": "true"}, f"{ttl} valid number"),
+        (["--lease.ttl-s", "false"], {}, f"{ttl} valid number"),
+    ]
+    for argv, environ, error in refused:
+        with pytest.raises(InvalidInputError) as err:
+            load_settings(argv, environ=environ)
+        assert str(err.value).startswith(error), (argv, environ, str(err.value))
+    # Numbers as text still read, and a boolean setting still takes its flag and true/false.
+    s = load_settings(
+        ["--lease.ttl-s", "40", "--lane.enabled"],
+        environ={"KVXFER_TRANSFER__CHUNK_BLOCKS": "16", "KVXFER_INSECURE_ENGINE_TCP": "false"},
+    )
+    assert (s.lease.ttl_s, s.transfer.chunk_blocks, s.lane.enabled) == (40, 16, True)
+    assert not s.insecure_engine_tcp
+
+
 def test_the_gil_switch_interval_is_short_by_default_and_checked() -> None:
     assert load_settings([], environ={}).gil_switch_interval_s == 0.0001
     flag = load_settings(["--gil-switch-interval-s", "0.002"], environ={})
     assert flag.gil_switch_interval_s == 0.002
-    for bad in ("0", "-1", "0.5", "fast"):
+    least = load_settings([], environ={"KVXFER_GIL_SWITCH_INTERVAL_S": "0.000001"})
+    assert least.gil_switch_interval_s == 1e-6
+    # Below a microsecond CPython's sys.setswitchinterval runs it as 0, silently.
+    for bad in ("0", "-1", "0.5", "fast", "9e-7", "1e-9"):
         with pytest.raises(InvalidInputError, match="gil_switch_interval_s"):
             load_settings([], environ={"KVXFER_GIL_SWITCH_INTERVAL_S": bad})
 
@@ -346,6 +414,24 @@ def test_a_group_that_does_not_parse_is_named_where_it_came_from(
     )
 
 
+@pytest.mark.parametrize(
+    ("argv", "environ", "named"),
+    [
+        (["--lease", "[" * 200_000], {}, "--lease"),
+        ([], {"KVXFER_LEASE": "[" * 200_000}, "KVXFER_LEASE"),
+        ([], {"KVXFER_NIXL__BACKENDS": "[" * 200_000}, "KVXFER_NIXL__BACKENDS"),
+        ([], {"KVXFER_NIXL__BACKEND_PARAMS": '{"a": ' * 200_000}, "KVXFER_NIXL__BACKEND_PARAMS"),
+    ],
+)
+def test_json_nested_past_the_recursion_limit_is_refused_naming_the_flag_or_variable(
+    argv: list[str], environ: dict[str, str], named: str
+) -> None:
+    """It was a RecursionError traceback."""
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(argv, environ=environ)
+    assert str(err.value) == f"{named}: its JSON is nested too deeply"
+
+
 def test_only_a_settings_field_is_named_from_a_parse_error() -> None:
     """The field is taken from pydantic-settings' message only where it is a setting:
     anything else is reported as the message says, not as a name to fix."""
@@ -491,6 +577,179 @@ def test_config_file_is_read_as_its_extension_says(tmp_path: Path, suffix: str) 
     config.write_text("- a list\n")
     with pytest.raises(InvalidInputError, match="must hold an object"):
         load_settings([], environ={"KVXFER_CONFIG": str(config)})
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "error"),
+    [
+        # A UTF-16 byte order mark: was a UnicodeDecodeError traceback.
+        ("bom.json", b'\xff\xfe{"lease": {}}', "is not UTF-8 text: invalid start byte at byte 0"),
+        ("bom.yaml", b"\xff\xfelease: {}\n", "is not UTF-8 text: invalid start byte at byte 0"),
+        # Keys YAML reads as no string: was "TypeError: keywords must be strings".
+        ("k.yaml", b"1: 2\n", "has the key 1 at the top level: a number, not a string; quote it"),
+        (
+            "k.yaml",
+            b"on: 1\n",
+            "has the key True at the top level: a boolean, not a string (YAML reads an "
+            "unquoted on, off, yes or no as one); quote it",
+        ),
+        (
+            "k.yaml",
+            b"nixl:\n  backend_params: {a: b, yes: c}\n",
+            "has the key True in nixl.backend_params: a boolean, not a string (YAML reads "
+            "an unquoted on, off, yes or no as one); quote it",
+        ),
+        (
+            "k.yaml",
+            b"tls:\n  allowed_peers: [a, {~: b}]\n",
+            "has the key None in tls.allowed_peers[1]: null, not a string; quote it",
+        ),
+        # Deeper than Python's recursion limit: was a RecursionError traceback.
+        ("deep.json", b'{"lease": ' + b"[" * 200_000, "is nested more than 32 levels deep"),
+        ("deep.yaml", b"lease: " + b"[" * 200_000, "is nested more than 32 levels deep"),
+        ("deep.toml", b"lease = " + b"[" * 200_000, "is nested more than 32 levels deep"),
+        # Parsed, but deeper than any setting; an alias of its own parent never ends.
+        (
+            "deep.json",
+            b'{"lease": ' + b"[" * 33 + b"]" * 33 + b"}",
+            "is nested more than 32 levels deep",
+        ),
+        ("loop.yaml", b"lease: &a [*a]\n", "is nested more than 32 levels deep"),
+    ],
+)
+def test_a_config_file_that_cannot_hold_settings_is_refused_naming_it(
+    tmp_path: Path, name: str, content: bytes, error: str
+) -> None:
+    config = tmp_path / name
+    config.write_bytes(content)
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(["--config", str(config)], environ={})
+    assert err.value.field == "config"
+    assert err.value.detail == f"{str(config)!r} {error}"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "error"),
+    [
+        # The last one won silently.
+        (
+            "twice.json",
+            '{"log_level": "DEBUG", "log_level": "ERROR"}',
+            "gives the key 'log_level' twice in one object",
+        ),
+        (
+            "twice.json",
+            '{"lease": {"ttl_s": 40, "ttl_s": 50}}',
+            "gives the key 'ttl_s' twice in one object",
+        ),
+        # A whole group: the first one's ttl_s was lost, and its max_hold_s below
+        # ttl_s escaped the check that refuses it.
+        (
+            "twice.yaml",
+            "lease: {ttl_s: 5, max_hold_s: 1}\nlease: {sweep_s: 1}\n",
+            "gives the key 'lease' twice in one mapping (lines 1 and 2)",
+        ),
+        (
+            "twice.yaml",
+            "nixl:\n  backend_params:\n    a: '1'\n    'a': '2'\n",
+            "gives the key 'a' twice in one mapping (lines 3 and 4)",
+        ),
+        ("twice.toml", "log_level = 'DEBUG'\nlog_level = 'ERROR'\n", "is not valid TOML"),
+    ],
+)
+def test_a_key_given_twice_in_a_config_file_is_refused_naming_it(
+    tmp_path: Path, name: str, content: str, error: str
+) -> None:
+    config = tmp_path / name
+    config.write_text(content)
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(["--config", str(config)], environ={})
+    assert err.value.field == "config"
+    assert err.value.detail.startswith(f"{str(config)!r} {error}"), err.value.detail
+
+
+def test_a_yaml_merge_may_still_be_overridden(tmp_path: Path) -> None:
+    config = tmp_path / "merge.yaml"
+    config.write_text("lease:\n  <<: {ttl_s: 40, sweep_s: 1}\n  ttl_s: 50\n")
+    lease = load_settings(["--config", str(config)], environ={}).lease
+    assert (lease.ttl_s, lease.sweep_s) == (50, 1)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--config", "{a}", "--config", "{b}"],
+        ["--config={a}", "--config", "{b}"],
+        ["--config", "{a}", "--config={b}"],
+    ],
+)
+def test_config_given_twice_is_refused(tmp_path: Path, argv: list[str]) -> None:
+    """The first file was read, while Settings.config (argparse) said the second."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text('{"log_level": "DEBUG"}')
+    b.write_text('{"log_level": "ERROR"}')
+    with pytest.raises(InvalidInputError) as err:
+        load_settings([arg.format(a=a, b=b) for arg in argv], environ={})
+    assert str(err.value) == (
+        f"config (--config, KVXFER_CONFIG): given 2 times ({str(a)!r}, {str(b)!r}): "
+        "only one file is read, give one"
+    )
+
+
+@pytest.mark.parametrize("via", ["flag", "variable"])
+def test_a_config_file_naming_another_is_refused(tmp_path: Path, via: str) -> None:
+    """A `config` key was accepted and never read."""
+    other = tmp_path / "other.json"
+    other.write_text('{"log_level": "DEBUG"}')
+    config = tmp_path / "kvxfer.yaml"
+    config.write_text(f"config: {other}\n")
+    argv, environ = (
+        (["--config", str(config)], {}) if via == "flag" else ([], {"KVXFER_CONFIG": str(config)})
+    )
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(argv, environ=environ)
+    assert str(err.value) == (
+        f"config: {str(config)!r} sets config: a file cannot name another; only --config "
+        "or KVXFER_CONFIG names the file read"
+    )
+
+
+@pytest.mark.timeout(10)
+def test_a_config_file_of_aliases_of_aliases_is_refused_at_once(tmp_path: Path) -> None:
+    """Nine lines of YAML that are 9**9 values: walked for nesting and keys, it never
+    ended (pydantic refused the unknown keys without reading their values)."""
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    lines += [
+        f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]"
+        for p, n in zip("abcdefgh", "bcdefghi", strict=True)
+    ]
+    config = tmp_path / "laughs.yaml"
+    config.write_text("\n".join(lines) + "\n")
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(["--config", str(config)], environ={})
+    assert err.value.detail == (
+        f"{str(config)!r} holds more than 100000 values (a YAML alias counts each time it is used)"
+    )
+
+
+def test_a_config_file_as_deep_as_the_limit_is_read(tmp_path: Path) -> None:
+    config = tmp_path / "deep.json"
+    config.write_text('{"lease": ' + "[" * 31 + "]" * 31 + "}")
+    with pytest.raises(InvalidInputError) as err:  # read, then refused by the setting
+        load_settings(["--config", str(config)], environ={})
+    assert err.value.field.startswith("lease")
+
+
+def test_server_exits_2_naming_a_config_file_it_cannot_read(tmp_path: Path) -> None:
+    config = tmp_path / "k.yaml"
+    config.write_text("yes: 1\n")
+    result = subprocess.run(
+        [str(BIN / "kvxfer-server"), "--config", str(config)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"kvxfer-server: config: {str(config)!r} has the key True")
+    assert len(result.stderr.splitlines()) == 1
 
 
 @pytest.mark.parametrize("name", ["kvxfer.ini", "kvxfer.conf", "kvxfer"])
