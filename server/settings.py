@@ -158,6 +158,14 @@ class TransferSettings(_Group):
         "publishes, it reads from peers) and push (peers write what it expects, it writes "
         "to peers); the engines choose per request, pull unless they Expect/Push",
     )
+    @field_validator("modes")
+    @classmethod
+    def _modes(cls, value: tuple[TransferMode, ...]) -> tuple[TransferMode, ...]:
+        twice = sorted({mode.value for mode in value if value.count(mode) > 1})
+        if twice:  # a typo for the other mode, most likely: not silently one
+            raise ValueError(f"{', '.join(twice)} listed twice")
+        return value
+
     end_read_patience_s: float = Field(
         300.0,
         ge=0,

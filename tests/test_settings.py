@@ -335,6 +335,18 @@ def test_a_map_flags_spaces_are_read_as_a_variables() -> None:
         load_settings(["--nixl.backend-params", "a=1,a =2"], environ={})
 
 
+def test_a_transfer_mode_listed_twice_is_refused_as_a_backend_is() -> None:
+    for argv, environ in (
+        (["--transfer.modes", "pull,pull"], {}),
+        ([], {"KVXFER_TRANSFER__MODES": "push,pull,push"}),
+    ):
+        with pytest.raises(InvalidInputError, match=r"transfer\.modes.*listed twice"):
+            load_settings(argv, environ=environ)
+    assert [m.value for m in load_settings(["--transfer.modes", "push"], {}).transfer.modes] == [
+        "push"
+    ]
+
+
 def test_a_map_flag_still_reads_quotes_json_and_repeats() -> None:
     """The empty-entry check splits a flag where pydantic-settings does: a comma inside
     quotes or a JSON object is no separator."""
