@@ -12,6 +12,11 @@ publishers are silent, and the others' leases do not lapse while they are being 
 Publishers already linked are asked first: they answer at once, where a publisher
 still to be handshaken is the one likely to be silent. A handshake, once begun, goes
 on in the background, shared with any Pull (`PeerLinks.link`).
+
+A publisher whose layout does not agree with the engine's (NegotiationError) would
+refuse the pull as well: its publications are answered UNKNOWN (gone), so the engine
+stops holding them rather than asking, and handshaking, again at every interval; the
+refusal is logged here, throttled, not by `PeerLinks` at every Hold.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 from collections.abc import Sequence
 from typing import TypeAlias
 
-from kvxfer._exceptions import KvxferError, NotFoundError, shown
+from kvxfer._exceptions import KvxferError, NegotiationError, NotFoundError, shown
 from kvxfer.core.requests import Publication
 from kvxfer.core.throttle import LogThrottle
 from kvxfer.server.engines import Engine
@@ -102,9 +107,12 @@ class Holds:
         address, epoch, peer_engine, rank = key
         try:
             link, _ = await self._links.link(
-                address, engine.engine_id, engine.layout, epoch, peer_engine, rank
+                address, engine.engine_id, engine.layout, epoch, peer_engine, rank, quiet=True
             )
         except NotFoundError:  # no engine of that rank there, nor anything it published
+            return [pb.LEASE_STATE_UNKNOWN] * len(ids)
+        except NegotiationError as exc:  # its pull would be refused too: stop holding it
+            self._warn(address, engine, str(exc))
             return [pb.LEASE_STATE_UNKNOWN] * len(ids)
         if link.epoch != epoch:  # the publisher restarted: nothing of it is held
             return [pb.LEASE_STATE_UNKNOWN] * len(ids)

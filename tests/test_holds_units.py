@@ -6,13 +6,14 @@ how long a Hold naming many silent publishers takes."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from kvxfer._exceptions import NotFoundError, PeerUnavailableError
+from kvxfer._exceptions import NegotiationError, NotFoundError, PeerUnavailableError
 from kvxfer.core.requests import Publication
 from kvxfer.server import holds as holds_module
 from kvxfer.server.holds import MIN_INTERVAL_S, Holds
@@ -36,7 +37,8 @@ class Links:
         return [SimpleNamespace(address=a, epoch=3, hello=hello, tp_rank=0, stale=False)
                 for a in sorted(self.linked)]  # fmt: skip
 
-    async def link(self, address: str, *args: Any, **kwargs: Any) -> tuple[Any, None]:
+    async def link(self, address: str, *args: Any, quiet: bool = False) -> tuple[Any, None]:
+        assert quiet  # Hold logs a refused negotiation itself, throttled
         answer = self.publishers[address]
         if answer is None:
             await asyncio.sleep(3600)
@@ -100,3 +102,20 @@ def test_silent_publishers_cost_one_hold_ask_s_in_all_and_linked_ones_are_asked_
     assert states[-1] == pb.LEASE_STATE_HELD
     assert states[:-1] == [pb.LEASE_STATE_UNSPECIFIED] * 13
     assert links.asked == [("10.0.0.2:1", ["linked"])]
+
+
+def test_a_publisher_whose_layout_disagrees_answers_gone_and_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its pull would be refused as well: UNKNOWN (GONE to the engine), which ends the
+    engine's holds of it, instead of UNSPECIFIED, which had it handshaken again at every
+    interval for ever, logging each time."""
+    refused = NegotiationError(["layout.fingerprint: local a, peer b"])
+    links = Links({"10.0.0.1:1": refused, "10.0.0.2:1": 30.0})
+    holds = Holds(links, own_ttl_s=30.0)
+    asked = [pub("10.0.0.1:1", "a"), pub("10.0.0.2:1", "b")]
+    with caplog.at_level(logging.WARNING, logger="kvxfer.server.holds"):
+        for _ in range(3):
+            states, _ = asyncio.run(holds.hold(ENGINE, asked))
+            assert states == [pb.LEASE_STATE_UNKNOWN, pb.LEASE_STATE_HELD]
+    assert [r.getMessage().count("layouts do not agree") for r in caplog.records] == [1]
