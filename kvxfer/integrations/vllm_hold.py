@@ -15,8 +15,11 @@ and be recomputed, as before).
 Rounds start an interval apart, however long the last one took (the sidecar
 answers each publisher within a second and leaves a silent one to the next
 round). A batch the sidecar refuses (a publication naming the decode sidecar
-itself, say) is held one publication at a time, so one bad request never
-leaves the others of its batch unheld; a refused request is dropped. Plain
+itself, say) is sent again without the request of the publication the refusal
+names, which is dropped, so one bad request never leaves the others of its batch
+unheld; a refused call answers at once, so this costs one call per refused
+request, not one per publication (each of which would wait the sidecar's second
+for a silent publisher). Plain
 threads and a client per decode TP rank (a rank's publications are held
 through its own engine, as it will pull them); nothing here imports vLLM.
 """
@@ -24,6 +27,7 @@ through its own engine, as it will pull them); nothing here imports vLLM.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +43,18 @@ FIRST_INTERVAL_S = 1.0  # until a sidecar has said how often (a third of the lea
 MIN_INTERVAL_S = 0.1  # whatever a sidecar says
 BATCH = 1024  # publications per Hold call, halved while the sidecar's limit is lower
 WARN_EVERY_S = 60.0  # a rank whose holds fail is logged at most this often
+
+
+_REFUSED = re.compile(r"publications\[(\d+)\]")
+
+
+def refused_index(exc: InvalidInputError, count: int) -> int | None:
+    """The position of the publication a refused Hold names (the sidecar's field is
+    `publications[i]...`), None where its field names none of the `count` sent."""
+    match = _REFUSED.match(exc.field)
+    if match is None or int(match[1]) >= count:
+        return None
+    return int(match[1])
 
 
 class HoldClient(Protocol):
@@ -136,39 +152,49 @@ class Holder:
         while start < len(items):
             batch = items[start : start + self._batch]
             try:
-                held = client.hold([p for _, p in batch])
+                self._hold_batch(client, batch, intervals, ended)
             except LimitExceededError:
                 if self._batch == 1:
                     raise
                 self._batch = max(1, self._batch // 2)  # the sidecar takes fewer at once
                 continue
-            except InvalidInputError:
-                self._hold_each(client, batch, ended)
-                start += len(batch)
-                continue
             except KvxferError as exc:
                 self._warn(rank, f"holding {len(batch)} publications failed: {exc}")
-                start += len(batch)
+            start += len(batch)
+
+    def _hold_batch(
+        self,
+        client: HoldClient,
+        batch: list[tuple[str, Publication]],
+        intervals: list[float],
+        ended: set[str],
+    ) -> None:
+        """Hold `batch` in one call. A refused call names the publication it refused
+        (`publications[i]`): that request is dropped (its pull would be refused as well)
+        and the rest sent again as one batch, until one is accepted. Each Hold of a
+        batch with a silent publisher in it takes the sidecar's second, so this costs
+        one such call however many are refused; a refusal naming no publication splits
+        the batch in halves, each held the same way."""
+        while batch:
+            try:
+                held = client.hold([p for _, p in batch])
+            except InvalidInputError as exc:
+                index = refused_index(exc, len(batch))
+                if index is None and len(batch) > 1:
+                    half = len(batch) // 2
+                    self._hold_batch(client, batch[:half], intervals, ended)
+                    self._hold_batch(client, batch[half:], intervals, ended)
+                    return
+                refused = batch[index or 0][0]
+                log.error("kvxfer: %s cannot be held: %s", refused, exc)
+                ended.add(refused)
+                batch = [item for item in batch if item[0] != refused]
                 continue
             intervals.append(held.interval_s)
             for (request_id, _), state in zip(batch, held.states, strict=True):
                 if state in (HoldState.GONE, HoldState.ABORTED):
                     ended.add(request_id)
-            start += len(batch)
-
-    def _hold_each(
-        self, client: HoldClient, batch: list[tuple[str, Publication]], ended: set[str]
-    ) -> None:
-        """A refused batch, one publication at a time: a refused one's request is dropped
-        (its pull would be refused as well), the others are held."""
-        for request_id, publication in batch:
-            try:
-                client.hold([publication])
-            except InvalidInputError as exc:
-                log.error("kvxfer: %s cannot be held: %s", request_id, exc)
-                ended.add(request_id)
-            except KvxferError:
-                pass  # not asked this round: the next one tries again
+            return
 
     def _warn(self, rank: int, message: str) -> None:
         if self._logs.due(rank) is not None:
