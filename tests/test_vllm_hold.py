@@ -5,6 +5,7 @@ paces its rounds. The same holder against real sidecars is in tests/test_hold.py
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -72,6 +73,42 @@ def test_each_rank_holds_its_own_publications_through_its_own_client() -> None:
     clients[0].interval_s = clients[1].interval_s = 0.001
     holder.hold_once()
     assert holder._interval_s == vllm_hold.MIN_INTERVAL_S  # never sooner, whatever it says
+    holder.close()
+
+
+def test_the_ranks_are_asked_at_once_and_their_threads_end_on_close() -> None:
+    """Each rank's Hold can take the sidecar's second (a silent publisher): one rank after
+    another, a round of TP 8 took 8 s, past a 5 s TTL."""
+    clients = {rank: FakeClient(interval_s=1.0 + rank) for rank in range(4)}
+    for client in clients.values():
+        client.delay_s = 0.3
+    holder = still(Holder(clients.get))
+    holder.add("a", {rank: [pub(f"a-p{rank}", rank)] for rank in range(4)})
+    clients[2].states["a-p2"] = HoldState.GONE
+    started = time.monotonic()
+    holder.hold_once()
+    took = time.monotonic() - started
+    assert took < 0.9, took  # one rank's time, not four
+    assert all(c.asked == [[f"a-p{r}"]] for r, c in clients.items())
+    assert holder._interval_s == 1.0 and holder.waiting() == []  # every rank's answer
+    holder.close()
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("kvxfer-hold") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a pool thread outlived close()"
+        time.sleep(0.01)
+
+
+def test_the_first_round_starts_when_the_first_request_is_added() -> None:
+    client = FakeClient()
+    holder = Holder(lambda rank: client, first_interval_s=30.0)
+    try:
+        holder.add("a", {0: [pub("a-p0")]})
+        deadline = time.monotonic() + 5
+        while not client.asked:
+            assert time.monotonic() < deadline, "no round in 5 s"
+            time.sleep(0.01)
+    finally:
+        holder.close()
 
 
 def test_a_request_whose_publication_is_gone_or_aborted_is_no_longer_held() -> None:

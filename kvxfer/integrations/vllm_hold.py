@@ -12,16 +12,19 @@ it published) every third of the shortest TTL, so vLLM's step never waits on
 it. A request whose publication is gone is no longer held (its pull will fail
 and be recomputed, as before).
 
-Rounds start an interval apart, however long the last one took (the sidecar
-answers each publisher within a second and leaves a silent one to the next
-round). A batch the sidecar refuses (a publication naming the decode sidecar
-itself, say) is sent again without the request of the publication the refusal
-names, which is dropped, so one bad request never leaves the others of its batch
-unheld; a refused call answers at once, so this costs one call per refused
-request, not one per publication (each of which would wait the sidecar's second
-for a silent publisher). Plain
-threads and a client per decode TP rank (a rank's publications are held
-through its own engine, as it will pull them); nothing here imports vLLM.
+The first round starts as soon as the first request is added, the next ones an
+interval apart, however long the last one took (the sidecar answers each Hold
+within about a second and leaves a silent publisher to the next round). The
+ranks are asked at once, from a small pool: each rank's Hold can take that
+second, and one after another a round of TP 8 outlasted a 5 s TTL. A batch the
+sidecar refuses (a publication naming the decode sidecar itself, say) is sent
+again without the request of the publication the refusal names, which is
+dropped, so one bad request never leaves the others of its batch unheld; a
+refused call answers at once, so this costs one call per refused request, not
+one per publication (each of which would wait the second for a silent
+publisher). Plain threads and a client per decode TP rank (a rank's
+publications are held through its own engine, as it will pull them); nothing
+here imports vLLM.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Protocol
 
 from kvxfer._exceptions import InvalidInputError, KvxferError, LimitExceededError
@@ -43,6 +47,7 @@ FIRST_INTERVAL_S = 1.0  # until a sidecar has said how often (a third of the lea
 MIN_INTERVAL_S = 0.1  # whatever a sidecar says
 BATCH = 1024  # publications per Hold call, halved while the sidecar's limit is lower
 WARN_EVERY_S = 60.0  # a rank whose holds fail is logged at most this often
+MAX_RANKS_AT_ONCE = 8  # ranks whose Holds run at once, a pool thread each
 
 
 _REFUSED = re.compile(r"publications\[(\d+)\]")
@@ -79,6 +84,8 @@ class Holder:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._logs = LogThrottle(WARN_EVERY_S)  # by rank
+        self._pool: ThreadPoolExecutor | None = None  # made for the first round of 2+ ranks
+        self._closed = False
         self.rounds = 0  # rounds held, for tests and logs
 
     def add(self, request_id: str, by_rank: Mapping[int, Sequence[Publication]]) -> None:
@@ -99,26 +106,34 @@ class Holder:
     def close(self, wait_s: float = 10.0) -> None:
         """Stop holding, waiting up to `wait_s` for the thread to leave its round (its
         calls end by the client's deadline; one cut short by the client's close is not
-        logged)."""
+        logged), and end the ranks' pool threads."""
         self._stop.set()
         with self._lock:
             thread = self._thread
         if thread is not None:
             thread.join(wait_s)
+        with self._lock:
+            pool, self._pool, self._closed = self._pool, None, True
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
-        started = time.monotonic()
-        while not self._stop.wait(max(0.0, started + self._interval_s - time.monotonic())):
+        """Rounds from the first request on, the first at once (the request may have
+        waited for vLLM to hand it over already), then each an interval after the last
+        one started."""
+        while not self._stop.is_set():
             started = time.monotonic()
             try:
                 self.hold_once()
             except Exception:  # a bug must not end the holds of every later request
                 if not self._stop.is_set():
                     log.exception("kvxfer: holding waiting requests failed")
+            self._stop.wait(max(0.0, started + self._interval_s - time.monotonic()))
 
     def hold_once(self) -> None:
-        """One round: every waiting request's publications, per rank, in batches; the next
-        round starts after the shortest interval a sidecar answered."""
+        """One round: every waiting request's publications, per rank, in batches, the
+        ranks at once; the next round starts after the shortest interval a sidecar
+        answered."""
         with self._lock:
             snapshot = {rid: dict(ranks) for rid, ranks in self._waiting.items()}
         if not snapshot:
@@ -127,40 +142,69 @@ class Holder:
         for request_id, ranks in snapshot.items():
             for rank, publications in ranks.items():
                 by_rank.setdefault(rank, []).extend((request_id, p) for p in publications)
-        intervals: list[float] = []
-        ended: set[str] = set()
+        work = []
         for rank, items in sorted(by_rank.items()):
             client = self._client(rank)
             if client is not None:
-                self._hold_rank(rank, client, items, intervals, ended)
+                work.append((rank, client, items))
+        answers, failure = self._hold_ranks(work)
+        intervals = [interval for rank_intervals, _ in answers for interval in rank_intervals]
         self.rounds += 1
         if intervals:
             self._interval_s = max(min(intervals), MIN_INTERVAL_S)
+        ended = {request_id for _, rank_ended in answers for request_id in rank_ended}
         for request_id in ended:  # nothing left to keep: its pull fails and is recomputed
             log.info("kvxfer: %s is no longer held by its prefill: not held any more", request_id)
             self.remove(request_id)
+        if failure is not None:
+            raise failure
+
+    def _hold_ranks(
+        self, work: list[tuple[int, HoldClient, list[tuple[str, Publication]]]]
+    ) -> tuple[list[tuple[list[float], set[str]]], BaseException | None]:
+        """Each rank's answers (its intervals, its ended requests), held at once: a rank's
+        Hold takes up to the sidecar's second when a publisher is silent, so one after
+        another a round of TP 8 took 8 s and leases of a 5 s TTL lapsed while held. What
+        the ranks that answered found is kept when another failed (its error second)."""
+        if len(work) <= 1:  # no thread needed
+            return [self._hold_rank(*w) for w in work], None
+        futures = [self._executor().submit(self._hold_rank, *w) for w in work]
+        wait(futures)
+        failures = [exc for f in futures if (exc := f.exception()) is not None]
+        return [f.result() for f in futures if f.exception() is None], next(iter(failures), None)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the holder is closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(MAX_RANKS_AT_ONCE, "kvxfer-hold-rank")
+            return self._pool
 
     def _hold_rank(
-        self,
-        rank: int,
-        client: HoldClient,
-        items: list[tuple[str, Publication]],
-        intervals: list[float],
-        ended: set[str],
-    ) -> None:
+        self, rank: int, client: HoldClient, items: list[tuple[str, Publication]]
+    ) -> tuple[list[float], set[str]]:
+        """One rank's publications in batches (in a pool thread): the intervals its
+        sidecar answered and the requests no longer held."""
+        intervals: list[float] = []
+        ended: set[str] = set()
+        size = self._batch
         start = 0
         while start < len(items):
-            batch = items[start : start + self._batch]
+            batch = items[start : start + size]
             try:
                 self._hold_batch(client, batch, intervals, ended)
             except LimitExceededError:
-                if self._batch == 1:
+                if size == 1:
                     raise
-                self._batch = max(1, self._batch // 2)  # the sidecar takes fewer at once
+                size = max(1, size // 2)  # the sidecar takes fewer at once
+                with self._lock:  # other ranks' threads may have halved it too
+                    self._batch = min(self._batch, size)
                 continue
             except KvxferError as exc:
                 self._warn(rank, f"holding {len(batch)} publications failed: {exc}")
             start += len(batch)
+        return intervals, ended
 
     def _hold_batch(
         self,
