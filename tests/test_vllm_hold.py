@@ -98,15 +98,26 @@ def test_the_ranks_are_asked_at_once_and_their_threads_end_on_close() -> None:
         time.sleep(0.01)
 
 
-def test_the_first_round_starts_when_the_first_request_is_added() -> None:
-    client = FakeClient()
+def test_a_request_is_held_when_added_and_a_shorter_interval_brings_rounds_forward() -> None:
+    """The first round starts when the first request is added; one added later is held
+    at once, alone (its prefill's TTL may be shorter than any asked so far), and the
+    interval its sidecar answers, if shorter, holds for the next full round."""
+    client = FakeClient(interval_s=30.0)
     holder = Holder(lambda rank: client, first_interval_s=30.0)
+
+    def asked(count: int) -> None:
+        deadline = time.monotonic() + 5
+        while len(client.asked) < count:
+            assert time.monotonic() < deadline, f"{len(client.asked)} holds in 5 s"
+            time.sleep(0.01)
+
     try:
         holder.add("a", {0: [pub("a-p0")]})
-        deadline = time.monotonic() + 5
-        while not client.asked:
-            assert time.monotonic() < deadline, "no round in 5 s"
-            time.sleep(0.01)
+        asked(1)
+        client.interval_s = 0.2
+        holder.add("b", {0: [pub("b-p0")]})
+        asked(3)  # b alone, then both 0.2 s later, not 30 s
+        assert client.asked[:3] == [["a-p0"], ["b-p0"], ["a-p0", "b-p0"]]
     finally:
         holder.close()
 

@@ -82,6 +82,8 @@ class Holder:
         self._lock = threading.Lock()
         self._waiting: dict[str, dict[int, list[Publication]]] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by a new request and by close
+        self._fresh: set[str] = set()  # requests added since the last round began
         self._thread: threading.Thread | None = None
         self._logs = LogThrottle(WARN_EVERY_S)  # by rank
         self._pool: ThreadPoolExecutor | None = None  # made for the first round of 2+ ranks
@@ -90,6 +92,9 @@ class Holder:
 
     def add(self, request_id: str, by_rank: Mapping[int, Sequence[Publication]]) -> None:
         with self._lock:
+            if request_id not in self._waiting:
+                self._fresh.add(request_id)
+                self._wake.set()
             self._waiting[request_id] = {rank: list(p) for rank, p in by_rank.items() if p}
             if self._thread is None and not self._stop.is_set():
                 self._thread = threading.Thread(target=self._run, name="kvxfer-hold", daemon=True)
@@ -108,6 +113,7 @@ class Holder:
         calls end by the client's deadline; one cut short by the client's close is not
         logged), and end the ranks' pool threads."""
         self._stop.set()
+        self._wake.set()
         with self._lock:
             thread = self._thread
         if thread is not None:
@@ -120,22 +126,41 @@ class Holder:
     def _run(self) -> None:
         """Rounds from the first request on, the first at once (the request may have
         waited for vLLM to hand it over already), then each an interval after the last
-        one started."""
+        one started. A request added between rounds is held at once, alone with the
+        others added meanwhile: its publisher's TTL may be shorter than any asked so
+        far (a round that reached no publisher answers the decode's own, 10 s), and the
+        next full round could come after its lease lapsed."""
+        due = time.monotonic()
         while not self._stop.is_set():
+            self._wake.clear()
             started = time.monotonic()
+            full = started >= due
             try:
-                self.hold_once()
+                self.hold_once(None if full else self._take_fresh())
             except Exception:  # a bug must not end the holds of every later request
                 if not self._stop.is_set():
                     log.exception("kvxfer: holding waiting requests failed")
-            self._stop.wait(max(0.0, started + self._interval_s - time.monotonic()))
+            # A fresh request's shorter interval brings the next full round forward.
+            due = started + self._interval_s if full else min(due, started + self._interval_s)
+            self._wake.wait(max(0.0, due - time.monotonic()))
 
-    def hold_once(self) -> None:
-        """One round: every waiting request's publications, per rank, in batches, the
-        ranks at once; the next round starts after the shortest interval a sidecar
-        answered."""
+    def _take_fresh(self) -> set[str]:
         with self._lock:
-            snapshot = {rid: dict(ranks) for rid, ranks in self._waiting.items()}
+            fresh, self._fresh = self._fresh, set()
+        return fresh
+
+    def hold_once(self, only: set[str] | None = None) -> None:
+        """One round: every waiting request's publications (or those of `only`), per
+        rank, in batches, the ranks at once; the next full round starts after the
+        shortest interval a sidecar answered (for `only`: if shorter than the last)."""
+        with self._lock:
+            if only is None:
+                self._fresh.clear()
+            snapshot = {
+                rid: dict(ranks)
+                for rid, ranks in self._waiting.items()
+                if only is None or rid in only
+            }
         if not snapshot:
             return
         by_rank: dict[int, list[tuple[str, Publication]]] = {}
@@ -151,7 +176,8 @@ class Holder:
         intervals = [interval for rank_intervals, _ in answers for interval in rank_intervals]
         self.rounds += 1
         if intervals:
-            self._interval_s = max(min(intervals), MIN_INTERVAL_S)
+            shortest = max(min(intervals), MIN_INTERVAL_S)
+            self._interval_s = shortest if only is None else min(self._interval_s, shortest)
         ended = {request_id for _, rank_ended in answers for request_id in rank_ended}
         for request_id in ended:  # nothing left to keep: its pull fails and is recomputed
             log.info("kvxfer: %s is no longer held by its prefill: not held any more", request_id)
