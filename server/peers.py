@@ -288,7 +288,9 @@ class PeerLinks:
         # Serialises handshakes and reloads of one (address, rank); never held by a pull
         # waiting for another peer.
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
-        self._pending: dict[tuple[str, int], asyncio.Future[PeerLink]] = {}
+        # A handshake under way, and whether its caller logs a refused negotiation itself
+        # (`link(quiet=True)`): a caller that joins it and does not, logs it then.
+        self._pending: dict[tuple[str, int], tuple[asyncio.Future[PeerLink], bool]] = {}
         self._labels: set[str] = set()  # peer identities with a metric label of their own
         self._identities: dict[str, str] = {}  # address -> the identity its handshake gave
         self._nixl_peers: dict[str, tuple[int, str]] = {}  # address -> (epoch, agent name)
@@ -318,33 +320,55 @@ class PeerLinks:
         peer_rank: int | None = None,
         *,
         push: bool = False,
+        quiet: bool = False,
     ) -> tuple[PeerLink, Agreement]:
         """The link to `address`'s engine of rank `peer_rank` (default: `layout`'s rank),
         handshaking first when the cached one is missing, stale, or of another epoch or
         engine than the pull expects. Pulls that arrive during a handshake share its
         outcome (success or failure) instead of queuing one timeout each behind it; other
         peers never wait on this one. `push`: this side writes into the peer's engine,
-        so the agreement is negotiated from the peer's side (it is the reader there)."""
+        so the agreement is negotiated from the peer's side (it is the reader there).
+        `quiet`: a refused negotiation (NegotiationError) is not logged here, the caller
+        logs it, throttled (Hold asks again at every interval; a pull logs each)."""
         rank = layout.tp_rank if peer_rank is None else peer_rank
         key = (address, rank)
         link = self._links.get(key)
         if link is None or link.stale or link.epoch != epoch or link.hello.engine_id != peer_engine:
-            pending = self._pending.get(key)
-            if pending is None:
-                pending = asyncio.ensure_future(
-                    self._handshake(address, layout, engine_id, rank, push)
-                )
-                self._pending[key] = pending
-                pending.add_done_callback(lambda _: self._pending.pop(key, None))
-            link = await asyncio.shield(pending)
+            link = await self._handshaken(key, layout, engine_id, push, quiet)
         agreement = link.agreements.get(engine_id)
         if agreement is None:
-            agreement = self._negotiate(address, engine_id, layout, link.hello, push)
+            agreement = self._negotiate(address, engine_id, layout, link.hello, push, quiet)
             link.agreements[engine_id] = agreement
         return link, agreement
 
+    async def _handshaken(
+        self, key: tuple[str, int], layout: EngineLayout, engine_id: str, push: bool, quiet: bool
+    ) -> PeerLink:
+        """The handshake under way with `key`, or a new one: its link."""
+        entry = self._pending.get(key)
+        if entry is None:
+            address, rank = key
+            started = asyncio.ensure_future(
+                self._handshake(address, layout, engine_id, rank, push, quiet)
+            )
+            entry = self._pending[key] = (started, quiet)
+            started.add_done_callback(lambda _: self._pending.pop(key, None))
+        pending, started_quiet = entry
+        try:
+            return await asyncio.shield(pending)
+        except NegotiationError as exc:
+            if started_quiet and not quiet:  # its starter did not log it: this caller does
+                self._log_refused(key[0], engine_id, exc)
+            raise
+
     def _negotiate(
-        self, address: str, engine_id: str, layout: EngineLayout, hello: PeerHello, push: bool
+        self,
+        address: str,
+        engine_id: str,
+        layout: EngineLayout,
+        hello: PeerHello,
+        push: bool,
+        quiet: bool,
     ) -> Agreement:
         try:
             if push:  # the destination (the peer) is the side negotiation calls local
@@ -352,8 +376,12 @@ class PeerLinks:
             return negotiate(layout, hello.layout, PROTOCOL_VERSION, hello.protocol_version)
         except NegotiationError as exc:
             self._metrics.negotiation_failures.labels(self.label(address)).inc()
-            log.warning("layouts of %s and peer %s disagree: %s", engine_id, address, exc)
+            if not quiet:
+                self._log_refused(address, engine_id, exc)
             raise
+
+    def _log_refused(self, address: str, engine_id: str, exc: NegotiationError) -> None:
+        log.warning("layouts of %s and peer %s disagree: %s", engine_id, address, exc)
 
     async def reload(self, link: PeerLink, layout: EngineLayout) -> None:
         """The peer's registrations changed: load its new metadata in place."""
@@ -385,7 +413,13 @@ class PeerLinks:
             raise PeerUnavailableError(f"peer {address} sent a bad handshake: {exc}") from exc
 
     async def _handshake(
-        self, address: str, layout: EngineLayout, engine_id: str, rank: int, push: bool
+        self,
+        address: str,
+        layout: EngineLayout,
+        engine_id: str,
+        rank: int,
+        push: bool,
+        quiet: bool,
     ) -> PeerLink:
         """Hello, then negotiate, and only if they agree load the peer's NIXL agent: a
         refused peer adds no agent, no link and no `ok` handshake."""
@@ -398,7 +432,7 @@ class PeerLinks:
                 await self._forget_unlinked(address)
                 raise
             try:
-                agreement = self._negotiate(address, engine_id, layout, hello, push)
+                agreement = self._negotiate(address, engine_id, layout, hello, push, quiet)
             except NegotiationError:
                 self._metrics.handshakes.labels(self.label(address), "refused").inc()
                 await self._forget_unlinked(address)

@@ -9,10 +9,12 @@ add none); the throughput clock runs on a fake clock.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import grpc
@@ -22,6 +24,7 @@ from prometheus_client import generate_latest
 from sidecars import engine_link, scrape, spans, start_engine, start_sidecar
 
 from kvxfer._exceptions import NegotiationError, PeerUnavailableError
+from kvxfer.core.negotiation import PROTOCOL_VERSION
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.dataplane.adapter import TransferBackend
 from kvxfer.server.guard import PeerPortGuard
@@ -185,6 +188,39 @@ async def test_a_refused_peer_loads_no_agent_and_counts_no_ok(tmp_path: Path) ->
     finally:
         for proc in (dxe, dx, pe, p):
             proc.stop()
+
+
+async def test_a_quiet_link_leaves_a_refused_negotiation_to_its_caller_to_log(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Hold links quietly (it logs refusals itself, throttled, since it asks again at
+    every interval); a pull still logs its own, also when it joined a handshake a quiet
+    caller started."""
+    links = _links(Metrics(), RecordingBackend())
+    layout = layout_for_model(MODEL)
+
+    async def hello(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.05)  # long enough for a second caller to join
+        other = layout_for_model("gpt-oss-20b")
+        return SimpleNamespace(layout=other, protocol_version=PROTOCOL_VERSION)
+
+    monkeypatch.setattr(links, "hello", hello)
+
+    def logged() -> int:
+        return sum("disagree" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level(logging.WARNING, logger="kvxfer.server.peers"):
+        with pytest.raises(NegotiationError):
+            await links.link("127.0.0.1:1", "e-1", layout, 1, "e-p", quiet=True)
+        assert logged() == 0
+        with pytest.raises(NegotiationError):
+            await links.link("127.0.0.1:1", "e-1", layout, 1, "e-p")
+        assert logged() == 1
+        quiet = links.link("127.0.0.1:1", "e-1", layout, 1, "e-p", quiet=True)
+        pull = links.link("127.0.0.1:1", "e-1", layout, 1, "e-p")
+        results = await asyncio.gather(quiet, pull, return_exceptions=True)
+        assert all(isinstance(r, NegotiationError) for r in results), results
+        assert logged() == 2  # one handshake, logged once: for the pull that joined it
 
 
 class FakeContext:

@@ -5,6 +5,7 @@ paces its rounds. The same holder against real sidecars is in tests/test_hold.py
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -22,8 +23,9 @@ def pub(request_id: str, rank: int = 0) -> Publication:
 
 class FakeClient:
     """Answers each Hold with the states it is told per request id (HELD otherwise);
-    raises `error`, or refuses (InvalidInputError) a call naming one of `refused`, or
-    more than `limit` publications; records what it was asked."""
+    raises `error`, or refuses (InvalidInputError) a call naming one of `refused` (its
+    field naming the first of them, `publications[i]`, as the sidecar's does, unless
+    `unnamed`), or more than `limit` publications; records what it was asked."""
 
     def __init__(self, states: dict[str, HoldState] | None = None, interval_s: float = 2.0):
         self.states = states or {}
@@ -31,6 +33,7 @@ class FakeClient:
         self.asked: list[list[str]] = []
         self.error: Exception | None = None
         self.refused: set[str] = set()
+        self.unnamed = False
         self.limit = 1 << 20
         self.delay_s = 0.0
 
@@ -43,7 +46,9 @@ class FakeClient:
         if len(ids) > self.limit:
             raise LimitExceededError(f"publications: {len(ids)} exceed the limit")
         if self.refused & set(ids):
-            raise InvalidInputError("publications[0].peer_address", "is this sidecar itself")
+            first = min(i for i, request_id in enumerate(ids) if request_id in self.refused)
+            field = "publications" if self.unnamed else f"publications[{first}].peer_address"
+            raise InvalidInputError(field, "is this sidecar itself")
         states = tuple(self.states.get(i, HoldState.HELD) for i in ids)
         return Held(states, self.interval_s)
 
@@ -68,6 +73,53 @@ def test_each_rank_holds_its_own_publications_through_its_own_client() -> None:
     clients[0].interval_s = clients[1].interval_s = 0.001
     holder.hold_once()
     assert holder._interval_s == vllm_hold.MIN_INTERVAL_S  # never sooner, whatever it says
+    holder.close()
+
+
+def test_the_ranks_are_asked_at_once_and_their_threads_end_on_close() -> None:
+    """Each rank's Hold can take the sidecar's second (a silent publisher): one rank after
+    another, a round of TP 8 took 8 s, past a 5 s TTL."""
+    clients = {rank: FakeClient(interval_s=1.0 + rank) for rank in range(4)}
+    for client in clients.values():
+        client.delay_s = 0.3
+    holder = still(Holder(clients.get))
+    holder.add("a", {rank: [pub(f"a-p{rank}", rank)] for rank in range(4)})
+    clients[2].states["a-p2"] = HoldState.GONE
+    started = time.monotonic()
+    holder.hold_once()
+    took = time.monotonic() - started
+    assert took < 0.9, took  # one rank's time, not four
+    assert all(c.asked == [[f"a-p{r}"]] for r, c in clients.items())
+    assert holder._interval_s == 1.0 and holder.waiting() == []  # every rank's answer
+    holder.close()
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("kvxfer-hold") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a pool thread outlived close()"
+        time.sleep(0.01)
+
+
+def test_a_request_is_held_when_added_and_a_shorter_interval_brings_rounds_forward() -> None:
+    """The first round starts when the first request is added; one added later is held
+    at once, alone (its prefill's TTL may be shorter than any asked so far), and the
+    interval its sidecar answers, if shorter, holds for the next full round."""
+    client = FakeClient(interval_s=30.0)
+    holder = Holder(lambda rank: client, first_interval_s=30.0)
+
+    def asked(count: int) -> None:
+        deadline = time.monotonic() + 5
+        while len(client.asked) < count:
+            assert time.monotonic() < deadline, f"{len(client.asked)} holds in 5 s"
+            time.sleep(0.01)
+
+    try:
+        holder.add("a", {0: [pub("a-p0")]})
+        asked(1)
+        client.interval_s = 0.2
+        holder.add("b", {0: [pub("b-p0")]})
+        asked(3)  # b alone, then both 0.2 s later, not 30 s
+        assert client.asked[:3] == [["a-p0"], ["b-p0"], ["a-p0", "b-p0"]]
+    finally:
+        holder.close()
 
 
 def test_a_request_whose_publication_is_gone_or_aborted_is_no_longer_held() -> None:
@@ -80,17 +132,37 @@ def test_a_request_whose_publication_is_gone_or_aborted_is_no_longer_held() -> N
     assert holder.waiting() == ["a"]
 
 
-def test_a_refused_batch_is_held_one_by_one_and_only_the_refused_request_dropped() -> None:
+def test_a_refused_batch_is_sent_again_without_the_refused_request_only() -> None:
+    """One call per refused request, not one per publication: a publication of a silent
+    publisher costs each call it is in the sidecar's second, so 30 of them held one by
+    one let every other lease lapse."""
     client = FakeClient()
-    client.refused = {"bad-p0"}
+    client.refused = {"bad-p0", "worse-p1"}
     holder = still(Holder(lambda rank: client))
-    for name in ("a", "bad", "c"):
+    for name in ("a", "bad", "c", "worse", "e"):
+        holder.add(name, {0: [pub(f"{name}-p0"), pub(f"{name}-p1")]})
+    holder.hold_once()
+    everything = [f"{n}-p{i}" for n in ("a", "bad", "c", "worse", "e") for i in (0, 1)]
+    assert client.asked == [
+        everything,
+        [i for i in everything if not i.startswith("bad")],  # the request, all of it
+        [i for i in everything if not i.startswith(("bad", "worse"))],
+    ]
+    assert holder.waiting() == ["a", "c", "e"]
+    holder.hold_once()
+    assert client.asked[-1] == ["a-p0", "a-p1", "c-p0", "c-p1", "e-p0", "e-p1"]
+
+
+def test_a_refusal_naming_no_publication_splits_the_batch_in_halves() -> None:
+    client = FakeClient()
+    client.refused, client.unnamed = {"bad-p0"}, True
+    holder = still(Holder(lambda rank: client))
+    for name in ("a", "b", "bad", "d"):
         holder.add(name, {0: [pub(f"{name}-p0")]})
     holder.hold_once()
-    assert client.asked == [["a-p0", "bad-p0", "c-p0"], ["a-p0"], ["bad-p0"], ["c-p0"]]
-    assert holder.waiting() == ["a", "c"]
-    holder.hold_once()
-    assert client.asked[-1] == ["a-p0", "c-p0"]  # batched again
+    assert client.asked == [["a-p0", "b-p0", "bad-p0", "d-p0"], ["a-p0", "b-p0"],
+                            ["bad-p0", "d-p0"], ["bad-p0"], ["d-p0"]]  # fmt: skip
+    assert holder.waiting() == ["a", "b", "d"]
 
 
 def test_a_smaller_limit_at_the_sidecar_halves_the_batches(

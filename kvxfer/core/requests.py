@@ -98,7 +98,9 @@ class HoldState(enum.StrEnum):
 
     HELD = "held"  # its publisher keeps it (or it is being read)
     ABORTED = "aborted"  # its publisher aborted it while it was being read
-    GONE = "gone"  # released, expired, never published, aborted unread, or its publisher restarted
+    # released, expired, never published, aborted unread, its publisher restarted, or its
+    # publisher's layout and this engine's disagree (the pull would be refused)
+    GONE = "gone"
     UNASKED = "unasked"  # its publisher could not be asked in time: hold it again later
 
 
