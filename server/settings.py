@@ -158,6 +158,7 @@ class TransferSettings(_Group):
         "publishes, it reads from peers) and push (peers write what it expects, it writes "
         "to peers); the engines choose per request, pull unless they Expect/Push",
     )
+
     @field_validator("modes")
     @classmethod
     def _modes(cls, value: tuple[TransferMode, ...]) -> tuple[TransferMode, ...]:
