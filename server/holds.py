@@ -10,8 +10,13 @@ slots, leaves its publications UNSPECIFIED for the engine to hold again at the n
 interval. A Hold therefore never takes much longer than `HOLD_ASK_S` however many
 publishers are silent, and the others' leases do not lapse while they are being held.
 Publishers already linked are asked first: they answer at once, where a publisher
-still to be handshaken is the one likely to be silent. A handshake, once begun, goes
-on in the background, shared with any Pull (`PeerLinks.link`).
+still to be handshaken is the one likely to be silent. The others are asked in an order
+that turns by MAX_ASKING at every Hold, so silent ones cannot keep a live publisher
+behind them from one Hold to the next. A handshake, once begun, goes on in the
+background, shared with any Pull (`PeerLinks.link`), so a live publisher reached once
+is linked, and asked first, from then on. While any publication stays unanswered the
+engine is told to hold again within HOLD_ASK_S: its publisher's lease TTL is not known
+here, and may be far shorter than this sidecar's own.
 
 A publisher whose layout does not agree with the engine's (NegotiationError) would
 refuse the pull as well: its publications are answered UNKNOWN (gone), so the engine
@@ -49,13 +54,15 @@ class Holds:
         self._links = links
         self._own_ttl_s = own_ttl_s
         self._logs = LogThrottle(WARN_EVERY_S)  # by publisher address
+        self._turn = 0  # where the unlinked publishers' order starts at the next Hold
 
     async def hold(
         self, engine: Engine, publications: Sequence[Publication]
     ) -> tuple[list[State], float]:
         """Each publication's LeaseState as its publisher answered (UNSPECIFIED where it
         could not be asked in time), and when to hold again: a third of the shortest lease
-        TTL among the publishers asked, at least MIN_INTERVAL_S."""
+        TTL among the publishers asked, at most HOLD_ASK_S while any publication is
+        unanswered, at least MIN_INTERVAL_S."""
         states: list[State] = [pb.LEASE_STATE_UNSPECIFIED] * len(publications)
         ttls = [self._own_ttl_s]
         gate = asyncio.Semaphore(MAX_ASKING)
@@ -83,11 +90,15 @@ class Holds:
                     task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
             self._warn_late([tasks[t] for t in late], reached, engine)
-        return states, max(min(ttls) / 3, MIN_INTERVAL_S)
+        interval = min(ttls) / 3
+        if pb.LEASE_STATE_UNSPECIFIED in states:  # soon again, for a TTL not learned
+            interval = min(interval, HOLD_ASK_S)
+        return states, max(interval, MIN_INTERVAL_S)
 
     def _by_publisher(self, publications: Sequence[Publication]) -> dict[Publisher, list[int]]:
-        """Each publisher's publications (their indices), those already linked first: the
-        gate lets tasks through in the order they were made."""
+        """Each publisher's publications (their indices), those already linked first, the
+        others from where the last Hold's turn ended: the gate lets tasks through in the
+        order they were made."""
         by_publisher: dict[Publisher, list[int]] = {}
         for i, p in enumerate(publications):
             key = (p.peer_address, p.epoch, p.engine_id, p.tp_rank)
@@ -97,8 +108,13 @@ class Holds:
             for link in self._links.all()
             if not link.stale
         }
-        order = sorted(by_publisher, key=lambda key: key not in linked)  # stable
-        return {key: by_publisher[key] for key in order}
+        first = [key for key in by_publisher if key in linked]
+        others = [key for key in by_publisher if key not in linked]
+        if others:
+            start = self._turn % len(others)
+            others = others[start:] + others[:start]
+            self._turn = start + MAX_ASKING
+        return {key: by_publisher[key] for key in (*first, *others)}
 
     async def _ask(
         self, engine: Engine, key: Publisher, ids: list[str], ttls: list[float]

@@ -75,7 +75,9 @@ def test_each_slot_gets_its_publishers_answer_and_the_interval_its_shortest_ttl(
         pb.LEASE_STATE_HELD,
     ]
     assert sorted(links.asked) == [("10.0.0.1:1", ["a", "e"]), ("10.0.0.2:1", ["c"])]
-    assert interval == 2.0  # a third of the shortest TTL asked
+    assert interval == holds_module.HOLD_ASK_S  # d unanswered: soon again, TTL unknown
+    _, interval = asyncio.run(holds.hold(ENGINE, [p for p in asked if p.request_id != "d"]))
+    assert interval == 2.0  # all answered: a third of the shortest TTL asked
     links.publishers["10.0.0.1:1"] = 0.003
     _, interval = asyncio.run(holds.hold(ENGINE, [pub("10.0.0.1:1", "a")]))
     assert interval == MIN_INTERVAL_S
@@ -102,6 +104,31 @@ def test_silent_publishers_cost_one_hold_ask_s_in_all_and_linked_ones_are_asked_
     assert states[-1] == pb.LEASE_STATE_HELD
     assert states[:-1] == [pb.LEASE_STATE_UNSPECIFIED] * 13
     assert links.asked == [("10.0.0.2:1", ["linked"])]
+
+
+def test_a_live_publisher_behind_silent_ones_is_reached_within_a_few_holds_and_soon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Twelve silent unlinked publishers named before a live one, four asked at once:
+    the order of unlinked publishers turns at every Hold, so the live one is asked by
+    the fourth (it was never asked when the order stayed put); and while anything is
+    unanswered the engine holds again within HOLD_ASK_S, not a third of this sidecar's
+    own TTL, which the live publisher's lease may not outlast."""
+    monkeypatch.setattr(holds_module, "HOLD_ASK_S", 0.1)
+    monkeypatch.setattr(holds_module, "MAX_ASKING", 4)
+    silent = {f"10.0.1.{i}:1": None for i in range(12)}
+    links = Links({**silent, "10.0.0.1:1": 30.0})
+    asked = [pub(a, f"dead{i}") for i, a in enumerate(silent)] + [pub("10.0.0.1:1", "live")]
+    holds = Holds(links, own_ttl_s=30.0)
+    held_at = None
+    for attempt in range(1, 5):
+        states, interval = asyncio.run(holds.hold(ENGINE, asked))
+        assert interval == 0.1  # unanswered ones remain: soon again
+        if states[-1] == pb.LEASE_STATE_HELD:
+            held_at = attempt
+            break
+    assert held_at == 4, held_at
+    assert links.asked == [("10.0.0.1:1", ["live"])]
 
 
 def test_a_publisher_whose_layout_disagrees_answers_gone_and_is_logged_once(
