@@ -144,11 +144,13 @@ def _plan(
 
 @dataclass
 class _Starting:
-    """A push being started: its params, and the readiness its calls so far said."""
+    """A push being started: its params, the readiness its calls so far said, and
+    whether its engine aborted it meanwhile (answered PUSHING: it stops once recorded)."""
 
     params: TransferParams
     ready: int = 0
     final: bool = False
+    aborted: bool = False
     task: asyncio.Future[Push] | None = None
 
 
@@ -313,8 +315,11 @@ class Pushes:
             await self._end_write(link, params.request_id, aborted=True, detail=str(exc))
             raise
         push = Push(engine, params, link, plan, begun.lease_ttl_ms / 1000)
-        # What the calls so far said, before a later call can find the push and say more.
+        # What the calls so far said, before a later call can find the push and say more,
+        # and an abort among them before its run can post anything: it ends as aborted.
         push.update(starting.ready, starting.final)
+        if starting.aborted:
+            push.stop()
         key = (engine.engine_id, params.request_id)
         self._pushes[key] = push
         push.task = asyncio.create_task(self._finish(key, push))
@@ -478,11 +483,20 @@ class Pushes:
         return (engine_id, request_id) in self._pushes
 
     def abort(self, engine_id: str, request_id: str) -> AbortState | None:
-        push = self._pushes.get((engine_id, request_id))
-        if push is None:
-            return None
-        push.stop()
-        return AbortState.PUSHING
+        """PUSHING for a push running or still starting (linking, BeginWrite: it would
+        otherwise start after the abort was answered, and read the engine's blocks after
+        the engine was told nothing was): it stops, and Pushed says how it ended. A start
+        that fails ends with the Push call's error instead."""
+        key = (engine_id, request_id)
+        push = self._pushes.get(key)
+        if push is not None:
+            push.stop()
+            return AbortState.PUSHING
+        starting = self._starting.get(key)
+        if starting is not None:
+            starting.aborted = True
+            return AbortState.PUSHING
+        return None
 
     async def cancel_engine(self, engine_id: str, timeout_s: float) -> int:
         """Abort the engine's pushes and wait until none can read its memory (their

@@ -253,6 +253,33 @@ async def test_abort_from_either_side_during_a_push(pair: Pair, side: str) -> No
     pair.image.check_all()  # nothing was written
 
 
+async def test_an_abort_while_the_push_is_starting_stops_it_before_any_write(
+    pair: Pair,
+) -> None:
+    """The engine aborts right after its first (final) Push call, while the push still
+    links and begins the write: the abort was answered NOT_FOUND and the push then wrote
+    every block from memory the engine had been told nothing was reading. Now it is
+    PUSHING, the push stops as it is recorded, and both engines hear it aborted."""
+    request_id = "abort-starting"
+    async with (
+        engine_link(pair.p, pair.pe) as (p, p_events),
+        engine_link(pair.d, pair.de) as (d, d_events),
+    ):
+        params = await d.expect(request_id, 800, _blocks(800, 60))
+        # Sent back to back: the Abort reaches the sidecar before BeginWrite's answer can.
+        pushing = asyncio.create_task(p.push(params, _blocks(800, 0), 800, final=True))
+        aborting = asyncio.create_task(p.abort(request_id))
+        assert await aborting is AbortState.PUSHING
+        accepted = await pushing
+        pushed = await p_events.next()
+        received = await d_events.next()
+    assert accepted.chunks_posted == 0
+    assert isinstance(pushed, Pushed) and pushed.status is PullStatus.ABORTED, pushed
+    assert isinstance(received, Received) and received.status is PullStatus.ABORTED
+    assert received.bytes_moved == 0
+    pair.image.check_all()  # nothing was written
+
+
 async def test_an_expected_request_nobody_writes_fails_at_its_ttl(pair: Pair) -> None:
     async with engine_link(pair.d, pair.de) as (d, d_events):
         await d.expect("never-written", 300, _blocks(300, 100))
