@@ -17,6 +17,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
@@ -73,12 +74,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The NIXL threads and the event loop share the GIL: see the setting's description.
     sys.setswitchinterval(settings.gil_switch_interval_s)
     try:
+        open_files_for(settings.limits.max_lane_connections)
+    except InvalidInputError as exc:
+        return _bad_settings(exc)
+    try:
         return run_on(serve(settings), settings.event_loop)
     except SettingsInvalidError as exc:  # one only its use shows wrong: nixl.*
         return _bad_settings(exc)
     except KvxferError as exc:
         print(f"kvxfer-server: {exc}", file=sys.stderr)
         return 1
+
+
+# Descriptors the sidecar needs besides its peer-lane connections: listeners, gRPC's
+# connections, engine lanes, shared memory, NIXL's and UCX's.
+OWN_FILES = 256
+
+
+def open_files_for(lane_connections: int) -> int:
+    """Raise this process's soft open-file limit to its hard limit and return it; refuse
+    (naming the setting) when that leaves no room for `lane_connections` peer-lane
+    connections and the sidecar's own. Containers often start with a soft limit of 1024:
+    without this, connections short of the setting's limit exhaust the descriptors and
+    every port of the sidecar stops accepting, instead of the one beyond being turned
+    away."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        with contextlib.suppress(ValueError, OSError):  # the kernel's cap may be lower
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and lane_connections + OWN_FILES > soft:
+        raise InvalidInputError(
+            "limits.max_lane_connections",
+            f"{lane_connections} connections and {OWN_FILES} descriptors of the sidecar's "
+            f"own exceed its open-file limit ({soft}, the hard limit): lower the setting "
+            "or raise the limit (ulimit -Hn, the container's nofile)",
+        )
+    return int(soft)
 
 
 def _bad_settings(exc: InvalidInputError) -> int:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -852,3 +854,41 @@ def test_server_serves_with_comma_list_variables(tmp_path: Path) -> None:
             _, stderr = proc.communicate(timeout=60)
     assert ready and ready["peer_address"].startswith("127.0.0.1:"), stderr[-2000:]
     assert proc.returncode == 0, stderr[-2000:]
+
+
+def _open_files(soft: int, hard: int) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_server_refuses_a_lane_connection_limit_its_open_file_limit_cannot_hold() -> None:
+    """A container's soft limit of 1024 with the default 1024 connections: descriptors ran
+    out short of the limit and every port stopped accepting. The soft limit is raised to
+    the hard one; where even that cannot hold the setting, the server does not start."""
+    done = subprocess.run(
+        [str(BIN / "kvxfer-server")],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={"PATH": "/usr/bin:/bin"}, preexec_fn=lambda: _open_files(1024, 1024),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("kvxfer-server: limits.max_lane_connections: 1024 ")
+    assert "open-file limit (1024" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("soft", "hard", "connections", "raised"),
+    [(1024, 4096, 1024, 4096), (1024, 1024, 512, 1024)],
+)
+def test_the_soft_open_file_limit_is_raised_to_the_hard_one(
+    soft: int, hard: int, connections: int, raised: int
+) -> None:
+    code = (
+        "import resource, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))\n"
+        "from kvxfer.server.main import open_files_for\n"
+        f"print(open_files_for({connections}), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False,
+        cwd="/",
+    )  # fmt: skip
+    assert done.stdout.split() == [str(raised)] * 2, done.stderr
