@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import grpc
 import grpc.aio
@@ -76,6 +77,13 @@ def identity(context: Context) -> str:
     return min(n.decode(errors="replace") for n in names) if names else ANONYMOUS
 
 
+def client_host(peer: str) -> str:
+    """The host part of a `context.peer()` (`ipv4:HOST:PORT`, `ipv6:[HOST]:PORT`): gRPC
+    percent-encodes an IPv6 host's brackets (`ipv6:%5B::1%5D:PORT`) where the peer lane
+    spells them plainly, and one client must count once on both."""
+    return unquote(peer).rpartition(":")[0]
+
+
 class PeerPortGuard(grpc.aio.ServerInterceptor):
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self._allowed = frozenset(settings.tls.allowed_peers)
@@ -119,7 +127,7 @@ class PeerPortGuard(grpc.aio.ServerInterceptor):
         await self._refusals.check(request, method, context)
         who = await self._authorize(context)
         if who == ANONYMOUS:  # no certificate: count by the client's host instead
-            who = context.peer().rpartition(":")[0] or ANONYMOUS
+            who = client_host(context.peer()) or ANONYMOUS
         if self._calls.get(who, 0) >= self._max_calls:
             self._metrics.refusals.labels("too_many_calls").inc()
             await abort_with(

@@ -27,7 +27,7 @@ from kvxfer._exceptions import NegotiationError, PeerUnavailableError
 from kvxfer.core.negotiation import PROTOCOL_VERSION
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.dataplane.adapter import TransferBackend
-from kvxfer.server.guard import PeerPortGuard
+from kvxfer.server.guard import PeerPortGuard, client_host
 from kvxfer.server.lane import LaneContext
 from kvxfer.server.metrics import ActiveClock, Metrics
 from kvxfer.server.peer_lane import grpc_peer
@@ -298,6 +298,9 @@ async def test_the_peer_gate_counts_a_clients_grpc_and_lane_calls_together() -> 
 
     assert grpc_peer(("10.0.0.1", 5001)) == "ipv4:10.0.0.1:5001"  # as gRPC's peer()
     assert grpc_peer(("fd00::1", 5001, 0, 0)) == "ipv6:[fd00::1]:5001"
+    # gRPC's own peer() percent-encodes an IPv6 host's brackets: the same host still
+    assert client_host("ipv6:%5Bfd00::1%5D:5000") == client_host(grpc_peer(("fd00::1", 5001)))
+    assert client_host("ipv4:10.0.0.1:5000") == "ipv4:10.0.0.1"
 
     def on(transport: str, port: int) -> Any:
         context = LaneContext(peer=f"ipv4:10.0.0.1:{port}")  # one host, new connections
