@@ -65,6 +65,7 @@ from kvxfer.wire.lane import (
 )
 
 log = logging.getLogger(__name__)
+CLOSE_FLUSH_S = 1.0  # the most a closing lane waits for a client to take what it was sent
 
 Unary = Callable[[Any, Any], Awaitable[Message]]
 Streaming = Callable[[Any, Any], AsyncIterator[Message]]
@@ -196,17 +197,25 @@ class LaneListener:
         raise NotImplementedError
 
     async def close(self) -> None:
-        """Stop listening and end every connection."""
+        """Stop listening and end every connection: a plain one once what was written to
+        it is sent (events included), or CLOSE_FLUSH_S after, if its client is not
+        reading (a hung engine must not keep its sidecar from stopping)."""
         if self._server is not None:
             self._server.close()
         for task, writer in list(self._connections.items()):
             if writer.get_extra_info("ssl_object") is not None:
                 # No TLS goodbye: a client that stopped reading would hold it for
-                # asyncio's 30 s TLS shutdown timeout. (A plain connection is closed
-                # after what was written to it, events included.)
+                # asyncio's 30 s TLS shutdown timeout.
                 writer.transport.abort()
             task.cancel()
-        for task in list(self._connections):
+        ending = list(self._connections)
+        if ending:
+            _, unflushed = await asyncio.wait(ending, timeout=CLOSE_FLUSH_S)
+            for task in unflushed:
+                writer = self._connections.get(task)
+                if writer is not None:
+                    writer.transport.abort()  # its answers will not be read: dropped
+        for task in ending:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._server is not None:

@@ -9,7 +9,9 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import stat
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -210,5 +212,33 @@ async def test_a_killed_sidecars_lane_is_replaced_by_the_next(tmp_path: Path) ->
         async with EngineClient(second.ready["engine_address"], engine_id="e-nobody") as client:
             with pytest.raises(NotFoundError):  # answered on the new lane
                 await client.abort("req-1")
+    finally:
+        fleet.close()
+
+
+def test_a_client_that_stopped_reading_does_not_keep_its_sidecar_from_stopping(
+    tmp_path: Path,
+) -> None:
+    """A hung engine with answers queued on its lane (it sends, it never reads) held the
+    sidecar's SIGTERM for as long as it stayed connected: the lane waited for its socket
+    to drain without bound, and nothing after it in the shutdown ran."""
+    fleet = Fleet(tmp_path)
+    try:
+        proc = fleet.sidecar("sc")
+        # Refused Aborts of a long engine id: answers the client never takes.
+        body = pb.AbortRequest(engine_id="E" * 2000, request_id="x").SerializeToString()
+        calls = b"".join(
+            frame(call, Kind.UNARY, request_payload("Abort", body)) for call in range(1, 6001)
+        )
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(proc.ready["engine_lane"])
+            client.settimeout(2)  # the sidecar stops reading once its answers back up
+            with contextlib.suppress(TimeoutError):
+                client.sendall(calls)
+            time.sleep(1)  # answered, and stuck in both sockets' buffers
+            assert proc.popen.poll() is None
+            proc.popen.send_signal(signal.SIGTERM)
+            # the shutdown's grace, plus the lane's bounded flush, with room to spare
+            assert proc.popen.wait(timeout=30) == 0
     finally:
         fleet.close()
