@@ -212,9 +212,9 @@ class LaneListener:
         if ending:
             _, unflushed = await asyncio.wait(ending, timeout=CLOSE_FLUSH_S)
             for task in unflushed:
-                writer = self._connections.get(task)
-                if writer is not None:
-                    writer.transport.abort()  # its answers will not be read: dropped
+                unread = self._connections.get(task)
+                if unread is not None:
+                    unread.transport.abort()  # its answers will not be read: dropped
         for task in ending:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -266,10 +266,13 @@ class LaneListener:
 class EngineLane(LaneListener):
     name = "engine lane"
 
-    def __init__(self, servicer: EngineServicer, metrics: Metrics) -> None:
+    def __init__(
+        self, servicer: EngineServicer, metrics: Metrics, max_message_bytes: int = MAX_PAYLOAD_BYTES
+    ) -> None:
         super().__init__()
         self._servicer = servicer
         self._refusals = Refusals(metrics)
+        self._max_message_bytes = max_message_bytes  # limits.max_message_bytes, as gRPC's
         self.path = ""
 
     async def start(self, path: str) -> None:
@@ -308,6 +311,14 @@ class EngineLane(LaneListener):
         cls = served.get(method)
         if cls is None:
             raise unimplemented(self.name, method, [*UNARY_REQUESTS, *STREAM_REQUESTS])
+        if len(body) > self._max_message_bytes:  # refused as gRPC refuses it: this call only
+            raise _Aborted(
+                status_pb2.Status(
+                    code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                    message=f"limits.max_message_bytes: a {len(body)}-byte {method} request "
+                    f"exceeds {self._max_message_bytes} bytes",
+                )
+            )
         request = checked_decode(cls.FromString, body, f"lane {method}", None)
         context: Any = LaneContext()  # the part of a gRPC context refusing needs
         await self._refusals.check(request, f"lane {method}", context)  # aborts a Refused

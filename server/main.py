@@ -147,7 +147,7 @@ async def serve(settings: Settings) -> int:
         # gRPC creates the socket file at bind time (not at start): umask it there.
         with _private_umask(settings.engine_address):
             engine_address = _bind_engine(engine.server, settings.engine_address)
-        lane = EngineLane(engine_servicer, metrics)
+        lane = EngineLane(engine_servicer, metrics, settings.limits.max_message_bytes)
         if engine_address.startswith("unix:"):
             await lane.start(lane_path(engine_address))
         metrics_http, metrics_port = _start_metrics(settings.metrics_address, metrics)

@@ -20,7 +20,12 @@ import pytest
 from google.rpc import status_pb2
 from sidecars import exchange, scrape, start_sidecar
 
-from kvxfer._exceptions import InvalidInputError, NotFoundError, PeerUnavailableError
+from kvxfer._exceptions import (
+    InvalidInputError,
+    LimitExceededError,
+    NotFoundError,
+    PeerUnavailableError,
+)
 from kvxfer.cli.fleet import ChildDiedError, Fleet, Proc, metric
 from kvxfer.client import EngineClient
 from kvxfer.v1 import sidecar_pb2 as pb
@@ -240,5 +245,36 @@ def test_a_client_that_stopped_reading_does_not_keep_its_sidecar_from_stopping(
             proc.popen.send_signal(signal.SIGTERM)
             # the shutdown's grace, plus the lane's bounded flush, with room to spare
             assert proc.popen.wait(timeout=30) == 0
+    finally:
+        fleet.close()
+
+
+async def test_a_request_over_the_message_limit_is_refused_alone_as_over_grpc(
+    tmp_path: Path,
+) -> None:
+    """limits.max_message_bytes bounds the lane's requests as it bounds gRPC's, and one
+    over it is refused by itself, naming the limit: the lane had a fixed 64 MiB frame
+    limit past which it closed the connection, with every call and the event watch on
+    it. A request no lane takes at all is refused by the client before it is sent."""
+    fleet = Fleet(tmp_path)
+    try:
+        proc = fleet.sidecar("sc", "--limits.max-message-bytes", "65536")
+        big = pb.AbortRequest(engine_id="E" * 70_000, request_id="x").SerializeToString()
+        small = pb.AbortRequest(engine_id="e-nobody", request_id="x").SerializeToString()
+        got, closed = await _exchange(
+            proc.ready["engine_lane"],
+            frame(1, Kind.UNARY, request_payload("Abort", big)),
+            frame(2, Kind.UNARY, request_payload("Abort", small)),
+        )
+        assert not closed
+        statuses = {call: status_pb2.Status.FromString(body) for call, _, body in got}
+        assert statuses[1].code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert statuses[1].message.startswith("limits.max_message_bytes: a 70")
+        assert statuses[2].code == grpc.StatusCode.NOT_FOUND.value[0]  # served after it
+        async with EngineClient(proc.ready["engine_address"], engine_id="e-nobody") as client:
+            with pytest.raises(LimitExceededError, match="exceeds the lane's"):
+                await client.abort("r" * (65 << 20))
+            with pytest.raises(NotFoundError):  # the same connection, still up
+                await client.abort("req-1")
     finally:
         fleet.close()

@@ -20,10 +20,16 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError, Message
 from google.rpc import status_pb2
 
-from kvxfer._exceptions import KvxferError, LaneUnreachableError, PeerUnavailableError
+from kvxfer._exceptions import (
+    KvxferError,
+    LaneUnreachableError,
+    LimitExceededError,
+    PeerUnavailableError,
+)
 from kvxfer.wire.errors import lane_error
 from kvxfer.wire.lane import (
     CONNECTION_ID,
+    MAX_PAYLOAD_BYTES,
     Kind,
     LaneProtocolError,
     frame,
@@ -184,9 +190,10 @@ class Lane:
         link = await self._open()
         call_id = self._call_id(link)
         answer: asyncio.Future[_Answer] = asyncio.get_running_loop().create_future()
+        payload = _sendable(method, request, what)
         link.waiting[call_id] = answer
         try:
-            link.send(call_id, Kind.UNARY, request_payload(method, request.SerializeToString()))
+            link.send(call_id, Kind.UNARY, payload)
             kind, payload = await within(answer, timeout_s)
         except TimeoutError:
             with contextlib.suppress(PeerUnavailableError):
@@ -203,13 +210,14 @@ class Lane:
     async def stream(
         self, method: str, request: Message, item: type[R], what: str
     ) -> AsyncIterator[R]:
+        payload = _sendable(method, request, what)
         link = await self._open()
         call_id = self._call_id(link)
         queue: asyncio.Queue[_Answer | None] = asyncio.Queue()
         link.streams[call_id] = queue
         ended = False
         try:
-            link.send(call_id, Kind.STREAM, request_payload(method, request.SerializeToString()))
+            link.send(call_id, Kind.STREAM, payload)
             while True:
                 got = await queue.get()
                 if got is None:
@@ -260,3 +268,16 @@ def _decoded(kind: Kind, payload: bytes, cls: type[R], what: str) -> R:
         return cls.FromString(payload)
     except DecodeError:
         raise KvxferError(f"{what}: the sidecar's answer does not decode") from None
+
+
+def _sendable(method: str, request: Message, what: str) -> bytes:
+    """The request's frame payload, refused when no lane takes a frame that large: sent,
+    it would end the connection and every call and event watch on it (gRPC's channels
+    refuse such a message the same way, for that call alone)."""
+    payload = request_payload(method, request.SerializeToString())
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise LimitExceededError(
+            f"{what}: a {len(payload)}-byte request exceeds the lane's {MAX_PAYLOAD_BYTES} "
+            "bytes (gRPC's message limit too): split it"
+        )
+    return payload
