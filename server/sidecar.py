@@ -593,15 +593,20 @@ class Sidecar:
 
     def _end_leases(self, engine: Engine) -> int:
         """Release the engine's held leases now; mark the ones being read aborted, so
-        their readers stop (they learn it from their next heartbeat) and end the read."""
+        their readers stop (they learn it from their next heartbeat) and end the read.
+        Its expected requests are aborted as its own Abort would: Received, not Released
+        (a decode engine hears of a push only by Received)."""
         ended = 0
         for lease in self._leases.all():
             if lease.engine_id != engine.engine_id:
                 continue
+            ended += 1
+            if lease.push:
+                self.destinations.abort(engine.engine_id, lease.request_id)
+                continue
             _, released = self._leases.abort(engine.engine_id, lease.request_id)
             if released is not None:
                 self._release(released, ReleaseReason.UNREGISTERED, 0)
-            ended += 1
         self._lease_gauges()
         return ended
 

@@ -20,6 +20,7 @@ from oracle import oracle_valid_tokens
 from sidecars import (
     DecodeImage,
     EngineSim,
+    Events,
     Proc,
     engine_link,
     scrape,
@@ -29,7 +30,8 @@ from sidecars import (
 )
 
 from kvxfer._exceptions import InvalidInputError, NotFoundError
-from kvxfer.cli.fleet import BIN
+from kvxfer.cli.fleet import BIN, metric
+from kvxfer.client import EngineClient
 from kvxfer.core.requests import (
     AbortState,
     PullStatus,
@@ -288,6 +290,29 @@ async def test_an_expected_request_nobody_writes_fails_at_its_ttl(pair: Pair) ->
     assert "no prefill sidecar began writing" in received.reason
     assert received.valid_tokens == 0 and set(received.failed_blocks) == {0, 1}
     await asyncio.sleep(0)
+
+
+async def test_an_engine_that_unregisters_hears_its_expected_requests_aborted(
+    tmp_path: Path,
+) -> None:
+    """As its own Abort would say (Received, aborted), not as for a publication it made
+    (Released, unregistered): a decode engine hears of a push only by Received."""
+    d = start_sidecar(tmp_path, "d")
+    de = start_engine(tmp_path, d, MODEL, "decode")
+    try:
+        async with EngineClient(d.ready["engine_address"], engine_id=de.engine_id) as client:
+            events = Events(client)
+            await client.expect("expected", 64, _blocks(64, 0))
+            await client.unregister()
+            heard = await events.next(timeout_s=10)
+            await events.close()
+        released = metric(scrape(d), "kvxfer_released_leases_total", reason="unregistered")
+    finally:
+        de.stop()
+        d.stop()
+    assert isinstance(heard, Received) and heard.status is PullStatus.ABORTED, heard
+    assert heard.request_id == "expected" and set(heard.failed_blocks) == {0, 1}
+    assert released == 0  # it published nothing
 
 
 def test_handshake_cli_shows_the_agreed_mode(pair: Pair) -> None:
