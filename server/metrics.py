@@ -237,7 +237,11 @@ class Metrics:
         self.inflight_pulls = Gauge(
             "kvxfer_inflight_pulls", "Pulls in flight", ["peer"], registry=r
         )
-        self.peers = Gauge("kvxfer_peers", "Peers with a live agreement", registry=r)
+        self.peers = Gauge(
+            "kvxfer_peers",
+            "Peer sidecars linked (handshaken) and not found stale since",
+            registry=r,
+        )
         self.reading_agents = Gauge(
             "kvxfer_reading_agents",
             "NIXL agents open to read from peers (or write to them), up to "

@@ -285,6 +285,9 @@ class PeerLinks:
         self._sidecar_id = sidecar_id
         self._epoch = epoch
         self._links: dict[tuple[str, int], PeerLink] = {}
+        # Counted at each scrape: a link found stale (its peer went away or restarted)
+        # no longer counts, where a count kept at each handshake only ever grew.
+        metrics.peers.set_function(self._live_peers)
         # Serialises handshakes and reloads of one (address, rank); never held by a pull
         # waiting for another peer.
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
@@ -389,6 +392,10 @@ class PeerLinks:
             hello = await self.hello(link.address, layout, dry_run=False, peer_rank=link.tp_rank)
             link.hello, link.nixl_peer = hello, await self._load_agent(link.address, hello)
 
+    def _live_peers(self) -> int:
+        """Peer addresses with a link not found stale (the `kvxfer_peers` gauge)."""
+        return len({address for (address, _), link in list(self._links.items()) if not link.stale})
+
     def invalidate(self, link: PeerLink) -> None:
         link.stale = True
 
@@ -464,7 +471,6 @@ class PeerLinks:
                 link.agreements = old.agreements
         self._links[key] = link
         self._name_peer(address, hello.sidecar_id)
-        self._metrics.peers.set(len({a for a, _ in self._links}))
         self._metrics.peer_epoch.labels(self.label(address)).set(hello.epoch)
         return link
 

@@ -320,3 +320,25 @@ async def test_the_peer_gate_counts_a_clients_grpc_and_lane_calls_together() -> 
     counted = {t: metrics.peer_calls.labels("BeginRead", t)._value.get() for t in ("grpc", "lane")}
     assert counted == {"grpc": 1, "lane": 2}
     assert metrics.refusals.labels("too_many_calls")._value.get() == 2
+
+
+async def test_the_peers_gauge_counts_links_not_found_stale(tmp_path: Path) -> None:
+    """kvxfer_peers was set at each handshake from every address ever linked, so peers
+    that went away (pods replaced under new addresses) counted for ever. It is counted at
+    each scrape, without the links found stale."""
+    p = start_sidecar(tmp_path, "p")
+    pe = start_engine(tmp_path, p, MODEL, "prefill", num_blocks=16)
+    try:
+        metrics = Metrics()
+        links = _links(metrics, RecordingBackend())
+        layout = layout_for_model(MODEL)
+        assert _sample(metrics, "kvxfer_peers") == 0
+        link, _ = await links.link(
+            p.ready["peer_address"], "e-1", layout, pe.ready["epoch"], pe.engine_id
+        )
+        assert _sample(metrics, "kvxfer_peers") == 1
+        links.invalidate(link)  # a transfer found it gone
+        assert _sample(metrics, "kvxfer_peers") == 0
+    finally:
+        pe.stop()
+        p.stop()
