@@ -72,6 +72,7 @@ class Push:
     link: PeerLink
     plan: TransferPlan
     ttl_s: float
+    local_spans: tuple[BlockSpan, ...] = ()  # the engine's blocks the plan reads
     ready: int = 0  # tokens [0, ready) are computed
     final: bool = False
     started: float = field(default_factory=time.monotonic)
@@ -148,16 +149,28 @@ class _Starting:
     whether its engine aborted it meanwhile (answered PUSHING: it stops once recorded)."""
 
     params: TransferParams
+    local_spans: tuple[BlockSpan, ...]
     ready: int = 0
     final: bool = False
     aborted: bool = False
     task: asyncio.Future[Push] | None = None
 
 
-def _check_same(held: TransferParams, params: TransferParams) -> None:
+def _check_same(
+    held: TransferParams,
+    spans: tuple[BlockSpan, ...],
+    params: TransferParams,
+    local_spans: tuple[BlockSpan, ...],
+) -> None:
+    """A later call for a push must name what its first did: the push reads the blocks
+    its first call named, and would silently ignore others."""
     if held != params:
         raise InvalidInputError(
             "params", f"differ from the params {params.request_id!r} is being pushed with"
+        )
+    if spans != local_spans:
+        raise InvalidInputError(
+            "local_spans", f"differ from the blocks {params.request_id!r} is being pushed from"
         )
 
 
@@ -244,7 +257,7 @@ class Pushes:
         if push is None:
             starting = self._starting.get(key)
             if starting is None:
-                starting = _Starting(params)
+                starting = _Starting(params, local_spans)
                 # Shielded: an engine's deadline cancelling this call must not cut the start
                 # between BeginWrite and the push that ends the write (the push then runs
                 # on, and ends by itself a lease TTL after the engine's last call).
@@ -255,14 +268,14 @@ class Pushes:
                 starting.task.add_done_callback(lambda _: self._starting.pop(key, None))
                 self._starting[key] = starting
             else:
-                _check_same(starting.params, params)
+                _check_same(starting.params, starting.local_spans, params, local_spans)
             # Calls during the start have no order among themselves: the readiest counts.
             starting.ready = max(starting.ready, tokens_ready)
             starting.final = starting.final or final
             assert starting.task is not None
             push = await asyncio.shield(starting.task)
         else:
-            _check_same(push.params, params)
+            _check_same(push.params, push.local_spans, params, local_spans)
             push.update(tokens_ready, final)
         await asyncio.sleep(0)  # let the run post what became ready: the reply counts it
         return PushAccepted(
@@ -314,7 +327,7 @@ class Pushes:
         except BaseException as exc:  # the decode engine hears why its blocks are free
             await self._end_write(link, params.request_id, aborted=True, detail=str(exc))
             raise
-        push = Push(engine, params, link, plan, begun.lease_ttl_ms / 1000)
+        push = Push(engine, params, link, plan, begun.lease_ttl_ms / 1000, local_spans)
         # What the calls so far said, before a later call can find the push and say more,
         # and an abort among them before its run can post anything: it ends as aborted.
         push.update(starting.ready, starting.final)

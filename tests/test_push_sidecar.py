@@ -255,6 +255,27 @@ async def test_abort_from_either_side_during_a_push(pair: Pair, side: str) -> No
     pair.image.check_all()  # nothing was written
 
 
+async def test_a_later_call_naming_other_blocks_is_refused_naming_them(pair: Pair) -> None:
+    """The push reads the blocks its first call named; a later call naming others was
+    taken as a readiness update, and its blocks silently ignored."""
+    request_id = "other-blocks"
+    async with (
+        engine_link(pair.p, pair.pe) as (p, p_events),
+        engine_link(pair.d, pair.de) as (d, d_events),
+    ):
+        params = await d.expect(request_id, 300, _blocks(300, 60))
+        await p.push(params, _blocks(300, 0), 0, final=False)
+        with pytest.raises(InvalidInputError) as refused:
+            await p.push(params, _blocks(300, 20), 300, final=True)
+        assert refused.value.field == "local_spans"
+        assert await p.abort(request_id) is AbortState.PUSHING
+        pushed = await p_events.next()
+        received = await d_events.next()
+    assert isinstance(pushed, Pushed) and pushed.status is PullStatus.ABORTED
+    assert isinstance(received, Received) and received.status is PullStatus.ABORTED
+    pair.image.check_all()  # nothing was written
+
+
 async def test_an_abort_while_the_push_is_starting_stops_it_before_any_write(
     pair: Pair,
 ) -> None:
