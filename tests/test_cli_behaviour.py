@@ -296,11 +296,6 @@ SIM = [
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
-        # the spec's field was named (`sliding_window:`), not the flag that gave it
-        (
-            ["tiny-model", "--family", "llama", "--out", "/nonexistent/m", "--sliding-window", "4"],
-            "--sliding-window",
-        ),
         # shared memory that cannot be had: an OSError traceback, or a SIGBUS mid-fill
         ([*SIM, "--num-blocks", str(1 << 32)], "--num-blocks"),
         ([*SIM, "--num-blocks", str(1 << 31)], "--num-blocks"),

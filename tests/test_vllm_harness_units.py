@@ -66,7 +66,7 @@ def test_cli_tiny_model_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
     )  # fmt: skip
     assert bad_window.returncode == 2  # bad input (docs/cli.md)
     assert bad_window.stderr.strip() == (
-        "kvxfer-cli: error: sliding_window: family 'llama' has no sliding window"
+        "kvxfer-cli: error: --sliding-window: family 'llama' has no sliding window"
     )
     bad_family = subprocess.run(
         [str(CLI), "tiny-model", "--family", "jamba", "--out", str(out)],
