@@ -144,8 +144,9 @@ class Metrics:
         )
         self.push_revocations = Counter(
             "kvxfer_push_revocations",
-            "Serving agents killed to revoke remote access, because a pushing peer went "
-            "silent past the lease TTL with writes possibly in flight",
+            "Serving agents killed to revoke remote access while a pushing peer's writes "
+            "may still land (it gave up on chunks, went silent past the lease TTL, or was "
+            "still silent when its decode engine retired)",
             registry=r,
         )
         self.full_attention_bytes = Counter(

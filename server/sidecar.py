@@ -623,6 +623,7 @@ class Sidecar:
             left = self._leases.drop_engine(engine.engine_id)
             if any(lease.push for lease in left):  # a silent writer may still write here
                 await self._backend.revoke(f"engine {engine.engine_id} retires under a push")
+                self.metrics.push_revocations.inc()
             log.warning(
                 "engine %s: %d reads still open after %.1fs; their readers are presumed gone",
                 engine.engine_id,
