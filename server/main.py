@@ -221,7 +221,11 @@ async def _data_plane(settings: Settings, metrics: Metrics) -> tuple[ServingAgen
         # Faults are injected on the reading side only, with one rule for all readers.
         return FaultInjectingBackend(agent, rule) if faults.enabled else agent
 
-    readers = Readers(reader, per_pair=settings.transfer.agents_per_peer)
+    readers = Readers(
+        reader,
+        per_pair=settings.transfer.agents_per_peer,
+        idle_s=settings.transfer.idle_agent_s,
+    )
     metrics.reading_agents.set_function(lambda: len(readers))  # read at each scrape
     return backend, readers
 

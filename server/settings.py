@@ -151,6 +151,14 @@ class TransferSettings(_Group):
         "into one engine (or write to it); another is opened only while every open one is "
         "busy, so that many transfers at once copy on more than one core",
     )
+    idle_agent_s: float = Field(
+        600.0,
+        ge=1,
+        le=86400,
+        description="a reading (or writing) agent no transfer used for this long is "
+        "closed, with its thread and its registration of the engine's memory: a peer "
+        "that went away does not keep its agents until the engine leaves",
+    )
     modes: tuple[TransferMode, ...] = Field(
         (TransferMode.PULL, TransferMode.PUSH),
         min_length=1,

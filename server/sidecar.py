@@ -121,12 +121,26 @@ class Sidecar:
         self.pushes, self.destinations = self.push_side.pushes, self.push_side.destinations
         self._draining = False
         self._sweeper: asyncio.Task[None] | None = None
+        self._idler: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------
 
     def start(self) -> None:
         self._sweeper = asyncio.create_task(self._sweep())
+        self._idler = asyncio.create_task(self._close_idle_agents())
         self._readers.start()  # a reading agent ahead of the first pull (readers.py)
+
+    async def _close_idle_agents(self) -> None:
+        """Close the reading and writing agents unused for transfer.idle_agent_s, looking
+        a quarter of that apart (at most a minute): apart from the lease sweep, which a
+        closing agent's thread join must not hold up."""
+        every = min(self.settings.transfer.idle_agent_s / 4, 60.0)
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self._readers.close_idle()
+            except Exception:  # a bug must not stop the next rounds
+                log.exception("closing idle NIXL agents failed")
 
     async def _sweep(self) -> None:
         while True:
@@ -176,8 +190,9 @@ class Sidecar:
                 engine.reads_ended.set()
         for engine_id in list(self._engines):
             await self.unregister(engine_id, reads_deadline_s=max(0.0, end - time.monotonic()))
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        for task in (self._sweeper, self._idler):
+            if task is not None:
+                task.cancel()
         await self._dialer.close()
 
     async def _drain_reads(self, end: float) -> None:

@@ -17,9 +17,19 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from sidecars import engine_link, in_process_sidecar, prefill_beside_cache, pump, spans
+from sidecars import (
+    engine_link,
+    in_process_sidecar,
+    prefill_beside_cache,
+    pump,
+    scrape,
+    spans,
+    start_engine,
+    start_sidecar,
+)
 
 from kvxfer._exceptions import DataPlaneError
+from kvxfer.cli.fleet import metric
 from kvxfer.core.requests import EngineEvent, PullDone, PullStatus
 from kvxfer.dataplane import readers as readers_module
 from kvxfer.dataplane.readers import Reader, Readers
@@ -235,3 +245,53 @@ async def test_pulls_at_once_from_one_peer_read_through_two_agents_byte_exact(
     assert all(isinstance(e, PullDone) and e.status is PullStatus.OK for e in done), done
     assert len(pair) == 2, f"the pulls read through {len(pair)} agent(s), not 2"
     assert busy == [0, 0]
+
+
+async def test_agents_unused_for_idle_s_are_closed_and_busy_ones_kept(agents: Any) -> None:
+    """A peer that went away kept its agents (a thread, a UCX worker, a registration of
+    the engine's memory each) until the engine left. Unused for idle_s, they close; one
+    still held, or used since, stays; the next transfer opens a fresh one."""
+    readers = Readers(agents, per_pair=2, idle_s=0.05)
+    held, idle = await get(readers), await get(readers)
+    readers.done(idle)
+    assert await readers.close_idle() == 0  # nothing has been idle that long yet
+    await asyncio.sleep(0.06)
+    assert await readers.close_idle() == 1
+    assert idle.backend.closed and not held.backend.closed and len(readers) == 1
+    readers.done(held)  # its idle time starts now, not when it was opened
+    assert await readers.close_idle() == 0
+    await asyncio.sleep(0.06)
+    assert await readers.close_idle() == 1 and held.backend.closed and len(readers) == 0
+    fresh = await get(readers)
+    assert fresh not in (held, idle) and not fresh.backend.closed
+    readers.done(fresh)
+    assert await Readers(agents, per_pair=1).close_idle() == 0  # no idle_s: never
+
+
+@pytest.mark.e2e
+async def test_a_sidecar_closes_the_agents_a_gone_peer_left(tmp_path: Path) -> None:
+    """Real sidecars, transfer.idle_agent_s 1: after a pull the decode sidecar holds one
+    reading agent; with no pull since, it is closed within a few seconds."""
+    p = start_sidecar(tmp_path, "p")
+    d = start_sidecar(tmp_path, "d", "--transfer.idle-agent-s", "1")
+    procs = [p, d]
+    try:
+        pe = start_engine(tmp_path, p, "gpt-oss-20b", "prefill", num_blocks=16)
+        procs.append(pe)
+        de = start_engine(tmp_path, d, "gpt-oss-20b", "decode", num_blocks=16)
+        procs.append(de)
+        blocks = spans({g.group_id: [0, 1] for g in pe.layout.groups})
+        async with engine_link(p, pe) as (pc, _), engine_link(d, de) as (dc, d_events):
+            params = await pc.publish("idle", 32, blocks)
+            await dc.pull(params, blocks, 0)
+            done = await d_events.next()
+            assert isinstance(done, PullDone) and done.status is PullStatus.OK, done
+        assert metric(scrape(d), "kvxfer_reading_agents") == 1
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if metric(scrape(d), "kvxfer_reading_agents") == 0:
+                break
+        assert metric(scrape(d), "kvxfer_reading_agents") == 0
+    finally:
+        for proc in reversed(procs):
+            proc.stop()

@@ -61,6 +61,7 @@ class Reader:
     peer: str  # the remote agent's name inside `backend`
     metadata: bytes
     busy: int = 0  # transfers `get` handed it to that have not ended (`Readers.done`)
+    idle_since: float = 0.0  # time.monotonic() when its last transfer ended
 
     def usable(self, metadata: bytes) -> bool:
         return not self.backend.closed and self.metadata == metadata
@@ -70,11 +71,16 @@ Key = tuple[str, str, int]  # (peer, engine, which of the pair's readers)
 
 
 class Readers:
-    def __init__(self, factory: BackendFactory, *, per_pair: int) -> None:
+    def __init__(
+        self, factory: BackendFactory, *, per_pair: int, idle_s: float | None = None
+    ) -> None:
+        """`idle_s`: a reader no transfer used for that long is closed by `close_idle`
+        (None: never)."""
         if per_pair < 1:
             raise ValueError(f"per_pair must be at least 1, not {per_pair}")
         self._factory = factory
         self.per_pair = per_pair
+        self.idle_s = idle_s
         self._readers: dict[Key, Reader] = {}
         self._locks: dict[Key, asyncio.Lock] = {}
         self._waiting: dict[Key, int] = {}  # `get`s waiting for a key's reader to open
@@ -135,6 +141,38 @@ class Readers:
         """A transfer `get` handed `reader` to has ended."""
         assert reader.busy > 0, f"reader {reader.backend.name} was not handed out"
         reader.busy -= 1
+        if not reader.busy:
+            reader.idle_since = time.monotonic()
+
+    async def close_idle(self) -> int:
+        """Close the readers no transfer has used for `idle_s` and none holds or waits
+        for; how many. A peer that went away (a prefill pod replaced under a new address)
+        would otherwise keep its readers until their engine leaves: each a NIXL agent, a
+        UCX worker, a thread that wakes every few ms and a registration of the engine's
+        memory. The next transfer from the peer opens a new one."""
+        if self.idle_s is None or self._closed:
+            return 0
+        before = time.monotonic() - self.idle_s
+        closed = 0
+        for key, reader in list(self._readers.items()):
+            if reader.busy or reader.idle_since > before or self._waiting.get(key):
+                continue
+            lock = self._locks.setdefault(key, asyncio.Lock())
+            if lock.locked():
+                continue
+            async with lock:
+                if self._readers.get(key) is not reader or reader.busy:
+                    continue
+                del self._readers[key]
+                if not self._waiting.get(key):
+                    self._locks.pop(key, None)
+                log.info(
+                    "reader %s for peer %s into engine %s closed: unused for %g s",
+                    reader.backend.name, key[0], key[1], self.idle_s,
+                )  # fmt: skip
+                await self._retire(key, reader)
+                closed += 1
+        return closed
 
     def _check_open(self, engine_key: str) -> None:
         if self._closed:
@@ -217,7 +255,7 @@ class Readers:
             (time.perf_counter() - registered) * 1e3,
         )
         self.start()  # the next reader's agent
-        return Reader(backend, peer, metadata)
+        return Reader(backend, peer, metadata, idle_since=time.monotonic())
 
     async def close_engine(self, engine_key: str) -> bool:
         """Destroy every agent that reads into `engine_key`'s buffers. True when all are
