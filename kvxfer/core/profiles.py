@@ -248,18 +248,20 @@ class _Sizing:
         kv_heads = self.text.get("num_key_value_heads")
         if kv_heads is None:  # HF: no KV head count means one per query head
             kv_heads = heads
-        self.query_groups("num_key_value_heads", kv_heads, heads)
         if self.text.get("head_dim") is None:  # HF: hidden_size / heads, floored
             head_dim = self.positive("hidden_size") // heads
         else:
             head_dim = self.positive("head_dim")
-        return self.head_bytes("num_key_value_heads", kv_heads, head_dim), int(kv_heads)
+        size = self.head_bytes("num_key_value_heads", kv_heads, head_dim)
+        self.query_groups("num_key_value_heads", kv_heads, heads)
+        return size, int(kv_heads)
 
-    def query_groups(self, key: str, kv_heads: object, heads: int) -> None:
-        """`kv_heads` (read from `key`) must share the `heads` query heads out evenly:
-        grouped-query attention gives each KV head the same number of query heads."""
-        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
-            raise ProfileError(key, f"must be a positive integer, got {kv_heads!r}")
+    @staticmethod
+    def query_groups(key: str, kv_heads: object, heads: int) -> None:
+        """`kv_heads` (read from `key`; `head_bytes` checked it first) must share the
+        `heads` query heads out evenly: grouped-query attention gives each KV head the
+        same number of query heads."""
+        assert isinstance(kv_heads, int), "checked by head_bytes"
         if heads % kv_heads:
             raise ProfileError(
                 key, f"{kv_heads} KV heads do not divide num_attention_heads ({heads})"

@@ -41,9 +41,9 @@ def _full_attention(sizing: _Sizing, head_dim: int, kv_heads: Any = None) -> _La
     (or `kv_heads` where the model fixes them), split or replicated per TP rank."""
     key = "num_key_value_heads"
     heads = sizing.text.get(key) if kv_heads is None else kv_heads
+    size = sizing.head_bytes(key, heads, head_dim)
     if kv_heads is None:
         sizing.query_groups(key, heads, sizing.positive("num_attention_heads"))
-    size = sizing.head_bytes(key, heads, head_dim)
     return _LayerTensors(GroupKind.FULL_ATTENTION, None, (("k", size), ("v", size)))
 
 
