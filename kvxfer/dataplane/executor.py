@@ -288,14 +288,17 @@ def summarize(
             moved += chunk.nbytes
         else:
             failed.setdefault(chunk.group_id, []).extend(chunk.blocks)
-    resume = valid_tokens(
-        [g.group for g in plan.groups],
-        plan.num_tokens,
-        plan.computed_tokens,
-        block_size,
-        failed,
-        plan.moved_from,
-    )
+    # Nothing failed: every token is valid (the request was checked when it was planned).
+    resume = plan.num_tokens
+    if failed:
+        resume = valid_tokens(
+            [g.group for g in plan.groups],
+            plan.num_tokens,
+            plan.computed_tokens,
+            block_size,
+            failed,
+            plan.moved_from,
+        )
     return TransferResult(
         status=_status(failed, resume, plan),
         failed_blocks={g: tuple(sorted(b)) for g, b in failed.items()},
