@@ -11,10 +11,12 @@ Without the revocation, that late WRITE lands (the serving agent still serves).
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc.aio
 import numpy as np
 import pytest
-from sidecars import engine_link, spans, start_engine, start_sidecar
+from sidecars import engine_link, scrape, spans, start_engine, start_sidecar, unregister
 
 from kvxfer.client.shm import shm_kv_cache
 from kvxfer.core.buffers import MemoryKind
@@ -88,6 +90,85 @@ async def test_a_silent_writer_is_revoked_before_the_failure_is_reported(tmp_pat
             for buffer in mapped:
                 buffer.close()
     finally:
+        await agent.close()
+        de.stop()
+        d.stop()
+
+
+async def test_an_engine_retiring_under_a_writer_that_never_ends_revokes_and_counts_it(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """The writer keeps its lease alive (Heartbeat) but never ends the write, so the
+    lease never expires: only the engine's retirement can end it. Retiring waits for
+    the write to end (lease TTL + stall deadline), then revokes remote access before
+    the memory goes, and `kvxfer_push_revocations` counts that revocation too."""
+    d = start_sidecar(tmp_path, "d", "--lease.ttl-s", "2", "--transfer.stall-deadline-s", "1")
+    de = start_engine(tmp_path, d, MODEL, "decode", num_blocks=32)
+    revocations = ("kvxfer_push_revocations_total", ())
+    agent = NixlAgent("stubborn-writer")
+    beating: asyncio.Task[None] | None = None
+    try:
+        with shm_kv_cache(layout_for_model(MODEL), num_blocks=4, prefix="kvxfer-late") as src:
+            src.block(TENSOR, 0)[:] = 0xAB
+            mapped = [open_buffer(h) for h in src.buffers]
+            await agent.register(mapped)
+            local = bind(mapped)
+            async with engine_link(d, de) as (client, _):
+                ids = list(range(8))
+                await client.expect("stubborn", 100, spans({0: ids, 1: ids}))
+            async with grpc.aio.insecure_channel(d.ready["peer_address"]) as channel:
+                peer = pb_grpc.PeerServiceStub(channel)
+                request = hello_request(de.layout, epoch=1, sidecar_id="w", dry_run=False)
+                hello = hello_from_proto(await peer.Handshake(request), dry_run=False)
+                begun = await peer.BeginWrite(
+                    pb.BeginWriteRequest(
+                        epoch=hello.epoch, tp_rank=0, request_id="stubborn", writer_id="w"
+                    )
+                )
+                name = await agent.add_peer(hello.agent_metadata)
+                s = next(r for r in src.layout.regions if r.name == TENSOR)
+                t = de.regions[TENSOR]
+
+                def job(dst_block: int) -> ChunkJob:
+                    here = local[s.buffer].address + s.block_offset(0)
+                    there = hello.buffers[t.buffer].address + t.block_offset(dst_block)
+                    return ChunkJob(
+                        peer=name,
+                        local=np.array([[here, t.block_bytes, 0]], dtype=np.uint64),
+                        remote=np.array([[there, t.block_bytes, 0]], dtype=np.uint64),
+                        local_kind=MemoryKind.DRAM,
+                        remote_kind=MemoryKind.DRAM,
+                        deadline_s=5.0,
+                        write=True,
+                    )
+
+                async def beat() -> None:  # keeps the lease, whatever it is told
+                    while True:
+                        await peer.Heartbeat(
+                            pb.HeartbeatRequest(
+                                epoch=hello.epoch,
+                                tp_rank=0,
+                                request_ids=["stubborn"],
+                                read_tokens=[begun.write_token],
+                            )
+                        )
+                        await asyncio.sleep(0.3)
+
+                beating = asyncio.create_task(beat())
+                assert await agent.read(job(2)) is TransferStatus.DONE
+                assert (de.block(TENSOR, 2) == 0xAB).all(), "the writer's path works"
+                before = scrape(d).get(revocations, 0)
+                await unregister(d, de)  # returns once the engine's memory is let go
+                assert scrape(d).get(revocations, 0) == before + 1
+                # Revoked and let go: what the writer loaded before reaches nothing.
+                untouched = de.block(TENSOR, 3).copy()
+                assert await agent.read(job(3)) is not TransferStatus.DONE
+                assert np.array_equal(de.block(TENSOR, 3), untouched), "a late write landed"
+            for buffer in mapped:
+                buffer.close()
+    finally:
+        if beating is not None:
+            beating.cancel()
         await agent.close()
         de.stop()
         d.stop()
