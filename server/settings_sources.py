@@ -472,6 +472,8 @@ def problems(exc: ValidationError, model: type[BaseModel]) -> list[tuple[str, st
             given = error.get("input")
             if isinstance(given, str | int | float) and "got" not in message:
                 message += f", got {given!r}"
+        if error["type"] == "string_type" and isinstance(error.get("input"), bool):
+            message += " (YAML reads an unquoted on, off, yes or no as a boolean); quote it"
         name = ".".join(path) or "settings"
         if _field(model, path) is not None and not _is_group(_annotation(model, path)):
             name = setting_name(path)

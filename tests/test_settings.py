@@ -594,6 +594,31 @@ def test_config_file_is_read_as_its_extension_says(tmp_path: Path, suffix: str) 
 
 
 @pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        (
+            "log_level: off\n",
+            "log_level (--log-level, KVXFER_LOG_LEVEL): Input should be a valid string, "
+            "got False (YAML reads an unquoted on, off, yes or no as a boolean); quote it",
+        ),
+        (
+            "nixl:\n  backends: [UCX, yes]\n",
+            "nixl.backends.1: Input should be a valid string (YAML reads an unquoted on, "
+            "off, yes or no as a boolean); quote it",
+        ),
+    ],
+)
+def test_a_yaml_boolean_where_text_belongs_says_to_quote_it(
+    tmp_path: Path, content: str, error: str
+) -> None:
+    config = tmp_path / "kvxfer.yaml"
+    config.write_text(content)
+    with pytest.raises(InvalidInputError) as err:
+        load_settings(["--config", str(config)], environ={})
+    assert str(err.value) == error
+
+
+@pytest.mark.parametrize(
     ("name", "content", "error"),
     [
         # A UTF-16 byte order mark: was a UnicodeDecodeError traceback.
