@@ -433,18 +433,13 @@ class Sidecar:
         except BaseException:
             admission.close()
             raise
-        pull = Pull(engine, params, link, plan)
-        self._pulls[key] = pull
-        pull.task = asyncio.create_task(self._finish_pull(key, pull, admission))
-        # Its first step runs before this answer is made: with a free slot and a known
-        # reader it hands the read to the NIXL thread, and the answer waits for the post,
-        # so the copy starts a lane write sooner (the engine waits for PullDone anyway).
-        await asyncio.sleep(0)
-        await pull.posting()
         full = full_attention_bytes(engine.layout, params.num_tokens, computed_tokens)
         self.metrics.full_attention_bytes.labels(self.links.label(params.peer_address), "read").inc(
             full
         )
+        pull = Pull(engine, params, link, plan)
+        self._pulls[key] = pull
+        pull.task = asyncio.create_task(self._finish_pull(key, pull, admission))
         return PullAccepted(
             bytes_planned=plan.nbytes,
             full_attention_bytes=full,
