@@ -12,26 +12,70 @@ Without the revocation, that late WRITE lands (the serving agent still serves).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc.aio
 import numpy as np
 import pytest
-from sidecars import engine_link, scrape, spans, start_engine, start_sidecar, unregister
+from sidecars import (
+    EngineSim,
+    engine_link,
+    scrape,
+    spans,
+    start_engine,
+    start_sidecar,
+    unregister,
+)
 
-from kvxfer.client.shm import shm_kv_cache
-from kvxfer.core.buffers import MemoryKind
+from kvxfer.client.shm import ShmKVCache, shm_kv_cache
+from kvxfer.core.buffers import BoundBuffer, MemoryKind
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import PullStatus, Received
 from kvxfer.dataplane.adapter import ChunkJob, NixlAgent, TransferStatus
 from kvxfer.dataplane.memory import bind, open_buffer
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
-from kvxfer.wire.sidecar import hello_from_proto, hello_request
+from kvxfer.wire.sidecar import PeerHello, hello_from_proto, hello_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 MODEL = "gpt-oss-20b"
 TENSOR = "layer.0.k"  # a full-attention tensor (group 1 is layer.1's)
+
+
+async def _begin_write(
+    peer: pb_grpc.PeerServiceStub, de: EngineSim, request_id: str
+) -> tuple[PeerHello, pb.BeginWriteResponse]:
+    """Handshake with the decode sidecar as a writer would, and begin the write."""
+    request = hello_request(de.layout, epoch=1, sidecar_id="w", dry_run=False)
+    hello = hello_from_proto(await peer.Handshake(request), dry_run=False)
+    begun = await peer.BeginWrite(
+        pb.BeginWriteRequest(epoch=hello.epoch, tp_rank=0, request_id=request_id, writer_id="w")
+    )
+    return hello, begun
+
+
+def _writes(
+    src: ShmKVCache, local: dict[str, BoundBuffer], de: EngineSim, hello: PeerHello, name: str
+) -> Callable[[int, int], ChunkJob]:
+    """A WRITE of one block of TENSOR, from a source block into a block of `de`'s."""
+    s = next(r for r in src.layout.regions if r.name == TENSOR)
+    t = de.regions[TENSOR]
+
+    def job(src_block: int, dst_block: int) -> ChunkJob:
+        here = local[s.buffer].address + s.block_offset(src_block)
+        there = hello.buffers[t.buffer].address + t.block_offset(dst_block)
+        return ChunkJob(
+            peer=name,
+            local=np.array([[here, t.block_bytes, 0]], dtype=np.uint64),
+            remote=np.array([[there, t.block_bytes, 0]], dtype=np.uint64),
+            local_kind=MemoryKind.DRAM,
+            remote_kind=MemoryKind.DRAM,
+            deadline_s=5.0,
+            write=True,
+        )
+
+    return job
 
 
 async def test_a_silent_writer_is_revoked_before_the_failure_is_reported(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -44,37 +88,14 @@ async def test_a_silent_writer_is_revoked_before_the_failure_is_reported(tmp_pat
             src.block(TENSOR, 1)[:] = 0xCD
             mapped = [open_buffer(h) for h in src.buffers]
             await agent.register(mapped)
-            local = bind(mapped)
             async with engine_link(d, de) as (client, events):
                 ids = list(range(8))
                 await client.expect("stalled", 100, spans({0: ids, 1: ids}))
                 async with grpc.aio.insecure_channel(d.ready["peer_address"]) as channel:
                     peer = pb_grpc.PeerServiceStub(channel)
-                    request = hello_request(de.layout, epoch=1, sidecar_id="w", dry_run=False)
-                    hello = hello_from_proto(await peer.Handshake(request), dry_run=False)
-                    await peer.BeginWrite(
-                        pb.BeginWriteRequest(
-                            epoch=hello.epoch, tp_rank=0, request_id="stalled", writer_id="w"
-                        )
-                    )
+                    hello, _ = await _begin_write(peer, de, "stalled")
                 name = await agent.add_peer(hello.agent_metadata)
-
-                def job(src_block: int, dst_block: int) -> ChunkJob:
-                    s = next(r for r in src.layout.regions if r.name == TENSOR)
-                    t = de.regions[TENSOR]
-                    here = local[s.buffer].address + s.block_offset(src_block)
-                    there = hello.buffers[t.buffer].address + t.block_offset(dst_block)
-                    n = t.block_bytes
-                    return ChunkJob(
-                        peer=name,
-                        local=np.array([[here, n, 0]], dtype=np.uint64),
-                        remote=np.array([[there, n, 0]], dtype=np.uint64),
-                        local_kind=MemoryKind.DRAM,
-                        remote_kind=MemoryKind.DRAM,
-                        deadline_s=5.0,
-                        write=True,
-                    )
-
+                job = _writes(src, bind(mapped), de, hello, name)
                 assert await agent.read(job(0, 2)) is TransferStatus.DONE
                 assert (de.block(TENSOR, 2) == 0xAB).all(), "the writer's path works"
                 before = de.block(TENSOR, 3).copy()
@@ -112,57 +133,35 @@ async def test_an_engine_retiring_under_a_writer_that_never_ends_revokes_and_cou
             src.block(TENSOR, 0)[:] = 0xAB
             mapped = [open_buffer(h) for h in src.buffers]
             await agent.register(mapped)
-            local = bind(mapped)
             async with engine_link(d, de) as (client, _):
                 ids = list(range(8))
                 await client.expect("stubborn", 100, spans({0: ids, 1: ids}))
             async with grpc.aio.insecure_channel(d.ready["peer_address"]) as channel:
                 peer = pb_grpc.PeerServiceStub(channel)
-                request = hello_request(de.layout, epoch=1, sidecar_id="w", dry_run=False)
-                hello = hello_from_proto(await peer.Handshake(request), dry_run=False)
-                begun = await peer.BeginWrite(
-                    pb.BeginWriteRequest(
-                        epoch=hello.epoch, tp_rank=0, request_id="stubborn", writer_id="w"
-                    )
-                )
+                hello, begun = await _begin_write(peer, de, "stubborn")
                 name = await agent.add_peer(hello.agent_metadata)
-                s = next(r for r in src.layout.regions if r.name == TENSOR)
-                t = de.regions[TENSOR]
+                job = _writes(src, bind(mapped), de, hello, name)
+                beat = pb.HeartbeatRequest(
+                    epoch=hello.epoch,
+                    tp_rank=0,
+                    request_ids=["stubborn"],
+                    read_tokens=[begun.write_token],
+                )
 
-                def job(dst_block: int) -> ChunkJob:
-                    here = local[s.buffer].address + s.block_offset(0)
-                    there = hello.buffers[t.buffer].address + t.block_offset(dst_block)
-                    return ChunkJob(
-                        peer=name,
-                        local=np.array([[here, t.block_bytes, 0]], dtype=np.uint64),
-                        remote=np.array([[there, t.block_bytes, 0]], dtype=np.uint64),
-                        local_kind=MemoryKind.DRAM,
-                        remote_kind=MemoryKind.DRAM,
-                        deadline_s=5.0,
-                        write=True,
-                    )
-
-                async def beat() -> None:  # keeps the lease, whatever it is told
+                async def keep_beating() -> None:  # keeps the lease, whatever it is told
                     while True:
-                        await peer.Heartbeat(
-                            pb.HeartbeatRequest(
-                                epoch=hello.epoch,
-                                tp_rank=0,
-                                request_ids=["stubborn"],
-                                read_tokens=[begun.write_token],
-                            )
-                        )
+                        await peer.Heartbeat(beat)
                         await asyncio.sleep(0.3)
 
-                beating = asyncio.create_task(beat())
-                assert await agent.read(job(2)) is TransferStatus.DONE
+                beating = asyncio.create_task(keep_beating())
+                assert await agent.read(job(0, 2)) is TransferStatus.DONE
                 assert (de.block(TENSOR, 2) == 0xAB).all(), "the writer's path works"
                 before = scrape(d).get(revocations, 0)
                 await unregister(d, de)  # returns once the engine's memory is let go
                 assert scrape(d).get(revocations, 0) == before + 1
                 # Revoked and let go: what the writer loaded before reaches nothing.
                 untouched = de.block(TENSOR, 3).copy()
-                assert await agent.read(job(3)) is not TransferStatus.DONE
+                assert await agent.read(job(0, 3)) is not TransferStatus.DONE
                 assert np.array_equal(de.block(TENSOR, 3), untouched), "a late write landed"
             for buffer in mapped:
                 buffer.close()
