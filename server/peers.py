@@ -404,10 +404,12 @@ class PeerLinks:
             # Another address naming the same agent (one peer reached two ways) keeps it.
             if known is not None and all(name != known[1] for _, name in self._nixl_peers.values()):
                 await self._backend.remove_peer(known[1])
-            await self._dialer.forget(address)
         finally:
-            del self._forgetting[address]
-            done.set()
+            try:
+                await self._dialer.forget(address)  # also when the removal failed
+            finally:
+                del self._forgetting[address]
+                done.set()
 
     def label(self, address: str) -> str:
         """The metric label of the peer at `address`: its identity (the `sidecar_id` its
