@@ -121,20 +121,21 @@ class Holds:
     ) -> list[State]:
         """One publisher's answers for `ids`, its lease TTL added to `ttls`."""
         address, epoch, peer_engine, rank = key
-        try:
-            link, _ = await self._links.link(
-                address, engine.engine_id, engine.layout, epoch, peer_engine, rank, quiet=True
-            )
-        except NotFoundError:  # no engine of that rank there, nor anything it published
-            return [pb.LEASE_STATE_UNKNOWN] * len(ids)
-        except NegotiationError as exc:  # its pull would be refused too: stop holding it
-            self._warn(address, engine, str(exc))
-            return [pb.LEASE_STATE_UNKNOWN] * len(ids)
-        if link.epoch != epoch:  # the publisher restarted: nothing of it is held
-            return [pb.LEASE_STATE_UNKNOWN] * len(ids)
-        answered = await self._links.hold(link, ids)
-        ttls.append(link.hello.lease_ttl_s)
-        return answered
+        with self._links.use(address):  # its link is not forgotten under it
+            try:
+                link, _ = await self._links.link(
+                    address, engine.engine_id, engine.layout, epoch, peer_engine, rank, quiet=True
+                )
+            except NotFoundError:  # no engine of that rank there, nor anything it published
+                return [pb.LEASE_STATE_UNKNOWN] * len(ids)
+            except NegotiationError as exc:  # its pull would be refused too: stop holding it
+                self._warn(address, engine, str(exc))
+                return [pb.LEASE_STATE_UNKNOWN] * len(ids)
+            if link.epoch != epoch:  # the publisher restarted: nothing of it is held
+                return [pb.LEASE_STATE_UNKNOWN] * len(ids)
+            answered = await self._links.hold(link, ids)
+            ttls.append(link.hello.lease_ttl_s)
+            return answered
 
     def _warn_late(self, late: list[Publisher], reached: set[Publisher], engine: Engine) -> None:
         """Publishers that did not answer in time: each that was asked is named; those

@@ -8,6 +8,13 @@ pull name another epoch or engine than the cached one (the peer restarted
 or its engine re-registered), when the peer's registrations changed (its
 metadata is reloaded in place), or after a transfer saw the peer disconnect.
 A new epoch drops the stale NIXL agent before loading the new one.
+
+Every pull, push and Hold claims its peer's address (`PeerLinks.use`) while it may
+touch a link there. An address with no claim, no handshake under way and no call for
+`transfer.idle_agent_s` is forgotten (`forget_idle`): its links, its loaded NIXL agent,
+its gRPC channel and lanes. Prefill pods come back under new addresses, and a
+long-lived decode sidecar kept all of that for every pod that ever existed; a later
+pull to a forgotten address simply handshakes again.
 """
 
 from __future__ import annotations
@@ -228,8 +235,9 @@ class Dialer:
             await lane.close()
 
     async def forget(self, address: str) -> None:
-        """Close the channel to a peer that has no link: params naming thousands of
-        addresses that never answer must not leave a channel each behind."""
+        """Close the channel and lanes to a peer that has no link (any more): params naming
+        thousands of addresses that never answer, or prefill pods replaced under new
+        addresses, must not leave a channel each behind."""
         channel = self._channels.pop(address, None)
         if channel is not None:
             await channel.close()
@@ -245,6 +253,28 @@ class Dialer:
         lanes, self._lanes = self._lanes, {}
         for lane in lanes.values():
             await lane.close()
+
+
+class PeerUse:
+    """A claim on a peer address, from before a transfer or Hold looks up its link until
+    nothing of it can touch the link any more (its EndRead or EndWrite included): while
+    any is held, `PeerLinks.forget_idle` leaves the address alone. `release` is
+    idempotent; a context manager releases on exit."""
+
+    def __init__(self, links: PeerLinks, address: str) -> None:
+        self._links: PeerLinks | None = links
+        self.address = address
+
+    def release(self) -> None:
+        links, self._links = self._links, None
+        if links is not None:
+            links._release(self.address)
+
+    def __enter__(self) -> PeerUse:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
 
 
 @dataclass
@@ -300,9 +330,86 @@ class PeerLinks:
         # (address, rank, request id) -> the read token BeginRead returned; bounded, since
         # a read that ends without EndRead (its lease lost) leaves its token behind.
         self._read_tokens: dict[tuple[str, int, str], str] = {}
+        self._users: dict[str, int] = {}  # address -> claims held (`use`)
+        self._last_used: dict[str, float] = {}  # address -> time.monotonic() of last use
+        # Addresses being forgotten: a handshake with one waits until its agent is removed
+        # and its channel closed, so it never loads an agent that removal then drops.
+        self._forgetting: dict[str, asyncio.Event] = {}
 
     def all(self) -> list[PeerLink]:
         return list(self._links.values())
+
+    def use(self, address: str) -> PeerUse:
+        """Claim `address` until the claim is released: take it before looking up a link
+        there, and release it once nothing will use that link (see `forget_idle`)."""
+        self._users[address] = self._users.get(address, 0) + 1
+        self._touch(address)
+        return PeerUse(self, address)
+
+    def _release(self, address: str) -> None:
+        self._touch(address)  # its idle time starts now, not when it was claimed
+        left = self._users[address] - 1
+        if left:
+            self._users[address] = left
+        else:
+            del self._users[address]
+
+    def _touch(self, address: str) -> None:
+        self._last_used[address] = time.monotonic()
+
+    def _busy(self, address: str) -> bool:
+        return (
+            address in self._users
+            or address in self._forgetting
+            or any(pending == address for pending, _ in self._pending)
+        )
+
+    async def forget_idle(self, idle_s: float) -> int:
+        """Forget every address unclaimed and uncalled for `idle_s` (transfer.idle_agent_s),
+        with no handshake under way: its links go, its NIXL agent is removed from ours,
+        its channel and lanes close. How many addresses that had a link or agent went.
+
+        Each address is checked and its links removed with nothing awaited in between:
+        a pull that claims it later finds no link and handshakes anew (after the removal
+        ends); one that claimed it earlier keeps it from being forgotten."""
+        before = time.monotonic() - idle_s
+        seen = {address for address, _ in self._links} | set(self._nixl_peers)
+        forgotten = 0
+        for address in seen | set(self._last_used):
+            if self._busy(address) or self._last_used.get(address, 0.0) > before:
+                continue
+            linked = address in seen
+            await self._forget(address)
+            if linked:
+                forgotten += 1
+                log.info("forgot peer %s: no transfer used it for %g s", address, idle_s)
+        return forgotten
+
+    async def _forget(self, address: str) -> None:
+        """Drop everything kept for `address`: synchronously up to the first await (the
+        caller checked it is unused), then remove its agent and close its connections."""
+        for key in [key for key in self._links if key[0] == address]:
+            self._links.pop(key).stale = True  # nothing holds it (unclaimed): belt and braces
+        for key in [key for key in self._locks if key[0] == address]:
+            del self._locks[key]  # unclaimed, no handshake pending: no one holds or awaits it
+        for token in [token for token in self._read_tokens if token[0] == address]:
+            del self._read_tokens[token]  # reads ended without EndRead (their lease lost)
+        self._last_used.pop(address, None)
+        self._identities.pop(address, None)
+        known = self._nixl_peers.pop(address, None)
+        done = self._forgetting[address] = asyncio.Event()
+        try:
+            # Memory safety: the agent removed here is the one our serving agent loaded for
+            # this peer; no link points at it any more and no transfer claims the address.
+            # Another address naming the same agent (one peer reached two ways) keeps it.
+            if known is not None and all(name != known[1] for _, name in self._nixl_peers.values()):
+                await self._backend.remove_peer(known[1])
+        finally:
+            try:
+                await self._dialer.forget(address)  # also when the removal failed
+            finally:
+                del self._forgetting[address]
+                done.set()
 
     def label(self, address: str) -> str:
         """The metric label of the peer at `address`: its identity (the `sidecar_id` its
@@ -431,6 +538,8 @@ class PeerLinks:
         """Hello, then negotiate, and only if they agree load the peer's NIXL agent: a
         refused peer adds no agent, no link and no `ok` handshake."""
         start = time.perf_counter()
+        while (forgetting := self._forgetting.get(address)) is not None:
+            await forgetting.wait()  # its old agent removed and channel closed first
         async with self._locks.setdefault((address, rank), asyncio.Lock()):
             try:
                 hello = await self.hello(address, layout, dry_run=False, peer_rank=rank)
@@ -470,6 +579,7 @@ class PeerLinks:
             if old.epoch == hello.epoch and old.hello.engine_id == hello.engine_id:
                 link.agreements = old.agreements
         self._links[key] = link
+        self._touch(address)
         self._name_peer(address, hello.sidecar_id)
         self._metrics.peer_epoch.labels(self.label(address)).set(hello.epoch)
         return link
@@ -506,7 +616,7 @@ class PeerLinks:
         request = pb.BeginReadRequest(
             epoch=link.epoch, tp_rank=link.tp_rank, request_id=request_id, reader_id=reader_id
         )
-        reply = await self._dialer.call_peer(
+        reply = await self._call_peer(
             link, "BeginRead", request, pb.BeginReadResponse, "begin read"
         )
         self._keep_token(link, request_id, reply.read_token)
@@ -520,7 +630,7 @@ class PeerLinks:
         request = pb.BeginWriteRequest(
             epoch=link.epoch, tp_rank=link.tp_rank, request_id=request_id, writer_id=writer_id
         )
-        reply = await self._dialer.call_peer(
+        reply = await self._call_peer(
             link, "BeginWrite", request, pb.BeginWriteResponse, "begin write"
         )
         self._keep_token(link, request_id, reply.write_token)
@@ -536,9 +646,7 @@ class PeerLinks:
         request = pb.HeartbeatRequest(
             epoch=link.epoch, tp_rank=link.tp_rank, request_ids=[request_id], read_tokens=[token]
         )
-        reply = await self._dialer.call_peer(
-            link, "Heartbeat", request, pb.HeartbeatResponse, "heartbeat"
-        )
+        reply = await self._call_peer(link, "Heartbeat", request, pb.HeartbeatResponse, "heartbeat")
         return reply.states[0] if reply.states else pb.LEASE_STATE_UNKNOWN
 
     async def hold(
@@ -549,7 +657,7 @@ class PeerLinks:
         request = pb.HoldLeasesRequest(
             epoch=link.epoch, tp_rank=link.tp_rank, request_ids=list(request_ids)
         )
-        reply = await self._dialer.call_peer(
+        reply = await self._call_peer(
             link, "HoldLeases", request, pb.HoldLeasesResponse, "hold leases"
         )
         if len(reply.states) != len(request_ids):
@@ -566,7 +674,7 @@ class PeerLinks:
         request.read_token = self._read_tokens.get(key, "")
         await self._ending(
             key,
-            self._dialer.call_peer(link, "EndRead", request, pb.EndReadResponse, "end read"),
+            self._call_peer(link, "EndRead", request, pb.EndReadResponse, "end read"),
         )
 
     async def end_write(self, link: PeerLink, request: pb.EndWriteRequest) -> pb.EndWriteResponse:
@@ -575,8 +683,15 @@ class PeerLinks:
         request.write_token = self._read_tokens.get(key, "")
         return await self._ending(
             key,
-            self._dialer.call_peer(link, "EndWrite", request, pb.EndWriteResponse, "end write"),
+            self._call_peer(link, "EndWrite", request, pb.EndWriteResponse, "end write"),
         )
+
+    def _call_peer(
+        self, link: PeerLink, method: str, request: Message, reply: type[R], what: str
+    ) -> Awaitable[R]:
+        """A per-request call at the peer of `link`, its address marked used."""
+        self._touch(link.address)
+        return self._dialer.call_peer(link, method, request, reply, what)
 
     async def _ending(self, key: tuple[str, int, str], call: Awaitable[T]) -> T:
         try:

@@ -289,6 +289,25 @@ class Pushes:
         local_spans: tuple[BlockSpan, ...],
         starting: _Starting,
     ) -> Push:
+        """Link, BeginWrite and plan, then run the push in its own task; the peer's address
+        is claimed until that task ends (its EndWrite too), or until the start fails."""
+        use = self._links.use(params.peer_address)
+        try:
+            push = await self._begin(engine, params, local_spans, starting)
+        except BaseException:
+            use.release()
+            raise
+        assert push.task is not None
+        push.task.add_done_callback(lambda _: use.release())  # even if it never ran
+        return push
+
+    async def _begin(
+        self,
+        engine: Engine,
+        params: TransferParams,
+        local_spans: tuple[BlockSpan, ...],
+        starting: _Starting,
+    ) -> Push:
         if params.mode is not TransferMode.PUSH:
             raise InvalidInputError(
                 "params.mode", "pull params go to the decode engine's Pull, not to Push"

@@ -156,8 +156,10 @@ class TransferSettings(_Group):
         ge=1,
         le=86400,
         description="a reading (or writing) agent no transfer used for this long is "
-        "closed, with its thread and its registration of the engine's memory: a peer "
-        "that went away does not keep its agents until the engine leaves",
+        "closed, with its thread and its registration of the engine's memory, and a peer "
+        "address no transfer used for this long is forgotten (its links, loaded NIXL "
+        "agent, channel and lanes; the next pull handshakes again): a peer that went "
+        "away does not keep any of it until the engine or the sidecar leaves",
     )
     modes: tuple[TransferMode, ...] = Field(
         (TransferMode.PULL, TransferMode.PUSH),

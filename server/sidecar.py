@@ -131,16 +131,22 @@ class Sidecar:
         self._readers.start()  # a reading agent ahead of the first pull (readers.py)
 
     async def _close_idle_agents(self) -> None:
-        """Close the reading and writing agents unused for transfer.idle_agent_s, looking
-        a quarter of that apart (at most a minute): apart from the lease sweep, which a
+        """Close the reading and writing agents unused for transfer.idle_agent_s, and forget
+        the peer addresses no transfer used that long (PeerLinks.forget_idle), looking a
+        quarter of that apart (at most a minute): apart from the lease sweep, which a
         closing agent's thread join must not hold up."""
-        every = min(self.settings.transfer.idle_agent_s / 4, 60.0)
+        idle_s = self.settings.transfer.idle_agent_s
+        every = min(idle_s / 4, 60.0)
         while True:
             await asyncio.sleep(every)
             try:
                 await self._readers.close_idle()
             except Exception:  # a bug must not stop the next rounds
                 log.exception("closing idle NIXL agents failed")
+            try:
+                await self.links.forget_idle(idle_s)
+            except Exception:
+                log.exception("forgetting idle peers failed")
 
     async def _sweep(self) -> None:
         while True:
@@ -407,6 +413,8 @@ class Sidecar:
         self._check_block_count(local_spans, "local_spans")
         self._check_block_count(params.spans, "params.spans")
         admission = self._gate.admit(params.peer_address)
+        # Claimed until the pull's task ends (its EndRead too): its link stays linked.
+        use = self.links.use(params.peer_address)
         try:
             link, _ = await self.links.link(
                 params.peer_address,
@@ -432,6 +440,7 @@ class Sidecar:
             self._check_not_pulled(key)
         except BaseException:
             admission.close()
+            use.release()
             raise
         full = full_attention_bytes(engine.layout, params.num_tokens, computed_tokens)
         self.metrics.full_attention_bytes.labels(self.links.label(params.peer_address), "read").inc(
@@ -440,6 +449,7 @@ class Sidecar:
         pull = Pull(engine, params, link, plan)
         self._pulls[key] = pull
         pull.task = asyncio.create_task(self._finish_pull(key, pull, admission))
+        pull.task.add_done_callback(lambda _: use.release())  # even if it never ran
         return PullAccepted(
             bytes_planned=plan.nbytes,
             full_attention_bytes=full,
