@@ -19,6 +19,7 @@ still have WRITEs posted) (docs/dataplane.md, Push: what that costs).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -223,9 +224,25 @@ class Destinations:
         be lost) nor a retried EndWrite revoke again (the agent that replaced this one)."""
         lease.ending = True
         try:
-            await self._backend.revoke(why)
+            await self._fence(lease, why)
         finally:  # cancelled (the writer's call gave up): the lease expires as usual
             lease.ending = False
+
+    async def _fence(self, lease: Lease, why: str) -> None:
+        """Return once remote access was revoked after the lease's writer gave up: by the
+        revocation begun for it earlier if there is one (its EndWrite was cancelled while
+        the agent was killed and reaped: that kill fences every chunk the writer gave up
+        on, and a second would only kill the agent that replaced it), else a new one.
+        Shielded: a cancelled caller leaves the kill to finish for whoever ends the lease."""
+        revocation = lease.revocation
+        if revocation is None or (
+            revocation.done() and (revocation.cancelled() or revocation.exception() is not None)
+        ):
+            revocation = lease.revocation = asyncio.ensure_future(self._revoke_now(why))
+        await asyncio.shield(revocation)
+
+    async def _revoke_now(self, why: str) -> None:
+        await self._backend.revoke(why)
         self._metrics.push_revocations.inc()
 
     async def expired(self, lease: Lease) -> None:
@@ -235,8 +252,7 @@ class Destinations:
             why = "no prefill sidecar began writing it within the lease TTL"
         else:
             why = "its writer went silent past the lease TTL; remote access was revoked first"
-            await self._backend.revoke(f"the writer of {lease.request_id!r} went silent")
-            self._metrics.push_revocations.inc()
+            await self._fence(lease, f"the writer of {lease.request_id!r} went silent")
         log.warning("expected request %s failed: %s", lease.request_id, why)
         self._fail_all(lease, PullStatus.FAILED, why)
 

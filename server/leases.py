@@ -22,6 +22,7 @@ renew (pin) a read it did not begin.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import hmac
 import logging
@@ -92,6 +93,10 @@ class Lease:
     # Its writer's EndWrite is revoking remote access before it reports: nothing else
     # ends the lease meanwhile (the sweeper passes it over; a second EndWrite is refused).
     ending: bool = False
+    # The revocation of remote access begun for its writer's given-up chunks: it runs on
+    # when the call that began it is cancelled, and what ends the lease after (a retried
+    # EndWrite, the sweeper) waits for it instead of killing the agent that replaced it.
+    revocation: asyncio.Future[None] | None = None
 
     @property
     def blocks(self) -> int:

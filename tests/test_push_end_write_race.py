@@ -6,7 +6,10 @@ table. Nothing else may end that lease meanwhile. The sweeper would revoke again
 and report the write failed, losing the writer's outcome (its EndWrite then finds
 no lease); a retried EndWrite (the writer's first answer lost) would pass the
 writer check and revoke a second time, killing the serving agent that replaced the
-first one with every transfer through it.
+first one with every transfer through it. Nor may a retried EndWrite or the
+sweeper revoke again when the first EndWrite's call was cancelled while it revoked
+(its writer's deadline passed during a slow kill and reap): that kill goes on, and
+they wait for it.
 
 The lease table and the destinations are the real ones; the serving agent is a
 fake whose revocation lasts until the test ends it, as a slow kill and reap would.
@@ -174,4 +177,48 @@ async def test_a_retried_end_write_does_not_revoke_again(decode: Decode) -> None
     assert isinstance(retried, LeaseError), retried
     assert decode.backend.revocations == 1
     _the_writers_outcome(decode.events)
+    assert not decode.leases.all()
+
+
+async def _cancelled_mid_revocation(decode: Decode, end: WriteEnd) -> None:
+    """The writer's first EndWrite revokes, and its call is cancelled meanwhile (its
+    deadline passed during a slow kill and reap; gRPC and the lane cancel the handler):
+    the kill is under way all the same."""
+    first = asyncio.create_task(decode.destinations.end_write(decode.engine, "r", end))
+    await decode.backend.revoking.wait()
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+
+async def test_an_end_write_retried_after_its_cancelled_call_does_not_revoke_again(
+    decode: Decode,
+) -> None:
+    end = _begun(decode)
+    await _cancelled_mid_revocation(decode, end)
+    retry = asyncio.create_task(decode.destinations.end_write(decode.engine, "r", end))
+    await asyncio.sleep(0.05)
+    assert not retry.done(), "the end was reported before the revocation ended"
+    assert not decode.events
+    decode.backend.done.set()
+    assert await retry == 96
+    assert decode.backend.revocations == 1, "the retry killed the agent that replaced it"
+    _the_writers_outcome(decode.events)
+    assert not decode.leases.all()
+
+
+async def test_the_sweeper_waits_for_a_cancelled_end_writes_revocation(decode: Decode) -> None:
+    end = _begun(decode)
+    await _cancelled_mid_revocation(decode, end)
+    decode.clock[0] += 2 * TTL_S  # the writer gave up retrying: the lease expires
+    sweeping = asyncio.create_task(decode.sweep())
+    await asyncio.sleep(0.05)
+    assert not sweeping.done(), "the lease was reported before the revocation ended"
+    assert not decode.events
+    decode.backend.done.set()
+    await sweeping
+    assert decode.backend.revocations == 1, "the sweeper killed the agent that replaced it"
+    (received,) = decode.events
+    assert isinstance(received, Received), received
+    assert received.status is PullStatus.FAILED and "revoked" in received.reason, received
     assert not decode.leases.all()

@@ -171,3 +171,74 @@ async def test_an_engine_retiring_under_a_writer_that_never_ends_revokes_and_cou
         await agent.close()
         de.stop()
         d.stop()
+
+
+async def test_late_end_writes_revoke_nothing_more(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One revocation per lease that needs one, and none for an EndWrite that arrives
+    after its lease ended: the retry of an unsettled EndWrite that already revoked and
+    reported, and the EndWrite of a writer whose lease the sweeper already expired and
+    revoked. Each more would kill the serving agent every other peer writes through."""
+    d = start_sidecar(tmp_path, "d", "--lease.ttl-s", "2", "--transfer.stall-deadline-s", "1")
+    de = start_engine(tmp_path, d, MODEL, "decode", num_blocks=32)
+    revocations = ("kvxfer_push_revocations_total", ())
+    restarts = ("kvxfer_serving_agent_restarts_total", ())
+    try:
+        async with engine_link(d, de) as (client, events):
+            ids = list(range(8))
+            await client.expect("ended", 100, spans({0: ids, 1: ids}))
+            await client.expect("silent", 100, spans({0: ids[:7], 1: ids[:7]}))
+            async with grpc.aio.insecure_channel(d.ready["peer_address"]) as channel:
+                peer = pb_grpc.PeerServiceStub(channel)
+                request = hello_request(de.layout, epoch=1, sidecar_id="w", dry_run=False)
+                hello = hello_from_proto(await peer.Handshake(request), dry_run=False)
+
+                async def begin(request_id: str) -> str:
+                    begun = await peer.BeginWrite(
+                        pb.BeginWriteRequest(
+                            epoch=hello.epoch, tp_rank=0, request_id=request_id, writer_id="w"
+                        )
+                    )
+                    return begun.write_token
+
+                def end(request_id: str, token: str) -> pb.EndWriteRequest:
+                    return pb.EndWriteRequest(  # gave up, and cannot say it settled
+                        epoch=hello.epoch,
+                        tp_rank=0,
+                        request_id=request_id,
+                        write_token=token,
+                        reason=pb.RELEASE_REASON_ABORTED,
+                        settled=False,
+                        detail="chunks timed_out",
+                    )
+
+                tokens = {r: await begin(r) for r in ("ended", "silent")}
+                before = scrape(d)
+                await peer.EndWrite(end("ended", tokens["ended"]), timeout=30)
+                received = await events.next(timeout_s=30)
+                assert isinstance(received, Received) and received.request_id == "ended"
+                assert received.status is PullStatus.ABORTED, received
+                assert scrape(d).get(revocations, 0) == before.get(revocations, 0) + 1
+                # Its answer was lost: the writer retries, and finds the lease gone.
+                with pytest.raises(grpc.aio.AioRpcError) as retried:
+                    await peer.EndWrite(end("ended", tokens["ended"]), timeout=30)
+                assert retried.value.code() is grpc.StatusCode.NOT_FOUND, retried.value
+                # The other writer is silent: the sweeper revokes and reports it ...
+                received = await events.next(timeout_s=30)
+                assert isinstance(received, Received) and received.request_id == "silent"
+                assert received.status is PullStatus.FAILED and "revoked" in received.reason
+                # ... and its EndWrite, late, finds the lease gone too.
+                with pytest.raises(grpc.aio.AioRpcError) as late:
+                    await peer.EndWrite(end("silent", tokens["silent"]), timeout=30)
+                assert late.value.code() is grpc.StatusCode.NOT_FOUND, late.value
+            expected = before.get(restarts, 0) + 2
+            for _ in range(100):  # the second replacement is noticed after the report
+                if scrape(d).get(restarts, 0) >= expected:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)  # time for a needless third kill to show
+            after = scrape(d)
+            assert after.get(revocations, 0) == before.get(revocations, 0) + 2
+            assert after.get(restarts, 0) == expected, "a serving agent was killed needlessly"
+    finally:
+        de.stop()
+        d.stop()
