@@ -369,35 +369,56 @@ class PeerLinks:
         with no handshake under way: its links go, its NIXL agent is removed from ours,
         its channel and lanes close. How many addresses that had a link or agent went.
 
-        Each address is checked and its links removed with nothing awaited in between:
-        a pull that claims it later finds no link and handshakes anew (after the removal
-        ends); one that claimed it earlier keeps it from being forgotten."""
+        The addresses are chosen and their links removed with nothing awaited in between,
+        in one pass over each map however many go (thousands of addresses named by bad
+        params must not stall the loop): a pull that claims one later finds no link and
+        handshakes anew, once the removal ended; one that claimed it earlier keeps it."""
         before = time.monotonic() - idle_s
         seen = {address for address, _ in self._links} | set(self._nixl_peers)
-        forgotten = 0
-        for address in seen | set(self._last_used):
-            if self._busy(address) or self._last_used.get(address, 0.0) > before:
-                continue
-            linked = address in seen
-            await self._forget(address)
-            if linked:
-                forgotten += 1
-                log.info("forgot peer %s: no transfer used it for %g s", address, idle_s)
-        return forgotten
-
-    async def _forget(self, address: str) -> None:
-        """Drop everything kept for `address`: synchronously up to the first await (the
-        caller checked it is unused), then remove its agent and close its connections."""
-        for key in [key for key in self._links if key[0] == address]:
+        idle = [
+            address
+            for address in seen | set(self._last_used)
+            if not self._busy(address) and self._last_used.get(address, 0.0) <= before
+        ]
+        if not idle:
+            return 0
+        gone = set(idle)
+        for key in [key for key in self._links if key[0] in gone]:
             self._links.pop(key).stale = True  # nothing holds it (unclaimed): belt and braces
-        for key in [key for key in self._locks if key[0] == address]:
+        for key in [key for key in self._locks if key[0] in gone]:
             del self._locks[key]  # unclaimed, no handshake pending: no one holds or awaits it
-        for token in [token for token in self._read_tokens if token[0] == address]:
+        for token in [token for token in self._read_tokens if token[0] in gone]:
             del self._read_tokens[token]  # reads ended without EndRead (their lease lost)
-        self._last_used.pop(address, None)
-        self._identities.pop(address, None)
-        known = self._nixl_peers.pop(address, None)
-        done = self._forgetting[address] = asyncio.Event()
+        agents = {}
+        for address in idle:
+            self._last_used.pop(address, None)
+            self._identities.pop(address, None)
+            agents[address] = self._nixl_peers.pop(address, None)
+            self._forgetting[address] = asyncio.Event()
+        removed: set[str] = set()  # agent names removed in this pass (one per agent)
+        try:
+            for address in idle:
+                known = agents[address]
+                if known is not None and known[1] in removed:
+                    known = None
+                try:
+                    await self._forget(address, known)
+                except Exception as exc:  # the next addresses are still let go
+                    log.warning("forgetting peer %s: %s", address, exc)
+                if known is not None:
+                    removed.add(known[1])
+                if address in seen:
+                    log.info("forgot peer %s: no transfer used it for %g s", address, idle_s)
+        finally:  # cancelled or failed: no handshake may wait for a removal that never ends
+            for address in idle:
+                done = self._forgetting.pop(address, None)
+                if done is not None:
+                    done.set()
+        return len(gone & seen)
+
+    async def _forget(self, address: str, known: tuple[int, str] | None) -> None:
+        """Remove the NIXL agent loaded for `address` (`known`, its `_nixl_peers` entry)
+        from ours and close its connections; `forget_idle` dropped the rest already."""
         try:
             # Memory safety: the agent removed here is the one our serving agent loaded for
             # this peer; no link points at it any more and no transfer claims the address.
@@ -408,8 +429,9 @@ class PeerLinks:
             try:
                 await self._dialer.forget(address)  # also when the removal failed
             finally:
-                del self._forgetting[address]
-                done.set()
+                done = self._forgetting.pop(address, None)
+                if done is not None:
+                    done.set()
 
     def label(self, address: str) -> str:
         """The metric label of the peer at `address`: its identity (the `sidecar_id` its

@@ -157,6 +157,30 @@ async def test_unknown_addresses_fold_into_one_label() -> None:
     assert _value(metrics, "kvxfer_handshakes_total", peer="other", result="error") == 20
 
 
+async def test_addresses_named_by_bad_params_go_in_one_sweep_and_a_claimed_one_stays() -> None:
+    """Pulls naming addresses that never answer each leave a channel and a last use
+    behind; one sweep lets them all go (and the read tokens kept for them), in one pass
+    over each map, while an address a transfer still claims stays."""
+    metrics, backend = Metrics(), RecordingBackend()
+    links = _links(metrics, backend, "--transfer.rpc-timeout-s", "0.2")
+    layout = layout_for_model(MODEL)
+    closed = [f"127.0.0.1:{_closed_port()}" for _ in range(30)]
+    for address in closed:
+        with links.use(address), pytest.raises(PeerUnavailableError):
+            await links.link(address, "e-1", layout, 1, "e-p")
+    for i, address in enumerate(closed):  # reads that ended without EndRead
+        links._read_tokens[(address, 0, f"r-{i}")] = f"t-{i}"
+    claimed = links.use(closed[0])
+    assert await links.forget_idle(0.0) == 0  # none had a link or an agent
+    assert set(links._last_used) == {closed[0]}
+    assert {key[0] for key in links._read_tokens} == {closed[0]}
+    assert not links._forgetting
+    claimed.release()
+    await links.forget_idle(0.0)
+    assert not links._last_used and not links._read_tokens
+    await links._dialer.close()
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
