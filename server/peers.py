@@ -49,6 +49,7 @@ from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
 from kvxfer.wire.errors import guarded
 from kvxfer.wire.lane import keep_alive
 from kvxfer.wire.lane_client import Lane
+from kvxfer.wire.loops import within
 from kvxfer.wire.sidecar import PeerHello, hello_from_proto, hello_request
 
 log = logging.getLogger(__name__)
@@ -392,7 +393,10 @@ class PeerLinks:
         agents = {}
         for address in idle:
             self._last_used.pop(address, None)
-            self._identities.pop(address, None)
+            # A peer with a metric label of its own keeps it (its errors after this still
+            # count under its name); one folded into "other" is not kept.
+            if self._identities.get(address) not in self._labels:
+                self._identities.pop(address, None)
             agents[address] = self._nixl_peers.pop(address, None)
             self._forgetting[address] = asyncio.Event()
         removed: set[str] = set()  # agent names removed in this pass (one per agent)
@@ -432,6 +436,22 @@ class PeerLinks:
                 done = self._forgetting.pop(address, None)
                 if done is not None:
                     done.set()
+
+    async def _forgotten(self, address: str) -> None:
+        """Until a removal of `address` under way has ended (its old agent removed, its
+        channel closed): at most transfer.rpc_timeout_s, as any call to a peer, since the
+        removal waits for the serving agent, which an engine's registration or a child's
+        restart may hold."""
+        timeout_s = self._settings.transfer.rpc_timeout_s
+        while (forgetting := self._forgetting.get(address)) is not None:
+            try:
+                await within(forgetting.wait(), timeout_s)
+            except TimeoutError:
+                self._metrics.handshakes.labels(self.label(address), "error").inc()
+                raise PeerUnavailableError(
+                    f"peer {address}: its idle link was still being let go after "
+                    f"{timeout_s:g}s (transfer.rpc_timeout_s)"
+                ) from None
 
     def label(self, address: str) -> str:
         """The metric label of the peer at `address`: its identity (the `sidecar_id` its
@@ -560,8 +580,7 @@ class PeerLinks:
         """Hello, then negotiate, and only if they agree load the peer's NIXL agent: a
         refused peer adds no agent, no link and no `ok` handshake."""
         start = time.perf_counter()
-        while (forgetting := self._forgetting.get(address)) is not None:
-            await forgetting.wait()  # its old agent removed and channel closed first
+        await self._forgotten(address)
         async with self._locks.setdefault((address, rank), asyncio.Lock()):
             try:
                 hello = await self.hello(address, layout, dry_run=False, peer_rank=rank)

@@ -34,6 +34,7 @@ from kvxfer.server.peer_lane import grpc_peer
 from kvxfer.server.peers import Dialer, PeerLinks
 from kvxfer.server.settings import load_settings
 from kvxfer.v1 import sidecar_pb2 as pb
+from kvxfer.wire.loops import within
 
 MODEL = "gemma-3-4b-it"
 
@@ -178,6 +179,54 @@ async def test_addresses_named_by_bad_params_go_in_one_sweep_and_a_claimed_one_s
     claimed.release()
     await links.forget_idle(0.0)
     assert not links._last_used and not links._read_tokens
+    await links._dialer.close()
+
+
+async def test_a_forgotten_peer_keeps_its_metric_label(hung_peer: str) -> None:
+    """A peer with a label of its own idles out and is forgotten, then stops answering:
+    its handshake error still counts under its name, not under "other"."""
+    metrics = Metrics()
+    links = _links(metrics, RecordingBackend())
+    links._name_peer(hung_peer, "p")  # what its earlier successful handshake left
+    links.use(hung_peer).release()
+    await links.forget_idle(0.0)
+    with links.use(hung_peer), pytest.raises(PeerUnavailableError):
+        await links.link(hung_peer, "e-1", layout_for_model(MODEL), 1, "e-p")
+    assert _value(metrics, "kvxfer_handshakes_total", peer="p", result="error") == 1
+    assert _value(metrics, "kvxfer_handshakes_total", peer="other", result="error") == 0
+    await links._dialer.close()
+
+
+class StuckRemoval(RecordingBackend):
+    """`remove_peer` waits, as the serving agent's does behind its lock while an engine
+    registers its buffers or a serving child is being replaced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def remove_peer(self, peer: str) -> None:
+        await self.release.wait()
+
+
+async def test_a_pull_to_an_address_being_forgotten_waits_at_most_the_rpc_timeout(
+    hung_peer: str,
+) -> None:
+    backend = StuckRemoval()
+    metrics = Metrics()
+    links = _links(metrics, backend, "--transfer.rpc-timeout-s", "0.3")
+    links._nixl_peers[hung_peer] = (1, "agent-old")
+    links.use(hung_peer).release()
+    sweep = asyncio.create_task(links.forget_idle(0.0))
+    await asyncio.sleep(0)  # the sweep is removing the old agent, and stays stuck there
+    try:
+        with links.use(hung_peer), pytest.raises(PeerUnavailableError, match="still being let go"):
+            await within(links.link(hung_peer, "e-1", layout_for_model(MODEL), 1, "e-p"), 10)
+        assert _total(metrics, "kvxfer_handshakes_total", result="error") == 1
+    finally:
+        backend.release.set()
+        await sweep
+    assert not links._forgetting
     await links._dialer.close()
 
 
