@@ -6,8 +6,10 @@ how long a Hold naming many silent publishers takes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,6 +33,18 @@ class Links:
         self.publishers = publishers
         self.asked: list[tuple[str, list[str]]] = []
         self.linked: set[str] = set()
+        self.claims: dict[str, int] = {}  # address -> claims held now (`use`)
+        self.claimed: set[str] = set()  # every address ever claimed
+
+    @contextlib.contextmanager
+    def use(self, address: str) -> Iterator[None]:
+        """Claimed while a Hold asks the publisher (PeerLinks.use: not forgotten meanwhile)."""
+        self.claims[address] = self.claims.get(address, 0) + 1
+        self.claimed.add(address)
+        try:
+            yield
+        finally:
+            self.claims[address] -= 1
 
     def all(self) -> list[Any]:
         hello = SimpleNamespace(engine_id="prefill")
@@ -39,6 +53,7 @@ class Links:
 
     async def link(self, address: str, *args: Any, quiet: bool = False) -> tuple[Any, None]:
         assert quiet  # Hold logs a refused negotiation itself, throttled
+        assert self.claims.get(address), f"{address}'s link looked up unclaimed"
         answer = self.publishers[address]
         if answer is None:
             await asyncio.sleep(3600)
@@ -48,6 +63,7 @@ class Links:
         return SimpleNamespace(address=address, epoch=args[2], hello=hello), None
 
     async def hold(self, link: Any, ids: list[str]) -> list[int]:
+        assert self.claims.get(link.address), f"{link.address} asked unclaimed"
         self.asked.append((link.address, ids))
         return [pb.LEASE_STATE_HELD] * len(ids)
 
@@ -75,6 +91,9 @@ def test_each_slot_gets_its_publishers_answer_and_the_interval_its_shortest_ttl(
         pb.LEASE_STATE_HELD,
     ]
     assert sorted(links.asked) == [("10.0.0.1:1", ["a", "e"]), ("10.0.0.2:1", ["c"])]
+    # Each publisher was claimed while asked (not forgotten under the Hold), then let go.
+    assert links.claimed == {p.peer_address for p in asked}
+    assert not any(links.claims.values())
     assert interval == holds_module.HOLD_ASK_S  # d unanswered: soon again, TTL unknown
     _, interval = asyncio.run(holds.hold(ENGINE, [p for p in asked if p.request_id != "d"]))
     assert interval == 2.0  # all answered: a third of the shortest TTL asked
