@@ -15,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc.aio
 import pytest
 from sidecars import (
     DecodeImage,
+    EngineSim,
+    Events,
     engine_link,
     freeze,
     in_process_sidecar,
@@ -34,6 +37,7 @@ from sidecars import (
 )
 
 from kvxfer.cli.fleet import Proc, metric
+from kvxfer.client.engine import EngineClient
 from kvxfer.core.requests import EngineEvent, PullDone, PullStatus, Released
 from kvxfer.v1 import sidecar_pb2 as pb
 from kvxfer.v1 import sidecar_pb2_grpc as pb_grpc
@@ -72,24 +76,46 @@ def handshakes_ok(sidecar: Proc) -> float:
     return metric(scrape(sidecar), "kvxfer_handshakes_total", result="ok")
 
 
-async def test_an_idle_peer_is_forgotten_and_linked_again_by_the_next_pull(
-    tmp_path: Path,
-) -> None:
+@contextlib.contextmanager
+def pd_pair(
+    tmp_path: Path, *decode_flags: str
+) -> Iterator[tuple[Proc, EngineSim, Proc, EngineSim]]:
+    """A prefill sidecar and engine, a decode sidecar (with `decode_flags`) and engine:
+    (p, pe, d, de), stopped on the way out."""
     p = start_sidecar(tmp_path, "p")
-    d = start_sidecar(tmp_path, "d", *IDLE)
+    d = start_sidecar(tmp_path, "d", *IDLE, *decode_flags)
     procs = [p, d]
     try:
         pe = start_engine(tmp_path, p, MODEL, "prefill", num_blocks=16)
         procs.append(pe)
         de = start_engine(tmp_path, d, MODEL, "decode", num_blocks=16)
         procs.append(de)
+        yield p, pe, d, de
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+async def pull_checked(
+    pc: EngineClient, dc: EngineClient, d_events: Events, image: DecodeImage, pe: EngineSim,
+    request_id: str, src: int, dst: int,
+) -> None:  # fmt: skip
+    """Publish a request at prefill blocks `src`.., pull it into decode blocks `dst`..,
+    and expect it OK with exactly its bytes (checked by `image.check_all`)."""
+    params = await pc.publish(request_id, TOKENS, blocks_at(src))
+    await dc.pull(params, blocks_at(dst), 0)
+    done = await d_events.next()
+    assert isinstance(done, PullDone) and done.status is PullStatus.OK, done
+    image.expect_pull(pe, blocks_at(src), blocks_at(dst), TOKENS, 0, {})
+
+
+async def test_an_idle_peer_is_forgotten_and_linked_again_by_the_next_pull(
+    tmp_path: Path,
+) -> None:
+    with pd_pair(tmp_path) as (p, pe, d, de):
         image, address = DecodeImage(de), p.ready["peer_address"]
         async with engine_link(p, pe) as (pc, _), engine_link(d, de) as (dc, d_events):
-            first = await pc.publish("first", TOKENS, blocks_at(0))
-            await dc.pull(first, blocks_at(0), 0)
-            done = await d_events.next()
-            assert isinstance(done, PullDone) and done.status is PullStatus.OK, done
-            image.expect_pull(pe, blocks_at(0), blocks_at(0), TOKENS, 0, {})
+            await pull_checked(pc, dc, d_events, image, pe, "first", 0, 0)
             assert [peer.address for peer in await peers_of(d)] == [address]
             assert metric(scrape(d), "kvxfer_peers") == 1
             assert handshakes_ok(d) == 1
@@ -98,18 +124,11 @@ async def test_an_idle_peer_is_forgotten_and_linked_again_by_the_next_pull(
             assert metric(scrape(d), "kvxfer_peers") == 0
             assert f"forgot peer {address}: no transfer used it for 1 s" in d.log_text()
 
-            second = await pc.publish("second", TOKENS, blocks_at(4))
-            await dc.pull(second, blocks_at(8), 0)
-            done = await d_events.next()
-            assert isinstance(done, PullDone) and done.status is PullStatus.OK, done
-            image.expect_pull(pe, blocks_at(4), blocks_at(8), TOKENS, 0, {})
+            await pull_checked(pc, dc, d_events, image, pe, "second", 4, 8)
             assert handshakes_ok(d) == 2  # the forgotten address was handshaken again
             assert [peer.address for peer in await peers_of(d)] == [address]
             assert metric(scrape(d), "kvxfer_peers") == 1
         image.check_all()
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
 
 
 async def test_an_address_with_pulls_in_flight_is_kept_past_the_idle_time(
@@ -122,21 +141,10 @@ async def test_an_address_with_pulls_in_flight_is_kept_past_the_idle_time(
         "--limits.max-inflight-pulls-per-peer", "1",
         "--transfer.rpc-timeout-s", "60",
     )  # fmt: skip
-    p = start_sidecar(tmp_path, "p")
-    d = start_sidecar(tmp_path, "d", *IDLE, *limits)
-    procs = [p, d]
-    try:
-        pe = start_engine(tmp_path, p, MODEL, "prefill", num_blocks=16)
-        procs.append(pe)
-        de = start_engine(tmp_path, d, MODEL, "decode", num_blocks=16)
-        procs.append(de)
+    with pd_pair(tmp_path, *limits) as (p, pe, d, de):
         image, address = DecodeImage(de), p.ready["peer_address"]
         async with engine_link(p, pe) as (pc, p_events), engine_link(d, de) as (dc, d_events):
-            warm = await pc.publish("warm", TOKENS, blocks_at(0))
-            await dc.pull(warm, blocks_at(0), 0)
-            done = await d_events.next()
-            assert isinstance(done, PullDone) and done.status is PullStatus.OK, done
-            image.expect_pull(pe, blocks_at(0), blocks_at(0), TOKENS, 0, {})
+            await pull_checked(pc, dc, d_events, image, pe, "warm", 0, 0)
             assert isinstance(await p_events.next(), Released)  # its EndRead is done
             published = [await pc.publish(f"q{i}", TOKENS, blocks_at(4 * i)) for i in (1, 2)]
             freeze(p)
@@ -157,9 +165,6 @@ async def test_an_address_with_pulls_in_flight_is_kept_past_the_idle_time(
             assert handshakes_ok(d) == 1
             assert await forgotten(d, address), f"{address} still linked after its pulls"
         image.check_all()
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
 
 
 async def test_a_pull_during_the_forgetting_handshakes_anew_once_it_is_done(
