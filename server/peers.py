@@ -390,27 +390,32 @@ class PeerLinks:
             del self._locks[key]  # unclaimed, no handshake pending: no one holds or awaits it
         for token in [token for token in self._read_tokens if token[0] in gone]:
             del self._read_tokens[token]  # reads ended without EndRead (their lease lost)
-        agents = {}
+        agents: dict[str, str | None] = {}  # address -> its loaded agent's name
         for address in idle:
             self._last_used.pop(address, None)
             # A peer with a metric label of its own keeps it (its errors after this still
             # count under its name); one folded into "other" is not kept.
             if self._identities.get(address) not in self._labels:
                 self._identities.pop(address, None)
-            agents[address] = self._nixl_peers.pop(address, None)
+            known = self._nixl_peers.pop(address, None)
+            agents[address] = None if known is None else known[1]
             self._forgetting[address] = asyncio.Event()
-        removed: set[str] = set()  # agent names removed in this pass (one per agent)
+        # Memory safety: an agent removed here is one our serving agent loaded for these
+        # peers; no link points at it and no transfer claims their addresses. One that
+        # another address still names (one peer reached two ways) stays, and one that two
+        # of these name is removed once.
+        kept = {name for _, name in self._nixl_peers.values()}
         try:
             for address in idle:
-                known = agents[address]
-                if known is not None and known[1] in removed:
-                    known = None
+                name = agents[address]
+                if name in kept:
+                    name = None
+                elif name is not None:
+                    kept.add(name)
                 try:
-                    await self._forget(address, known)
+                    await self._forget(address, name)
                 except Exception as exc:  # the next addresses are still let go
                     log.warning("forgetting peer %s: %s", address, exc)
-                if known is not None:
-                    removed.add(known[1])
                 if address in seen:
                     log.info("forgot peer %s: no transfer used it for %g s", address, idle_s)
         finally:  # cancelled or failed: no handshake may wait for a removal that never ends
@@ -420,15 +425,12 @@ class PeerLinks:
                     done.set()
         return len(gone & seen)
 
-    async def _forget(self, address: str, known: tuple[int, str] | None) -> None:
-        """Remove the NIXL agent loaded for `address` (`known`, its `_nixl_peers` entry)
-        from ours and close its connections; `forget_idle` dropped the rest already."""
+    async def _forget(self, address: str, agent: str | None) -> None:
+        """Remove `agent` (the one loaded for `address`, if it is to go) from ours and
+        close the address's connections; `forget_idle` dropped the rest already."""
         try:
-            # Memory safety: the agent removed here is the one our serving agent loaded for
-            # this peer; no link points at it any more and no transfer claims the address.
-            # Another address naming the same agent (one peer reached two ways) keeps it.
-            if known is not None and all(name != known[1] for _, name in self._nixl_peers.values()):
-                await self._backend.remove_peer(known[1])
+            if agent is not None:
+                await self._backend.remove_peer(agent)
         finally:
             try:
                 await self._dialer.forget(address)  # also when the removal failed
