@@ -238,10 +238,12 @@ class Destinations:
         if revocation is None or (
             revocation.done() and (revocation.cancelled() or revocation.exception() is not None)
         ):
-            revocation = lease.revocation = asyncio.ensure_future(self._revoke_now(why))
+            revocation = lease.revocation = asyncio.ensure_future(self.revoke(why))
         await asyncio.shield(revocation)
 
-    async def _revoke_now(self, why: str) -> None:
+    async def revoke(self, why: str) -> None:
+        """Kill the serving agent every peer writes through, counted: no WRITE posted
+        before this returns can land any more."""
         await self._backend.revoke(why)
         self._metrics.push_revocations.inc()
 

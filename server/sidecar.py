@@ -647,8 +647,7 @@ class Sidecar:
             # fails on their side; nothing can write into this process's memory.
             left = self._leases.drop_engine(engine.engine_id)
             if any(lease.push for lease in left):  # a silent writer may still write here
-                await self._backend.revoke(f"engine {engine.engine_id} retires under a push")
-                self.metrics.push_revocations.inc()
+                await self.destinations.revoke(f"engine {engine.engine_id} retires under a push")
             log.warning(
                 "engine %s: %d reads still open after %.1fs; their readers are presumed gone",
                 engine.engine_id,
