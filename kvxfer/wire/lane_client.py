@@ -187,10 +187,10 @@ class Lane:
     async def call(
         self, method: str, request: Message, reply: type[R], timeout_s: float, what: str
     ) -> R:
+        payload = _sendable(method, request, what)  # refused before any connection, as a stream's
         link = await self._open()
         call_id = self._call_id(link)
         answer: asyncio.Future[_Answer] = asyncio.get_running_loop().create_future()
-        payload = _sendable(method, request, what)
         link.waiting[call_id] = answer
         try:
             link.send(call_id, Kind.UNARY, payload)
