@@ -352,13 +352,31 @@ class SyncEngineClient:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
-            return future.result(self._timeout_s + 5)
+            return future.result(self._last_resort_s)
         except concurrent.futures.TimeoutError as exc:
             future.cancel()
-            # No answer: the sidecar may have acted on it, as after a deadline.
-            raise PeerUnavailableError(
-                f"sidecar call did not finish in {self._timeout_s}s"
-            ) from exc
+            raise self._unanswered() from exc
+
+    @property
+    def _last_resort_s(self) -> float:
+        return self._timeout_s + 5
+
+    def _unanswered(self) -> PeerUnavailableError:
+        # No answer: the sidecar may have acted on it, as after a deadline.
+        return PeerUnavailableError(f"sidecar call did not finish in {self._timeout_s}s")
+
+    def _soon(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """`coro` started on the client's loop without waiting for it: the future ends as
+        the blocking call would have (its answer, or the error it raises; with no answer
+        by the same last resort, PeerUnavailableError)."""
+
+        async def bounded() -> T:
+            try:
+                return await asyncio.wait_for(coro, self._last_resort_s)
+            except TimeoutError as exc:
+                raise self._unanswered() from exc
+
+        return asyncio.run_coroutine_threadsafe(bounded(), self._loop)
 
     @property
     def engine_id(self) -> str:
@@ -381,6 +399,14 @@ class SyncEngineClient:
         self, params: TransferParams, local_spans: Sequence[BlockSpan], computed_tokens: int
     ) -> PullAccepted:
         return self._run(self._client.pull(params, local_spans, computed_tokens))
+
+    def pull_soon(
+        self, params: TransferParams, local_spans: Sequence[BlockSpan], computed_tokens: int
+    ) -> concurrent.futures.Future[PullAccepted]:
+        """`pull` without waiting for the sidecar's answer: an engine step that starts
+        pulls need not stall for them. The future holds what `pull` would have returned
+        or raised; the pull's PullDone may come before it."""
+        return self._soon(self._client.pull(params, local_spans, computed_tokens))
 
     def expect(
         self,

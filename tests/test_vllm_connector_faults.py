@@ -6,7 +6,8 @@ under .venv-vllm in tests/vllm_connector_faults.py, which imports vLLM's connect
   receiving (vLLM keeps its blocks) until the sidecar says. It is asked to abort the
   pull; it took it (its PullDone ends the request, failed), or it knows no such pull
   (received, failed, at once), or it does not answer (asked again). A refused Pull
-  took nothing: failed at once, nothing asked.
+  took nothing: failed at once, nothing asked. The step that starts a pull does not
+  wait for the answer, which may come after the pull's PullDone.
 - A sidecar that does not answer a Publish would hold vLLM's scheduler for the call's
   deadline on every finished request: after one, nothing is published for a while
   (those requests are not handed off; their decode prefills them), twice as long after
@@ -59,6 +60,23 @@ def test_an_unanswered_pull_the_sidecar_never_took_fails_once_it_says_so(
 
 def test_a_refused_pull_fails_at_once_and_asks_nothing(report: dict[str, Any]) -> None:
     assert report["refused"] == {"steps": [FAILED], "aborted": []}
+
+
+def test_a_pull_is_not_waited_for_and_its_answer_may_come_after_its_pulldone(
+    report: dict[str, Any],
+) -> None:
+    late = report["late"]
+    received = {"recving": ["decode-7"], "failed": []}
+    # vLLM's step returns before the sidecar answers; the request is decided by what comes.
+    done_first = late["accepted_after_done"]
+    assert done_first["steps"] == [NOTHING, NOTHING, received, NOTHING, NOTHING]
+    assert done_first["waiting"] == [] and done_first["aborted"] == []
+    # Refused after the step: it took nothing, so the request fails at the next step.
+    assert late["refused"]["steps"] == [NOTHING, NOTHING, FAILED, NOTHING]
+    assert late["refused"]["waiting"] == [] and late["refused"]["aborted"] == []
+    # Accepted with no PullDone yet: still receiving, its PullDone will end it.
+    assert late["accepted"]["steps"] == [NOTHING] * 4
+    assert late["accepted"]["waiting"] == ["req-7"] and late["accepted"]["aborted"] == []
 
 
 def test_malformed_params_are_prefilled_locally_not_raised(report: dict[str, Any]) -> None:

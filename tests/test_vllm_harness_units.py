@@ -3,6 +3,7 @@ prompts and comparison helpers, and how the fleet fails (bounded waits, nothing 
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from kvxfer.integrations.tiny_models import (
     TinyModelSpec,
     config_kwargs,
 )
-from kvxfer.integrations.vllm_demo import DemoOptions
+from kvxfer.integrations.vllm_demo import DemoOptions, read_pulls
 
 CLI = Path(sys.prefix) / "bin" / "kvxfer-cli"
 
@@ -247,3 +248,38 @@ def test_a_worker_in_another_session_leaves_that_sessions_group_alone() -> None:
     )
     group = done.stdout.splitlines()[1:] or [""]
     assert group[0] == before == Path("/proc/self/autogroup").read_text().strip(), done
+
+
+def test_pulls_are_read_with_their_plans_whichever_line_came_first(tmp_path: Path) -> None:
+    """The connector does not wait for Pull's answer: its plan line may follow its
+    PullDone's. Two TP ranks' pulls of one request, one in each order."""
+    done = {"request_id": "r", "failed_blocks": {"0": [3]}, "valid_tokens": 48,
+            "duration_s": 0.002}  # fmt: skip
+    lines = [
+        {"finished_sending": ["x"], "tp_rank": 0},
+        {**done, "pull_id": "r-0", "bytes_moved": 100, "tp_rank": 0},
+        {
+            "request_id": "r",
+            "pull_id": "r-0",
+            "bytes_planned": 120,
+            "full_attention_bytes": 300,
+            "tp_rank": 0,
+        },  # fmt: skip
+        {
+            "request_id": "r",
+            "pull_id": "r-1",
+            "bytes_planned": 80,
+            "full_attention_bytes": 200,
+            "tp_rank": 1,
+        },  # fmt: skip
+        {**done, "pull_id": "r-1", "bytes_moved": 80, "tp_rank": 1, "valid_tokens": 64},
+    ]
+    stats = tmp_path / "stats.jsonl"
+    stats.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (row,) = read_pulls(stats)
+    assert (row["bytes_moved"], row["bytes_planned"], row["full_attention_bytes"]) == (
+        180,
+        200,
+        500,
+    )
+    assert row["pulls"] == 2 and row["failed"] == 2 and row["valid_tokens"] == 48

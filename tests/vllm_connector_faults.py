@@ -12,6 +12,7 @@ Reads nothing; prints one JSON object: what each scenario saw.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import sys
 import time
@@ -20,24 +21,32 @@ from typing import Any
 
 from kvxfer._exceptions import InvalidInputError, NotFoundError, PeerUnavailableError
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId, GroupKind
-from kvxfer.core.requests import AbortState, PullDone, PullStatus, TransferParams
+from kvxfer.core.requests import (
+    AbortState,
+    PullAccepted,
+    PullDone,
+    PullStatus,
+    TransferParams,
+)
 from kvxfer.integrations import vllm as connector
 from kvxfer.integrations.vllm_params import KEY, params_to_dict
 
 
 class FaultyClient:
-    """`SyncEngineClient`'s pull, abort and publish, failing as told: `pull_error` is
-    raised by every Pull (after the sidecar took it, or before), each of `aborts`
-    answers one Abort in turn (an AbortState, or an error raised), and every Publish
-    raises `publish_error`."""
+    """`SyncEngineClient`'s pull_soon, abort and publish, failing as told: `pull_error`
+    answers every Pull (after the sidecar took it, or before), each of `aborts` answers
+    one Abort in turn (an AbortState, or an error raised), and every Publish raises
+    `publish_error`. With `pull_error` None, Pulls stay unanswered until the scenario
+    answers them (`answers`)."""
 
     def __init__(
         self,
-        pull_error: Exception,
+        pull_error: Exception | None,
         aborts: list[AbortState | Exception],
         publish_error: Exception | None = None,
     ) -> None:
         self.pull_error = pull_error
+        self.answers: list[concurrent.futures.Future[PullAccepted]] = []
         self.aborts = aborts
         self.aborted: list[str] = []
         self.publish_error = publish_error
@@ -50,10 +59,16 @@ class FaultyClient:
             return TransferParams("127.0.0.1:5000", "engine-1", 3, 0, request_id, num_tokens, spans)
         raise self.publish_error
 
-    def pull(self, params: TransferParams, local_spans: Any, computed_tokens: int) -> Any:
+    def pull_soon(
+        self, params: TransferParams, local_spans: Any, computed_tokens: int
+    ) -> concurrent.futures.Future[PullAccepted]:
         del local_spans, computed_tokens
         self.pulled.append(params.request_id)
-        raise self.pull_error
+        answer: concurrent.futures.Future[PullAccepted] = concurrent.futures.Future()
+        if self.pull_error is not None:
+            answer.set_exception(self.pull_error)
+        self.answers.append(answer)
+        return answer
 
     def abort(self, request_id: str) -> AbortState:
         self.aborted.append(request_id)
@@ -61,6 +76,9 @@ class FaultyClient:
         if isinstance(answer, Exception):
             raise answer
         return answer
+
+
+ACCEPTED = PullAccepted(bytes_planned=4096, full_attention_bytes=4096, chunks=1, descriptors=2)
 
 
 def worker(client: FaultyClient) -> Any:
@@ -118,6 +136,24 @@ def refused_pull() -> dict[str, Any]:
     made = worker(client)
     made.pull(order())
     return {"steps": steps(made, 1), "aborted": client.aborted}
+
+
+def answered_late(answer: PullAccepted | Exception, done_first: bool) -> dict[str, Any]:
+    """A Pull whose answer comes steps after the pull started (the step does not wait for
+    it), and with `done_first` only after its PullDone."""
+    client = FaultyClient(None, [])
+    made = worker(client)
+    made.pull(order())  # returns with the call unanswered
+    seen = steps(made, 2)  # nothing is decided meanwhile: vLLM keeps the blocks
+    if done_first:
+        made._events.put(PullDone("req-7", PullStatus.OK, {}, 32, 4096, 0.1, ""))
+        seen += steps(made, 1)
+    if isinstance(answer, Exception):
+        client.answers[0].set_exception(answer)
+    else:
+        client.answers[0].set_result(answer)
+    seen += steps(made, 2)
+    return {"steps": seen, "aborted": client.aborted, "waiting": sorted(made._pulls)}
 
 
 def gone_sidecar() -> dict[str, Any]:
@@ -234,6 +270,11 @@ def main() -> None:
             [PeerUnavailableError("Abort: no answer"), NotFoundError("no 'req-7'")], False
         ),
         "refused": refused_pull(),
+        "late": {
+            "accepted_after_done": answered_late(ACCEPTED, done_first=True),
+            "refused": answered_late(InvalidInputError("params.epoch", "stale"), False),
+            "accepted": answered_late(ACCEPTED, done_first=False),
+        },
         "silent_publisher": silent_publisher(),
         "gone_sidecar": gone_sidecar(),
         "schedule": {

@@ -32,13 +32,14 @@ at N cannot be recomputed from a state already at N).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import json
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,7 @@ from kvxfer.core.requests import (
     EngineEvent,
     LeaseExpired,
     Publication,
+    PullAccepted,
     PullDone,
     PullStatus,
     Released,
@@ -176,6 +178,16 @@ class _Lost:
 
 
 SIDECAR_LOST = _Lost()
+
+
+@dataclass(frozen=True)
+class _Answered:
+    """The event a Pull call's answer queues (`_Worker._pull`): the step that started the
+    pull did not wait for it."""
+
+    request_id: str  # vLLM's
+    pull_id: str
+    answer: concurrent.futures.Future[PullAccepted]
 
 
 _WATCH_PAUSE_S = 0.2
@@ -711,7 +723,7 @@ class _Worker:
         self._remap: SharedRemap | None = None
         self.layout: EngineLayout | None = None
         self.handshake: KvxferHandshake | None = None
-        self._events: queue.Queue[EngineEvent | _Lost] = queue.Queue()
+        self._events: queue.Queue[EngineEvent | _Lost | _Answered] = queue.Queue()
         self._closing = threading.Event()
         self._pulls: dict[str, _Receiving] = {}  # prefill request (publication) id -> pulls
         self._releases = Releases(0)  # when a published request's blocks are free
@@ -958,38 +970,63 @@ class _Worker:
             log.error("kvxfer: pull of %s refused: %s", order.request_id, exc)
             every, receiving.failed = [], True
         for params in every:
-            try:
-                accepted = self._client.pull(params, spans, computed)
-            except PeerUnavailableError as exc:
-                # No answer (a deadline, a lost connection): the sidecar may have taken it,
-                # and its reads may still land in these blocks. The request stays receiving
-                # (vLLM keeps its blocks) until the sidecar says: a PullDone, or an abort
-                # answered (`_settle_unsure`), or the sidecar is gone with its agents.
-                log.error(
-                    "kvxfer: pull of %s got no answer (%s): aborting it", params.request_id, exc
-                )
-                receiving.failed = True
-                if isinstance(exc, LaneUnreachableError):
-                    continue  # turned away before any call ran: nothing was taken
-                self._pulls[params.request_id] = receiving
-                receiving.pending += 1
-                self._unsure[params.request_id] = 0.0
-                continue
-            except KvxferError as exc:  # refused: the sidecar took nothing
-                log.error("kvxfer: pull of %s refused: %s%s", params.request_id, exc,
-                          block_size_hint(exc, self._owner._ratio.differs))  # fmt: skip
-                receiving.failed = True
-                continue
-            self._pulls[params.request_id] = receiving
+            # Not waited for here, at the start of vLLM's step: the answer comes with the
+            # events (`_answered`), and may come after the pull's PullDone.
+            pull_id = params.request_id
+            self._pulls[pull_id] = receiving
             receiving.pending += 1
-            self._record(
-                request_id=order.request_id,
-                pull_id=params.request_id,
-                bytes_planned=accepted.bytes_planned,
-                full_attention_bytes=accepted.full_attention_bytes,
-            )
+            try:
+                answer = self._client.pull_soon(params, spans, computed)
+            except RuntimeError as exc:  # the client's loop is closed: nothing was sent
+                answer = concurrent.futures.Future()
+                answer.set_exception(KvxferError(f"not sent: {exc}"))
+            answer.add_done_callback(self._on_answer(order.request_id, pull_id))
         if not receiving.pending:
             self._received(receiving)
+
+    def _on_answer(
+        self, request_id: str, pull_id: str
+    ) -> Callable[[concurrent.futures.Future[PullAccepted]], None]:
+        """Queues a Pull call's answer with the events (it runs on the client's thread)."""
+        return lambda answer: self._events.put(_Answered(request_id, pull_id, answer))
+
+    def _answered(self, event: _Answered) -> None:
+        """A Pull call's answer: accepted (its PullDone ends it), refused (nothing was
+        taken: it ended), or none (the sidecar may have taken it: `_settle_unsure`)."""
+        pull_id = event.pull_id
+        receiving = self._pulls.get(pull_id)  # None: its PullDone came, or the sidecar is gone
+        try:
+            accepted = event.answer.result()
+        except Exception as exc:  # concurrent.futures.CancelledError too (closing)
+            unsure = isinstance(exc, PeerUnavailableError) or not isinstance(exc, KvxferError)
+            if isinstance(exc, LaneUnreachableError):
+                unsure = False  # turned away before any call ran: nothing was taken
+            if unsure:
+                # A deadline, a lost connection (or a bug in the call): the sidecar may
+                # have taken it, and its reads may still land in these blocks. The request
+                # stays receiving (vLLM keeps its blocks) until the sidecar says: a
+                # PullDone, an abort answered, or the sidecar gone with its agents.
+                log.error("kvxfer: pull of %s got no answer (%r): aborting it", pull_id, exc)
+            else:
+                log.error("kvxfer: pull of %s refused: %s%s", pull_id, exc,
+                          block_size_hint(exc, self._owner._ratio.differs))  # fmt: skip
+            if receiving is None:
+                return
+            receiving.failed = True
+            if unsure:
+                self._unsure[pull_id] = 0.0
+                return
+            del self._pulls[pull_id]
+            receiving.pending -= 1
+            if not receiving.pending:
+                self._received(receiving)
+            return
+        self._record(
+            request_id=event.request_id,
+            pull_id=pull_id,
+            bytes_planned=accepted.bytes_planned,
+            full_attention_bytes=accepted.full_attention_bytes,
+        )
 
     def _drop_finished(self, finished_req_ids: set[str]) -> None:
         """Pulls waiting for staging pages whose request vLLM finished meanwhile (aborted):
@@ -1039,9 +1076,12 @@ class _Worker:
         self._done_recving, self._failed_recving = set(), set()
         return KVConnectorTransferResults(sending, recving, failed)
 
-    def _on_event(self, event: EngineEvent | _Lost) -> None:
+    def _on_event(self, event: EngineEvent | _Lost | _Answered) -> None:
         if isinstance(event, _Lost):
             self._sidecar_lost()
+            return
+        if isinstance(event, _Answered):
+            self._answered(event)
             return
         if isinstance(event, Released | LeaseExpired):
             self._releases.released(event.request_id, time.monotonic())

@@ -230,22 +230,26 @@ def _nixl_reference(
     return [r.token_ids for r in routed]
 
 
+def _pull_key(fact: dict[str, Any]) -> tuple[Any, Any]:
+    return fact.get("tp_rank", 0), fact.get("pull_id", fact.get("request_id"))
+
+
 def read_pulls(stats: Path, skip: int = 0) -> list[dict[str, Any]]:
     """Each request's finished pulls in a connector's stats file (extra config
     stats_path) after the first `skip` lines, in the order requests finished, with what
     their Pull calls planned: summed over the pulls of every decode rank (one per prefill
     rank it reads heads from, under different TP sizes), resuming where the worst did."""
-    planned: dict[tuple[int, str], dict[str, Any]] = {}
+    facts = [json.loads(line) for line in stats.read_text().splitlines()[skip:]]
+    # A Pull call's answer may be written after its PullDone (the worker does not wait).
+    planned = {_pull_key(f): f for f in facts if "bytes_planned" in f}
     merged: dict[str, dict[str, Any]] = {}
-    for line in stats.read_text().splitlines()[skip:]:
-        fact = json.loads(line)
-        key = (fact.get("tp_rank", 0), fact.get("pull_id", fact.get("request_id")))
+    for fact in facts:
         if "bytes_planned" in fact:
-            planned[key] = fact
-        elif "repack_s" in fact and fact["request_id"] in merged:
+            continue
+        if "repack_s" in fact and fact["request_id"] in merged:
             merged[fact["request_id"]]["repack_ms"] = round(fact["repack_s"] * 1000, 2)
         elif "bytes_moved" in fact:
-            plan = planned.get(key, {"bytes_planned": 0, "full_attention_bytes": 0})
+            plan = planned.get(_pull_key(fact), {"bytes_planned": 0, "full_attention_bytes": 0})
             failed = sum(len(b) for b in fact["failed_blocks"].values())
             ms = round(fact["duration_s"] * 1000, 2)
             row = merged.get(fact["request_id"])
