@@ -154,6 +154,8 @@ class Pull:
     read_begun: bool = False
     task: asyncio.Task[None] | None = None
     reading: asyncio.Task[TransferResult] | None = None  # its read, once chunks are handed on
+    # Settled once the NIXL thread posts the read begun beside BeginRead (`posting`).
+    posted: asyncio.Future[None] | None = None
     # Cancelled, it waits for its read until then, once for all its waits (`_ended`).
     give_up: GiveUp = field(default_factory=GiveUp)
     renewing: asyncio.Task[None] | None = None  # its heartbeat, cancelled once read
@@ -169,6 +171,14 @@ class Pull:
     @property
     def request_id(self) -> str:
         return self.params.request_id
+
+    async def posting(self) -> None:
+        """Until the NIXL thread has posted the read begun beside BeginRead (at most
+        POST_WAIT_S; at once when none was begun): until then that thread needs the GIL
+        to build its handle, and the loop's own work, a gRPC call or a lane write, would
+        hold it up."""
+        if self.posted is not None:
+            await asyncio.wait((self.posted,), timeout=POST_WAIT_S)
 
 
 @dataclass(frozen=True)
@@ -240,8 +250,9 @@ async def _transfer(pull: Pull, ctx: PullContext) -> PullDone:
     # read waits for BeginRead.
     with contextlib.suppress(KvxferError):
         pull.reading = _execute(pull, ctx, await _reader(pull, ctx), posted)
+        pull.posted = posted
     try:
-        return await _begin(pull, ctx, posted)
+        return await _begin(pull, ctx)
     except BaseException as exc:  # cancelled, or a bug: the read begun beside BeginRead ends first
         pull.cancel.set()  # chunks not yet posted are not posted
         if pull.reading is not None:
@@ -251,13 +262,10 @@ async def _transfer(pull: Pull, ctx: PullContext) -> PullDone:
         raise
 
 
-async def _begin(pull: Pull, ctx: PullContext, posted: asyncio.Future[None]) -> PullDone:
+async def _begin(pull: Pull, ctx: PullContext) -> PullDone:
     """Begin the read at the publisher and, once it is begun, keep its lease alive and
     watch it while the read runs."""
-    if pull.reading is not None:
-        # The loop idles until the NIXL thread posts the first chunk: BeginRead's gRPC
-        # call would hold the GIL the thread needs to build and post it.
-        await asyncio.wait((posted,), timeout=POST_WAIT_S)
+    await pull.posting()  # BeginRead's gRPC call would hold up the post
     asked = time.monotonic()
     try:
         begun = await ctx.links.begin_read(pull.link, pull.request_id, ctx.reader_id)

@@ -442,14 +442,22 @@ class Sidecar:
             admission.close()
             use.release()
             raise
-        full = full_attention_bytes(engine.layout, params.num_tokens, computed_tokens)
-        self.metrics.full_attention_bytes.labels(self.links.label(params.peer_address), "read").inc(
-            full
-        )
         pull = Pull(engine, params, link, plan)
         self._pulls[key] = pull
         pull.task = asyncio.create_task(self._finish_pull(key, pull, admission))
         pull.task.add_done_callback(lambda _: use.release())  # even if it never ran
+        try:
+            # Its first step runs before this answer is made: with a free slot and a known
+            # reader it hands the read to the NIXL thread, and the answer waits for the
+            # post (at most POST_WAIT_S), so the copy starts before a lane write competes
+            # with building its handle. The engine's connector does not wait for this
+            # answer (`SyncEngineClient.pull_soon`); PullDone ends the pull either way.
+            await asyncio.sleep(0)
+            await pull.posting()
+        finally:  # a handler cancelled meanwhile (the caller's deadline): the pull still runs
+            full = full_attention_bytes(engine.layout, params.num_tokens, computed_tokens)
+            label = self.links.label(params.peer_address)
+            self.metrics.full_attention_bytes.labels(label, "read").inc(full)
         return PullAccepted(
             bytes_planned=plan.nbytes,
             full_attention_bytes=full,
