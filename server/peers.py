@@ -14,7 +14,10 @@ touch a link there. An address with no claim, no handshake under way and no call
 `transfer.idle_agent_s` is forgotten (`forget_idle`): its links, its loaded NIXL agent,
 its gRPC channel and lanes. Prefill pods come back under new addresses, and a
 long-lived decode sidecar kept all of that for every pod that ever existed; a later
-pull to a forgotten address simply handshakes again.
+pull to a forgotten address simply handshakes again. A forgotten peer with a metric
+label of its own keeps its identity and the epoch it was last linked with, so that a
+restart while it was forgotten still counts (kvxfer_peer_epoch_changes) when it is
+linked again.
 """
 
 from __future__ import annotations
@@ -328,6 +331,10 @@ class PeerLinks:
         self._labels: set[str] = set()  # peer identities with a metric label of their own
         self._identities: dict[str, str] = {}  # address -> the identity its handshake gave
         self._nixl_peers: dict[str, tuple[int, str]] = {}  # address -> (epoch, agent name)
+        # A forgotten address -> the epoch its agent was loaded with, compared with the
+        # next one its handshake gives: for peers that keep their label, at most
+        # limits.max_peer_labels addresses, the oldest forgotten dropped first.
+        self._forgotten_epochs: dict[str, int] = {}
         # (address, rank, request id) -> the read token BeginRead returned; bounded, since
         # a read that ends without EndRead (its lease lost) leaves its token behind.
         self._read_tokens: dict[tuple[str, int, str], str] = {}
@@ -394,11 +401,15 @@ class PeerLinks:
         for address in idle:
             self._last_used.pop(address, None)
             # A peer with a metric label of its own keeps it (its errors after this still
-            # count under its name); one folded into "other" is not kept.
-            if self._identities.get(address) not in self._labels:
+            # count under its name), and its epoch (a restart meanwhile still counts when
+            # it is linked again); one folded into "other" keeps neither.
+            labelled = self._identities.get(address) in self._labels
+            if not labelled:
                 self._identities.pop(address, None)
             known = self._nixl_peers.pop(address, None)
             agents[address] = None if known is None else known[1]
+            if known is not None and labelled:
+                self._keep_epoch(address, known[0])
             self._forgetting[address] = asyncio.Event()
         # Memory safety: an agent removed here is one our serving agent loaded for these
         # peers; no link points at it and no transfer claims their addresses. One that
@@ -424,6 +435,12 @@ class PeerLinks:
                 if done is not None:
                     done.set()
         return len(gone & seen)
+
+    def _keep_epoch(self, address: str, epoch: int) -> None:
+        self._forgotten_epochs.pop(address, None)  # kept again: now the newest
+        self._forgotten_epochs[address] = epoch
+        while len(self._forgotten_epochs) > self._settings.limits.max_peer_labels:
+            del self._forgotten_epochs[next(iter(self._forgotten_epochs))]  # the oldest
 
     async def _forget(self, address: str, agent: str | None) -> None:
         """Remove `agent` (the one loaded for `address`, if it is to go) from ours and
@@ -637,6 +654,17 @@ class PeerLinks:
 
     async def _load_agent(self, address: str, hello: PeerHello) -> str:
         known = self._nixl_peers.get(address)
+        # Forgotten since it was last linked: its agent and links went then. Counted here
+        # once, also when the new agent's load then fails.
+        forgotten_epoch = self._forgotten_epochs.pop(address, None)
+        if known is None and forgotten_epoch is not None and forgotten_epoch != hello.epoch:
+            log.info(
+                "peer %s restarted while forgotten (epoch %d -> %d)",
+                address,
+                forgotten_epoch,
+                hello.epoch,
+            )
+            self._metrics.peer_restarts.labels(self.label(address)).inc()
         if known is not None and known[0] != hello.epoch:
             log.info(
                 "peer %s restarted (epoch %d -> %d): dropping its old agent",

@@ -6,8 +6,10 @@ a loaded NIXL agent, a gRPC channel and a lane for every one that ever existed
 `transfer.idle_agent_s` 1: after a pull the prefill address is forgotten (ListPeers,
 `kvxfer_peers`, the log), and the next pull handshakes again and moves the right
 bytes; a pull held in BeginRead by a frozen publisher keeps its address past the idle
-time. Then a real `Sidecar` in this process (real NIXL agents, serving agent and
-gRPC), where a pull arrives while the address is being forgotten.
+time; a publisher that restarts (same address, new epoch) while its address is
+forgotten is counted as restarted once when linked again, and not again when it comes
+back with the epoch it had. Then a real `Sidecar` in this process (real NIXL agents,
+serving agent and gRPC), where a pull arrives while the address is being forgotten.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sidecars import (
     EngineSim,
     Events,
     engine_link,
+    free_port,
     freeze,
     in_process_sidecar,
     prefill_beside_cache,
@@ -129,6 +132,55 @@ async def test_an_idle_peer_is_forgotten_and_linked_again_by_the_next_pull(
             assert [peer.address for peer in await peers_of(d)] == [address]
             assert metric(scrape(d), "kvxfer_peers") == 1
         image.check_all()
+
+
+async def test_a_restart_while_forgotten_is_counted_once_when_linked_again(
+    tmp_path: Path,
+) -> None:
+    """The publisher restarts (same peer address, new epoch) while the decode sidecar
+    has its address forgotten: the next pull's handshake counts the restart
+    (kvxfer_peer_epoch_changes) and logs both epochs, once; the address forgotten again
+    and linked with the same epoch counts nothing more."""
+    port = free_port()
+    p = start_sidecar(tmp_path, "p", peer_port=port)
+    d = start_sidecar(tmp_path, "d", *IDLE)
+    procs: list[Proc | EngineSim] = [p, d]
+    try:
+        pe = start_engine(tmp_path, p, MODEL, "prefill", num_blocks=16)
+        de = start_engine(tmp_path, d, MODEL, "decode", num_blocks=16)
+        procs += [pe, de]
+        image, address = DecodeImage(de), p.ready["peer_address"]
+        async with engine_link(p, pe) as (pc, _), engine_link(d, de) as (dc, d_events):
+            await pull_checked(pc, dc, d_events, image, pe, "before", 0, 0)
+        assert await forgotten(d, address), f"{address} still linked after idle 1 s"
+
+        old_epoch = p.ready["epoch"]
+        pe.stop()
+        assert p.stop() == 0
+        p = start_sidecar(tmp_path, "p", peer_port=port)  # the same id, as a pod restarted
+        procs.append(p)
+        pe = start_engine(tmp_path, p, MODEL, "prefill", "--seed", "9", num_blocks=16)
+        procs.append(pe)
+        new_epoch = p.ready["epoch"]
+        assert p.ready["peer_address"] == address and new_epoch != old_epoch
+
+        def restarts() -> float:
+            return metric(scrape(d), "kvxfer_peer_epoch_changes_total", peer="p")
+
+        said = f"peer {address} restarted while forgotten (epoch {old_epoch} -> {new_epoch})"
+        async with engine_link(p, pe) as (pc, _), engine_link(d, de) as (dc, d_events):
+            await pull_checked(pc, dc, d_events, image, pe, "after", 4, 4)
+            assert restarts() == 1
+            assert said in d.log_text()
+            assert await forgotten(d, address), f"{address} still linked after idle 1 s"
+            await pull_checked(pc, dc, d_events, image, pe, "same-epoch", 8, 8)
+        assert restarts() == 1
+        assert d.log_text().count(f"peer {address} restarted") == 1
+        assert handshakes_ok(d) == 3
+        image.check_all()
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
 
 
 async def test_an_address_with_pulls_in_flight_is_kept_past_the_idle_time(

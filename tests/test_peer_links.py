@@ -80,17 +80,18 @@ def _sample(metrics: Metrics, name: str) -> float:
 
 
 class RecordingBackend:
-    """The NIXL seam, recording agents added; a test here never transfers."""
+    """The NIXL seam, recording agents added and removed; a test here never transfers."""
 
     def __init__(self) -> None:
         self.added: list[bytes] = []
+        self.removed: list[str] = []
 
     async def add_peer(self, metadata: bytes) -> str:
         self.added.append(metadata)
         return f"agent-{len(self.added)}"
 
     async def remove_peer(self, peer: str) -> None:
-        pass
+        self.removed.append(peer)
 
 
 @pytest.fixture
@@ -194,6 +195,78 @@ async def test_a_forgotten_peer_keeps_its_metric_label(hung_peer: str) -> None:
         await links.link(hung_peer, "e-1", layout_for_model(MODEL), 1, "e-p")
     assert _value(metrics, "kvxfer_handshakes_total", peer="p", result="error") == 1
     assert _value(metrics, "kvxfer_handshakes_total", peer="other", result="error") == 0
+    await links._dialer.close()
+
+
+async def test_a_restart_while_forgotten_counts_once_and_the_same_epoch_none(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Forgetting an address dropped the epoch its agent was loaded with, so a peer that
+    restarted meanwhile was linked again uncounted. Its last epoch is kept: back with
+    another one, the restart counts and is logged once (the old agent was removed when
+    forgotten, and is not removed again); back with the same one, nothing counts."""
+    metrics, backend = Metrics(), RecordingBackend()
+    links = _links(metrics, backend)
+    layout, address, epoch = layout_for_model(MODEL), "127.0.0.1:1", 1
+
+    async def hello(*args: Any, **kwargs: Any) -> Any:
+        return SimpleNamespace(
+            layout=layout, protocol_version=PROTOCOL_VERSION, epoch=epoch, engine_id="e-p",
+            agent_metadata=b"%d" % epoch, sidecar_id="p", lane_port=0,
+        )  # fmt: skip
+
+    monkeypatch.setattr(links, "hello", hello)
+
+    async def linked() -> None:
+        with links.use(address):
+            await links.link(address, "e-1", layout, epoch, "e-p")
+
+    async def forgotten() -> None:
+        links.use(address).release()
+        assert await links.forget_idle(0.0) == 1
+
+    def restarts() -> float:
+        return _value(metrics, "kvxfer_peer_epoch_changes_total", peer="p")
+
+    def logged() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="kvxfer.server.peers"):
+        await linked()
+        await forgotten()
+        await linked()  # the same epoch: no restart
+        assert restarts() == 0 and logged() == []
+        await forgotten()
+        epoch = 2
+        await linked()
+        assert restarts() == 1
+        assert logged() == [f"peer {address} restarted while forgotten (epoch 1 -> 2)"]
+        await linked()
+        await forgotten()
+        await linked()  # back with epoch 2 again
+        assert restarts() == 1 and len(logged()) == 1
+    assert backend.removed == ["agent-1", "agent-2", "agent-3"]  # one per forgetting
+    await links._dialer.close()
+
+
+async def test_epochs_kept_for_forgotten_addresses_are_bounded() -> None:
+    """Only a peer with a metric label of its own keeps its epoch when forgotten (as it
+    keeps its identity), and at most limits.max_peer_labels addresses do: a labelled peer
+    that came back under many addresses keeps those of its latest."""
+    links = _links(Metrics(), RecordingBackend(), "--limits.max-peer-labels", "2")
+
+    async def forget(address: str, identity: str, epoch: int) -> None:
+        links._name_peer(address, identity)  # what its handshake left
+        links._nixl_peers[address] = (epoch, f"agent-{epoch}")
+        links.use(address).release()
+        assert await links.forget_idle(0.0) == 1
+
+    for i in range(4):  # one peer, "p", under four addresses in turn
+        await forget(f"127.0.0.1:{i}", "p", i)
+    links._name_peer("127.0.0.1:9", "x")  # the second and last label
+    await forget("127.0.0.1:10", "q", 10)
+    assert links.label("127.0.0.1:10") == "other"
+    assert links._forgotten_epochs == {"127.0.0.1:2": 2, "127.0.0.1:3": 3}
     await links._dialer.close()
 
 
