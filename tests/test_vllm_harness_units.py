@@ -264,14 +264,14 @@ def test_pulls_are_read_with_their_plans_whichever_line_came_first(tmp_path: Pat
             "bytes_planned": 120,
             "full_attention_bytes": 300,
             "tp_rank": 0,
-        },  # fmt: skip
+        },
         {
             "request_id": "r",
             "pull_id": "r-1",
             "bytes_planned": 80,
             "full_attention_bytes": 200,
             "tp_rank": 1,
-        },  # fmt: skip
+        },
         {**done, "pull_id": "r-1", "bytes_moved": 80, "tp_rank": 1, "valid_tokens": 64},
     ]
     stats = tmp_path / "stats.jsonl"
