@@ -124,6 +124,7 @@ class Destinations:
         self._emit = emit
         self._ended = ended  # a lease of this engine ended (a retiring engine waits on it)
         self._layout_of = layout_of
+        self._killing: asyncio.Future[None] | None = None  # the latest kill (`_kill`)
 
     def expect(
         self,
@@ -244,18 +245,27 @@ class Destinations:
         await self._fence_all([lease for lease in leases if lease.push], why)
 
     async def _fence_all(self, leases: list[Lease], why: str) -> None:
-        """Record on each lease not yet fenced the kill that fences it (one new kill
-        for all of them), then wait for every lease's kill, shielded."""
-        new: asyncio.Future[None] | None = None
+        """Record on each lease not yet fenced the kill that fences it (the one under
+        way, else a new one), then wait for every lease's kill, shielded."""
         for lease in leases:
             if not _fences(lease.revocation):
-                lease.revocation = new = new or self._kill(why)
+                lease.revocation = self._kill(why)
         kills = dict.fromkeys(lease.revocation for lease in leases if lease.revocation)
         for kill in kills:
             await asyncio.shield(kill)
 
     def _kill(self, why: str) -> asyncio.Future[None]:
-        return asyncio.ensure_future(self._revoke_agent(why))
+        """The kill of the serving agent under way, else a new one. A kill not yet
+        returned fences every WRITE posted before it returns, whoever needs it now (two
+        writers giving up together; the sweeper or a retirement while another lease's
+        kill runs): a second would only kill the agent that replaced it, or the dying
+        one again, and count a revocation that did not happen."""
+        kill = self._killing
+        if kill is not None and not kill.done():
+            log.info("revoking remote access (%s): joins the kill under way", why)
+            return kill
+        kill = self._killing = asyncio.ensure_future(self._revoke_agent(why))
+        return kill
 
     async def _revoke_agent(self, why: str) -> None:
         """Kill the serving agent every peer writes through, counted: no WRITE posted

@@ -15,7 +15,9 @@ One kill covers every write it fences. An engine retiring under a push revokes
 before its memory goes when a write of it has not ended by the deadline; a
 revocation already begun for that write (its EndWrite's, cancelled or still
 running) fences it, and the retirement waits for that one instead of killing the
-agent that replaced it. `kvxfer_push_revocations` counts kills.
+agent that replaced it. Writes that end together (two writers giving up at once)
+share one kill too. `kvxfer_push_revocations` counts kills, not the callers that
+waited for one.
 
 The lease table and the destinations are the real ones (for a retirement, a real
 `Sidecar` in this process); the serving agent is a fake whose revocation lasts
@@ -239,6 +241,22 @@ async def test_the_sweeper_waits_for_a_cancelled_end_writes_revocation(decode: D
     assert not decode.leases.all()
 
 
+async def test_writes_that_end_together_share_one_kill(decode: Decode) -> None:
+    ends = {r: _begun(decode, r) for r in ("r", "s")}
+    first = asyncio.create_task(decode.destinations.end_write(decode.engine, "r", ends["r"]))
+    await decode.backend.revoking.wait()
+    # The other writer gives up while the agent is killed: that kill fences its chunks
+    # too (none can land once it returns); a second would kill the agent replacing it.
+    second = asyncio.create_task(decode.destinations.end_write(decode.engine, "s", ends["s"]))
+    await asyncio.sleep(0.05)
+    assert not second.done(), "the end was reported before the revocation ended"
+    decode.backend.done.set()
+    assert list(await asyncio.gather(first, second)) == [96, 96]
+    assert decode.backend.revocations == 1
+    assert len(decode.events) == 2, decode.events
+    assert not decode.leases.all()
+
+
 # -- an engine retiring under a push: its revocation and the leases' ---------
 
 
@@ -248,17 +266,16 @@ class Retiring:
     backend: SlowRevoke
     engine: Engine
 
-    def begun(self) -> WriteEnd:
+    def begun(self, request_id: str = "r") -> WriteEnd:
         """`_begun`, through the sidecar (its lease table, its engine)."""
         ids = list(range(7))
-        push = self.sidecar.push_side
-        push.expect(self.engine.engine_id, "r", TOKENS, tuple(spans({0: ids, 1: ids})), 0)
-        return _gave_up(push.begin_write(self.sidecar.epoch, 0, "r", "writer").read_token)
+        push, epoch = self.sidecar.push_side, self.sidecar.epoch
+        push.expect(self.engine.engine_id, request_id, TOKENS, tuple(spans({0: ids, 1: ids})), 0)
+        return _gave_up(push.begin_write(epoch, 0, request_id, "writer").read_token)
 
-    def end_write(self, end: WriteEnd) -> asyncio.Task[int]:
-        return asyncio.create_task(
-            self.sidecar.push_side.end_write(self.sidecar.epoch, 0, "r", end)
-        )
+    def end_write(self, end: WriteEnd, request_id: str = "r") -> asyncio.Task[int]:
+        push, epoch = self.sidecar.push_side, self.sidecar.epoch
+        return asyncio.create_task(push.end_write(epoch, 0, request_id, end))
 
     def retire(self) -> asyncio.Task[tuple[int, int]]:
         """Unregister the engine; the write has not ended by the (short) deadline."""
@@ -311,6 +328,16 @@ async def _retires_after_the_kill(retiring: Retiring, ended: asyncio.Task[int] |
 async def test_an_engine_retiring_while_an_end_write_revokes_waits_for_that_kill() -> None:
     async with _retiring() as retiring:
         ended = retiring.end_write(retiring.begun())
+        await retiring.backend.revoking.wait()
+        await _retires_after_the_kill(retiring, ended)
+
+
+async def test_an_engine_retiring_under_two_writes_kills_once_for_both() -> None:
+    """One writer's EndWrite revokes; the other never ends. The kill under way fences
+    the silent writer's WRITEs too (none posted before it returns can land)."""
+    async with _retiring() as retiring:
+        retiring.begun("silent")
+        ended = retiring.end_write(retiring.begun("r"), "r")
         await retiring.backend.revoking.wait()
         await _retires_after_the_kill(retiring, ended)
 
