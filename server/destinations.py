@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvxfer._exceptions import InvalidInputError, LeaseError, NotFoundError, PlanError
@@ -124,6 +124,7 @@ class Destinations:
         self._emit = emit
         self._ended = ended  # a lease of this engine ended (a retiring engine waits on it)
         self._layout_of = layout_of
+        self._killing: asyncio.Future[None] | None = None  # the latest kill (`_kill`)
 
     def expect(
         self,
@@ -234,14 +235,39 @@ class Destinations:
         the agent was killed and reaped: that kill fences every chunk the writer gave up
         on, and a second would only kill the agent that replaced it), else a new one.
         Shielded: a cancelled caller leaves the kill to finish for whoever ends the lease."""
-        revocation = lease.revocation
-        if revocation is None or (
-            revocation.done() and (revocation.cancelled() or revocation.exception() is not None)
-        ):
-            revocation = lease.revocation = asyncio.ensure_future(self.revoke(why))
-        await asyncio.shield(revocation)
+        await self._fence_all([lease], why)
 
-    async def revoke(self, why: str) -> None:
+    async def fence_dropped(self, leases: Iterable[Lease], why: str) -> None:
+        """Leases taken out of the table while their writes may still land (an engine
+        retires under a writer that never ended): return once no WRITE posted for any
+        of them can land. One revocation fences them all, and one already begun for a
+        lease (its EndWrite's, cancelled or still running) is waited for, not repeated."""
+        await self._fence_all([lease for lease in leases if lease.push], why)
+
+    async def _fence_all(self, leases: list[Lease], why: str) -> None:
+        """Record on each lease not yet fenced the kill that fences it (the one under
+        way, else a new one), then wait for every lease's kill, shielded."""
+        for lease in leases:
+            if not _fences(lease.revocation):
+                lease.revocation = self._kill(why)
+        kills = dict.fromkeys(lease.revocation for lease in leases if lease.revocation)
+        for kill in kills:
+            await asyncio.shield(kill)
+
+    def _kill(self, why: str) -> asyncio.Future[None]:
+        """The kill of the serving agent under way, else a new one. A kill not yet
+        returned fences every WRITE posted before it returns, whoever needs it now (two
+        writers giving up together; the sweeper or a retirement while another lease's
+        kill runs): a second would only kill the agent that replaced it, or the dying
+        one again, and count a revocation that did not happen."""
+        kill = self._killing
+        if kill is not None and not kill.done():
+            log.info("revoking remote access (%s): joins the kill under way", why)
+            return kill
+        kill = self._killing = asyncio.ensure_future(self._revoke_agent(why))
+        return kill
+
+    async def _revoke_agent(self, why: str) -> None:
         """Kill the serving agent every peer writes through, counted: no WRITE posted
         before this returns can land any more."""
         await self._backend.revoke(why)
@@ -297,6 +323,16 @@ class Destinations:
             ),
         )
         self._ended(lease.engine_id)
+
+
+def _fences(revocation: asyncio.Future[None] | None) -> bool:
+    """Whether a lease's revocation fences its writer's writes: under way, or returned
+    (a failed or cancelled one does not: the lease needs another)."""
+    if revocation is None:
+        return False
+    return not revocation.done() or not (
+        revocation.cancelled() or revocation.exception() is not None
+    )
 
 
 def _status(aborted: bool, failed: bool, valid: int, computed: int) -> PullStatus:

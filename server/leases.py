@@ -93,9 +93,10 @@ class Lease:
     # Its writer's EndWrite is revoking remote access before it reports: nothing else
     # ends the lease meanwhile (the sweeper passes it over; a second EndWrite is refused).
     ending: bool = False
-    # The revocation of remote access begun for its writer's given-up chunks: it runs on
-    # when the call that began it is cancelled, and what ends the lease after (a retried
-    # EndWrite, the sweeper) waits for it instead of killing the agent that replaced it.
+    # The revocation of remote access that fences its writer's given-up chunks (begun
+    # for it, or a kill under way it joined): it runs on when the call that began it is
+    # cancelled, and what ends the lease after (a retried EndWrite, the sweeper, its
+    # engine's retirement) waits for it instead of killing the agent that replaced it.
     revocation: asyncio.Future[None] | None = None
 
     @property

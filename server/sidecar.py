@@ -654,8 +654,10 @@ class Sidecar:
             # only READ this memory, so a read still posted after the deregistration
             # fails on their side; nothing can write into this process's memory.
             left = self._leases.drop_engine(engine.engine_id)
-            if any(lease.push for lease in left):  # a silent writer may still write here
-                await self.destinations.revoke(f"engine {engine.engine_id} retires under a push")
+            # A silent writer may still write here: revoked before the memory goes, by
+            # the kill its EndWrite began if there is one (not a second, counted again).
+            why = f"engine {engine.engine_id} retires under a push"
+            await self.destinations.fence_dropped(left, why)
             log.warning(
                 "engine %s: %d reads still open after %.1fs; their readers are presumed gone",
                 engine.engine_id,

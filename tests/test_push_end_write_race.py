@@ -11,16 +11,27 @@ sweeper revoke again when the first EndWrite's call was cancelled while it revok
 (its writer's deadline passed during a slow kill and reap): that kill goes on, and
 they wait for it.
 
-The lease table and the destinations are the real ones; the serving agent is a
-fake whose revocation lasts until the test ends it, as a slow kill and reap would.
+One kill covers every write it fences. An engine retiring under a push revokes
+before its memory goes when a write of it has not ended by the deadline; a
+revocation already begun for that write (its EndWrite's, cancelled or still
+running) fences it, and the retirement waits for that one instead of killing the
+agent that replaced it. Writes that end together (two writers giving up at once)
+share one kill too. `kvxfer_push_revocations` counts kills, not the callers that
+waited for one.
+
+The lease table and the destinations are the real ones (for a retirement, a real
+`Sidecar` in this process); the serving agent is a fake whose revocation lasts
+until the test ends it, as a slow kill and reap would.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import pytest
 from sidecars import spans
@@ -32,11 +43,13 @@ from kvxfer.core.profiles import layout_for_model
 from kvxfer.core.requests import EngineEvent, PullStatus, Received, ReleaseReason
 from kvxfer.dataplane.descriptors import BoundBuffer
 from kvxfer.dataplane.memory import MappedBuffer
+from kvxfer.dataplane.readers import Readers
 from kvxfer.server.destinations import Destinations, WriteEnd
 from kvxfer.server.engines import Engine, EventQueue
 from kvxfer.server.leases import LeaseTable
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.settings import load_settings
+from kvxfer.server.sidecar import Sidecar
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -123,15 +136,19 @@ def _decode(layout: EngineLayout) -> Decode:
     return Decode(clock, leases, backend, destinations, engine, events)
 
 
-def _begun(decode: Decode) -> WriteEnd:
+def _begun(decode: Decode, request_id: str = "r") -> WriteEnd:
     """Expect a request, begin its write; the EndWrite of a writer whose last full-
     attention chunk failed (and that could not say it settled)."""
     ids = list(range(7))
-    decode.destinations.expect(decode.engine, "r", TOKENS, tuple(spans({0: ids, 1: ids})), 0)
-    lease = decode.destinations.begin_write(decode.engine, "r", "writer")
+    destinations, engine = decode.destinations, decode.engine
+    destinations.expect(engine, request_id, TOKENS, tuple(spans({0: ids, 1: ids})), 0)
+    return _gave_up(destinations.begin_write(engine, request_id, "writer").read_token)
+
+
+def _gave_up(token: str) -> WriteEnd:
     return WriteEnd(
         writer="writer",
-        token=lease.read_token,
+        token=token,
         reason=ReleaseReason.CONSUMED,
         failed={1: (6,)},
         bytes_written=1,
@@ -222,3 +239,138 @@ async def test_the_sweeper_waits_for_a_cancelled_end_writes_revocation(decode: D
     assert isinstance(received, Received), received
     assert received.status is PullStatus.FAILED and "revoked" in received.reason, received
     assert not decode.leases.all()
+
+
+async def test_writes_that_end_together_share_one_kill(decode: Decode) -> None:
+    ends = {r: _begun(decode, r) for r in ("r", "s")}
+    first = asyncio.create_task(decode.destinations.end_write(decode.engine, "r", ends["r"]))
+    await decode.backend.revoking.wait()
+    # The other writer gives up while the agent is killed: that kill fences its chunks
+    # too (none can land once it returns); a second would kill the agent replacing it.
+    second = asyncio.create_task(decode.destinations.end_write(decode.engine, "s", ends["s"]))
+    await asyncio.sleep(0.05)
+    assert not second.done(), "the end was reported before the revocation ended"
+    decode.backend.done.set()
+    assert list(await asyncio.gather(first, second)) == [96, 96]
+    assert decode.backend.revocations == 1
+    assert len(decode.events) == 2, decode.events
+    assert not decode.leases.all()
+
+
+# -- an engine retiring under a push: its revocation and the leases' ---------
+
+
+@dataclass
+class Retiring:
+    sidecar: Sidecar
+    backend: SlowRevoke
+    engine: Engine
+
+    def begun(self, request_id: str = "r") -> WriteEnd:
+        """`_begun`, through the sidecar (its lease table, its engine)."""
+        ids = list(range(7))
+        push, epoch = self.sidecar.push_side, self.sidecar.epoch
+        push.expect(self.engine.engine_id, request_id, TOKENS, tuple(spans({0: ids, 1: ids})), 0)
+        return _gave_up(push.begin_write(epoch, 0, request_id, "writer").read_token)
+
+    def end_write(self, end: WriteEnd, request_id: str = "r") -> asyncio.Task[int]:
+        push, epoch = self.sidecar.push_side, self.sidecar.epoch
+        return asyncio.create_task(push.end_write(epoch, 0, request_id, end))
+
+    def retire(self) -> asyncio.Task[tuple[int, int]]:
+        """Unregister the engine; the write has not ended by the (short) deadline."""
+        return asyncio.create_task(self.sidecar.unregister(self.engine.engine_id, 0.05))
+
+    def counted(self) -> float | None:
+        return self.sidecar.metrics.registry.get_sample_value("kvxfer_push_revocations_total")
+
+
+def _no_agents(prefix: str) -> NoReturn:
+    raise AssertionError("a destination lease needs no reading or writing agent")
+
+
+@contextlib.asynccontextmanager
+async def _retiring() -> AsyncIterator[Retiring]:
+    settings = load_settings(
+        [
+            "--peer-address", "127.0.0.1:9",  # never served: peers are this test
+            "--engine-address", "127.0.0.1:0",
+            "--insecure-engine-tcp",
+            "--lease.ttl-s", str(TTL_S),
+            "--transfer.stall-deadline-s", "1",
+        ]
+    )  # fmt: skip
+    backend = SlowRevoke()
+    sidecar = Sidecar(settings, backend, Metrics(), Readers(_no_agents, per_pair=1))
+    with shm_kv_cache(layout_for_model(MODEL), 8, prefix=f"kvxfer-retire-{os.getpid()}") as kv:
+        engine = await sidecar.register_engine(kv.layout, kv.buffers, "decode")
+        try:
+            yield Retiring(sidecar, backend, engine)
+        finally:
+            backend.done.set()
+            await sidecar.shutdown(0.0)
+
+
+async def _retires_after_the_kill(retiring: Retiring, ended: asyncio.Task[int] | None) -> None:
+    """The engine retires while the revocation its write began is still under way: the
+    memory goes only once that kill returned, and no second kill is made for it."""
+    retired = retiring.retire()
+    await asyncio.sleep(0.3)  # well past the retirement's deadline
+    assert not retired.done(), "the engine's memory went before the revocation returned"
+    retiring.backend.done.set()
+    await retired
+    if ended is not None:
+        await asyncio.gather(ended, return_exceptions=True)  # its lease went with the engine
+    assert retiring.backend.revocations == 1, "the retirement killed the agent again"
+    assert retiring.counted() == 1
+
+
+async def test_an_engine_retiring_while_an_end_write_revokes_waits_for_that_kill() -> None:
+    async with _retiring() as retiring:
+        ended = retiring.end_write(retiring.begun())
+        await retiring.backend.revoking.wait()
+        await _retires_after_the_kill(retiring, ended)
+
+
+async def test_an_engine_retiring_under_two_writes_kills_once_for_both() -> None:
+    """One writer's EndWrite revokes; the other never ends. The kill under way fences
+    the silent writer's WRITEs too (none posted before it returns can land)."""
+    async with _retiring() as retiring:
+        retiring.begun("silent")
+        ended = retiring.end_write(retiring.begun("r"), "r")
+        await retiring.backend.revoking.wait()
+        await _retires_after_the_kill(retiring, ended)
+
+
+async def test_an_engine_retiring_after_a_cancelled_end_write_waits_for_its_kill() -> None:
+    async with _retiring() as retiring:
+        first = retiring.end_write(retiring.begun())
+        await retiring.backend.revoking.wait()
+        first.cancel()  # the writer's deadline passed during the kill; it runs on
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await _retires_after_the_kill(retiring, None)
+
+
+async def test_an_engine_retiring_after_its_writer_was_revoked_kills_no_more() -> None:
+    async with _retiring() as retiring:
+        first = retiring.end_write(retiring.begun())
+        await retiring.backend.revoking.wait()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        retiring.backend.done.set()
+        await asyncio.sleep(0.05)  # the kill returned; the writer never retried
+        assert retiring.backend.revocations == 1
+        await retiring.retire()
+        assert retiring.backend.revocations == 1, "the retirement killed the agent again"
+        assert retiring.counted() == 1
+
+
+async def test_an_engine_retiring_under_a_silent_writer_revokes_once() -> None:
+    async with _retiring() as retiring:
+        retiring.begun()  # the writer never ends
+        retiring.backend.done.set()
+        await retiring.retire()
+        assert retiring.backend.revocations == 1
+        assert retiring.counted() == 1
