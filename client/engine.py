@@ -398,6 +398,9 @@ class SyncEngineClient:
     def pull(
         self, params: TransferParams, local_spans: Sequence[BlockSpan], computed_tokens: int
     ) -> PullAccepted:
+        """Blocks until the sidecar answers, once the read's first chunk is posted (1-4
+        ms for a 1k-token pull here, `benchmarks/probe_pull_call.py`): a thread that must
+        not stall, an engine's step, uses `pull_soon`."""
         return self._run(self._client.pull(params, local_spans, computed_tokens))
 
     def pull_soon(
