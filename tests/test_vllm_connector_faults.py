@@ -79,6 +79,17 @@ def test_a_pull_is_not_waited_for_and_its_answer_may_come_after_its_pulldone(
     assert late["accepted"]["waiting"] == ["req-7"] and late["accepted"]["aborted"] == []
 
 
+def test_a_second_request_pulling_the_same_publication_fails_alone(
+    report: dict[str, Any],
+) -> None:
+    twice = report["same_publication_twice"]
+    second = {"recving": ["decode-8"], "failed": ["decode-8"]}
+    first = {"recving": ["decode-7"], "failed": []}
+    assert twice["steps"] == [second, first, NOTHING]
+    assert twice["pulled"] == ["req-7"]  # the second never reached the sidecar
+    assert twice["waiting"] == []
+
+
 def test_malformed_params_are_prefilled_locally_not_raised(report: dict[str, Any]) -> None:
     schedule = report["schedule"]
     good = schedule["good"]

@@ -16,6 +16,7 @@ import concurrent.futures
 import json
 import sys
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -156,6 +157,21 @@ def answered_late(answer: PullAccepted | Exception, done_first: bool) -> dict[st
     return {"steps": seen, "aborted": client.aborted, "waiting": sorted(made._pulls)}
 
 
+def same_publication_twice() -> dict[str, Any]:
+    """Two requests pulling one publication at once (a retried or hedged decode): the
+    second fails at once, without a call, and the first's PullDone ends the first
+    (PullDone and Abort are keyed by the publication, not by vLLM's request)."""
+    client = FaultyClient(None, [])
+    made = worker(client)
+    made.pull(order())
+    made.pull(replace(order(), request_id="decode-8", block_ids=([9, 10],)))
+    seen = steps(made, 1)
+    client.answers[0].set_result(ACCEPTED)
+    made._events.put(PullDone("req-7", PullStatus.OK, {}, 32, 4096, 0.1, ""))
+    seen += steps(made, 2)
+    return {"steps": seen, "pulled": client.pulled, "waiting": sorted(made._pulls)}
+
+
 def gone_sidecar() -> dict[str, Any]:
     """A worker whose event watch saw its sidecar go (SIDECAR_LOST) with a pull it is
     unsure of: that pull fails, and every later one fails at once, calling nothing (a
@@ -277,6 +293,7 @@ def main() -> None:
         },
         "silent_publisher": silent_publisher(),
         "gone_sidecar": gone_sidecar(),
+        "same_publication_twice": same_publication_twice(),
         "schedule": {
             "good": scheduler({"do_remote_prefill": True, KEY: good}),
             "empty_part": scheduler({"do_remote_prefill": True, KEY: {}}),

@@ -185,7 +185,7 @@ class _Answered:
     """The event a Pull call's answer queues (`_Worker._pull`): the step that started the
     pull did not wait for it."""
 
-    request_id: str  # vLLM's
+    receiving: _Receiving  # the request whose pull it is
     pull_id: str
     answer: concurrent.futures.Future[PullAccepted]
 
@@ -970,9 +970,18 @@ class _Worker:
             log.error("kvxfer: pull of %s refused: %s", order.request_id, exc)
             every, receiving.failed = [], True
         for params in every:
+            pull_id = params.request_id
+            other = self._pulls.get(pull_id)
+            if other is not None:
+                # A second request pulling one publication (a retried or hedged decode, a
+                # router bug): the sidecar would refuse it, but its PullDone and abort are
+                # keyed by the publication, so it must never stand in for the first.
+                log.error("kvxfer: pull of %s refused: %s is already pulled for %s",
+                          order.request_id, pull_id, other.order.request_id)  # fmt: skip
+                receiving.failed = True
+                continue
             # Not waited for here, at the start of vLLM's step: the answer comes with the
             # events (`_answered`), and may come after the pull's PullDone.
-            pull_id = params.request_id
             self._pulls[pull_id] = receiving
             receiving.pending += 1
             try:
@@ -980,27 +989,32 @@ class _Worker:
             except RuntimeError as exc:  # the client's loop is closed: nothing was sent
                 answer = concurrent.futures.Future()
                 answer.set_exception(KvxferError(f"not sent: {exc}"))
-            answer.add_done_callback(self._on_answer(order.request_id, pull_id))
+            answer.add_done_callback(self._on_answer(receiving, pull_id))
         if not receiving.pending:
             self._received(receiving)
 
     def _on_answer(
-        self, request_id: str, pull_id: str
+        self, receiving: _Receiving, pull_id: str
     ) -> Callable[[concurrent.futures.Future[PullAccepted]], None]:
         """Queues a Pull call's answer with the events (it runs on the client's thread)."""
-        return lambda answer: self._events.put(_Answered(request_id, pull_id, answer))
+        return lambda answer: self._events.put(_Answered(receiving, pull_id, answer))
 
     def _answered(self, event: _Answered) -> None:
         """A Pull call's answer: accepted (its PullDone ends it), refused (nothing was
         taken: it ended), or none (the sidecar may have taken it: `_settle_unsure`)."""
         pull_id = event.pull_id
-        receiving = self._pulls.get(pull_id)  # None: its PullDone came, or the sidecar is gone
+        receiving: _Receiving | None = event.receiving
+        if self._pulls.get(pull_id) is not receiving:
+            receiving = None  # its PullDone came, or the sidecar is gone: it ended
         try:
             accepted = event.answer.result()
         except Exception as exc:  # concurrent.futures.CancelledError too (closing)
             unsure = isinstance(exc, PeerUnavailableError) or not isinstance(exc, KvxferError)
             if isinstance(exc, LaneUnreachableError):
                 unsure = False  # turned away before any call ran: nothing was taken
+            if receiving is None:  # it ended meanwhile: nothing to settle
+                log.info("kvxfer: pull of %s ended before its call's answer (%r)", pull_id, exc)
+                return
             if unsure:
                 # A deadline, a lost connection (or a bug in the call): the sidecar may
                 # have taken it, and its reads may still land in these blocks. The request
@@ -1010,8 +1024,6 @@ class _Worker:
             else:
                 log.error("kvxfer: pull of %s refused: %s%s", pull_id, exc,
                           block_size_hint(exc, self._owner._ratio.differs))  # fmt: skip
-            if receiving is None:
-                return
             receiving.failed = True
             if unsure:
                 self._unsure[pull_id] = 0.0
@@ -1022,7 +1034,7 @@ class _Worker:
                 self._received(receiving)
             return
         self._record(
-            request_id=event.request_id,
+            request_id=event.receiving.order.request_id,
             pull_id=pull_id,
             bytes_planned=accepted.bytes_planned,
             full_attention_bytes=accepted.full_attention_bytes,
