@@ -273,10 +273,18 @@ def test_pulls_are_read_with_their_plans_whichever_line_came_first(tmp_path: Pat
             "tp_rank": 1,
         },
         {**done, "pull_id": "r-1", "bytes_moved": 80, "tp_rank": 1, "valid_tokens": 64},
+        # The same pull id again later (another run in the same file): its own plan.
+        {**done, "request_id": "s", "pull_id": "r-0", "bytes_moved": 5, "tp_rank": 0},
+        {"request_id": "s", "pull_id": "r-0", "bytes_planned": 7, "full_attention_bytes": 9},
     ]
     stats = tmp_path / "stats.jsonl"
     stats.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    (row,) = read_pulls(stats)
+    row, again = read_pulls(stats)
+    assert (again["request_id"], again["bytes_planned"], again["full_attention_bytes"]) == (
+        "s",
+        7,
+        9,
+    )
     assert (row["bytes_moved"], row["bytes_planned"], row["full_attention_bytes"]) == (
         180,
         200,

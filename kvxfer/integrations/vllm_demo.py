@@ -13,6 +13,7 @@ What moved comes from the connector's stats file (one JSON line per pull).
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 import subprocess
@@ -240,8 +241,12 @@ def read_pulls(stats: Path, skip: int = 0) -> list[dict[str, Any]]:
     their Pull calls planned: summed over the pulls of every decode rank (one per prefill
     rank it reads heads from, under different TP sizes), resuming where the worst did."""
     facts = [json.loads(line) for line in stats.read_text().splitlines()[skip:]]
-    # A Pull call's answer may be written after its PullDone (the worker does not wait).
-    planned = {_pull_key(f): f for f in facts if "bytes_planned" in f}
+    # A Pull call's answer may be written after its PullDone (the worker does not wait):
+    # each PullDone takes the first plan of its pull not yet taken, wherever it is.
+    planned: dict[tuple[Any, Any], collections.deque[dict[str, Any]]] = {}
+    for fact in facts:
+        if "bytes_planned" in fact:
+            planned.setdefault(_pull_key(fact), collections.deque()).append(fact)
     merged: dict[str, dict[str, Any]] = {}
     for fact in facts:
         if "bytes_planned" in fact:
@@ -249,7 +254,8 @@ def read_pulls(stats: Path, skip: int = 0) -> list[dict[str, Any]]:
         if "repack_s" in fact and fact["request_id"] in merged:
             merged[fact["request_id"]]["repack_ms"] = round(fact["repack_s"] * 1000, 2)
         elif "bytes_moved" in fact:
-            plan = planned.get(_pull_key(fact), {"bytes_planned": 0, "full_attention_bytes": 0})
+            plans = planned.get(_pull_key(fact))
+            plan = plans.popleft() if plans else {"bytes_planned": 0, "full_attention_bytes": 0}
             failed = sum(len(b) for b in fact["failed_blocks"].values())
             ms = round(fact["duration_s"] * 1000, 2)
             row = merged.get(fact["request_id"])
