@@ -188,6 +188,25 @@ async def test_a_lost_connection_fails_its_calls_and_the_next_call_reconnects(
             await lane.close()
 
 
+async def test_an_answer_that_does_not_decode_is_no_answer_not_a_refusal(
+    tmp_path: Path,
+) -> None:
+    """The sidecar ran the call and its reply cannot be read: the caller cannot know
+    what was done (a Pull may have been taken), so it is told as after a deadline."""
+    path = tmp_path / "e.sock.lane"
+
+    def behave(call_id: int, kind: Kind, payload: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(frame(call_id, Kind.REPLY, b"\xff\xff\xff"))  # no PullResponse
+
+    async with _fake_lane(path, behave):
+        lane = Lane(str(path), connect_timeout_s=1)
+        try:
+            with pytest.raises(PeerUnavailableError, match="pull: the answer does not decode"):
+                await lane.call("Pull", pb.PullRequest(), pb.PullResponse, 5, "pull")
+        finally:
+            await lane.close()
+
+
 async def test_no_lane_socket_fails_naming_its_path(tmp_path: Path) -> None:
     path = tmp_path / "absent.sock.lane"
     lane = Lane(str(path), connect_timeout_s=0.2)

@@ -21,7 +21,6 @@ from google.protobuf.message import DecodeError, Message
 from google.rpc import status_pb2
 
 from kvxfer._exceptions import (
-    KvxferError,
     LaneUnreachableError,
     LimitExceededError,
     PeerUnavailableError,
@@ -267,7 +266,11 @@ def _decoded(kind: Kind, payload: bytes, cls: type[R], what: str) -> R:
             raise lane_error(status_pb2.Status.FromString(payload), what)
         return cls.FromString(payload)
     except DecodeError:
-        raise KvxferError(f"{what}: the sidecar's answer does not decode") from None
+        # The far end ran the call, and what it did cannot be read: as after a deadline,
+        # the caller cannot know, so it must not take it as refused (nothing done).
+        raise PeerUnavailableError(
+            f"{what}: the answer does not decode; the call may have been carried out"
+        ) from None
 
 
 def _sendable(method: str, request: Message, what: str) -> bytes:
