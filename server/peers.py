@@ -17,7 +17,7 @@ long-lived decode sidecar kept all of that for every pod that ever existed; a la
 pull to a forgotten address simply handshakes again. A forgotten peer with a metric
 label of its own keeps its identity and the epoch it was last linked with, so that a
 restart while it was forgotten still counts (kvxfer_peer_epoch_changes) when it is
-linked again.
+linked again; for its latest limits.max_peer_labels forgotten addresses only.
 """
 
 from __future__ import annotations
@@ -331,10 +331,12 @@ class PeerLinks:
         self._labels: set[str] = set()  # peer identities with a metric label of their own
         self._identities: dict[str, str] = {}  # address -> the identity its handshake gave
         self._nixl_peers: dict[str, tuple[int, str]] = {}  # address -> (epoch, agent name)
-        # A forgotten address -> the epoch its agent was loaded with, compared with the
-        # next one its handshake gives: for peers that keep their label, at most
-        # limits.max_peer_labels addresses, the oldest forgotten dropped first.
-        self._forgotten_epochs: dict[str, int] = {}
+        # A forgotten address that keeps its identity -> the epoch its agent was loaded
+        # with (None: none was), compared with the next one its handshake gives. For
+        # peers with a label of their own, at most limits.max_peer_labels addresses: a
+        # peer that comes back under new addresses (pods do) leaves no identity and no
+        # epoch behind for each old one, the oldest forgotten dropped first.
+        self._forgotten_epochs: dict[str, int | None] = {}
         # (address, rank, request id) -> the read token BeginRead returned; bounded, since
         # a read that ends without EndRead (its lease lost) leaves its token behind.
         self._read_tokens: dict[tuple[str, int, str], str] = {}
@@ -408,8 +410,8 @@ class PeerLinks:
                 self._identities.pop(address, None)
             known = self._nixl_peers.pop(address, None)
             agents[address] = None if known is None else known[1]
-            if known is not None and labelled:
-                self._keep_epoch(address, known[0])
+            if labelled:
+                self._keep_epoch(address, None if known is None else known[0])
             self._forgetting[address] = asyncio.Event()
         # Memory safety: an agent removed here is one our serving agent loaded for these
         # peers; no link points at it and no transfer claims their addresses. One that
@@ -436,11 +438,16 @@ class PeerLinks:
                     done.set()
         return len(gone & seen)
 
-    def _keep_epoch(self, address: str, epoch: int) -> None:
+    def _keep_epoch(self, address: str, epoch: int | None) -> None:
         self._forgotten_epochs.pop(address, None)  # kept again: now the newest
         self._forgotten_epochs[address] = epoch
         while len(self._forgotten_epochs) > self._settings.limits.max_peer_labels:
-            del self._forgotten_epochs[next(iter(self._forgotten_epochs))]  # the oldest
+            oldest = next(iter(self._forgotten_epochs))
+            del self._forgotten_epochs[oldest]
+            # Its identity goes too, unless it is in use again (a handshake under way
+            # named it, or a pull claims it): then it is no longer a forgotten address.
+            if oldest not in self._last_used and oldest not in self._nixl_peers:
+                self._identities.pop(oldest, None)
 
     async def _forget(self, address: str, agent: str | None) -> None:
         """Remove `agent` (the one loaded for `address`, if it is to go) from ours and

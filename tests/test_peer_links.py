@@ -267,6 +267,30 @@ async def test_epochs_kept_for_forgotten_addresses_are_bounded() -> None:
     await forget("127.0.0.1:10", "q", 10)
     assert links.label("127.0.0.1:10") == "other"
     assert links._forgotten_epochs == {"127.0.0.1:2": 2, "127.0.0.1:3": 3}
+    # The identities of the addresses it left go with their epochs: not one kept per
+    # address a pod ever had. The two latest still count under "p".
+    assert [links.label(f"127.0.0.1:{i}") for i in range(4)] == ["other", "other", "p", "p"]
+    assert set(links._identities) == {"127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:9"}
+    await links._dialer.close()
+
+
+async def test_an_address_in_use_again_keeps_its_identity_when_its_epoch_is_dropped() -> None:
+    """A forgotten address a pull claims again is no longer forgotten: pushed out of
+    the kept epochs by later ones, it keeps the identity its handshake is giving it."""
+    links = _links(Metrics(), RecordingBackend(), "--limits.max-peer-labels", "1")
+    links._name_peer("127.0.0.1:0", "p")
+    links._nixl_peers["127.0.0.1:0"] = (1, "agent-1")
+    links.use("127.0.0.1:0").release()
+    await links.forget_idle(0.0)
+    claim = links.use("127.0.0.1:0")  # a pull to it: its handshake is under way
+    links._name_peer("127.0.0.1:1", "p")
+    links._nixl_peers["127.0.0.1:1"] = (2, "agent-2")
+    links.use("127.0.0.1:1").release()
+    links._last_used["127.0.0.1:1"] = 0.0  # idle, unlike the claimed one
+    await links.forget_idle(1.0)
+    assert links._forgotten_epochs == {"127.0.0.1:1": 2}
+    assert links.label("127.0.0.1:0") == "p"
+    claim.release()
     await links._dialer.close()
 
 
