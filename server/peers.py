@@ -681,6 +681,10 @@ class PeerLinks:
             )
             self._metrics.peer_restarts.labels(self.label(address)).inc()
             await self._backend.remove_peer(known[1])
+            if self._nixl_peers.get(address) == known:
+                # Gone now: a load of the new agent that fails must not leave the next
+                # handshake to remove it again and count the same restart twice.
+                del self._nixl_peers[address]
             for (link_address, _), link in self._links.items():
                 if link_address == address:
                     link.stale = True

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client import generate_latest
 from sidecars import engine_link, scrape, spans, start_engine, start_sidecar
 
-from kvxfer._exceptions import NegotiationError, PeerUnavailableError
+from kvxfer._exceptions import DataPlaneError, NegotiationError, PeerUnavailableError
 from kvxfer.core.negotiation import PROTOCOL_VERSION
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.dataplane.adapter import TransferBackend
@@ -246,6 +246,46 @@ async def test_a_restart_while_forgotten_counts_once_and_the_same_epoch_none(
         await linked()  # back with epoch 2 again
         assert restarts() == 1 and len(logged()) == 1
     assert backend.removed == ["agent-1", "agent-2", "agent-3"]  # one per forgetting
+    await links._dialer.close()
+
+
+class FailingLoad(RecordingBackend):
+    """Loading an agent fails while `failing` is set."""
+
+    failing = False
+
+    async def add_peer(self, metadata: bytes) -> str:
+        if self.failing:
+            raise DataPlaneError("injected: the agent's metadata did not load")
+        return await super().add_peer(metadata)
+
+
+async def test_a_restart_whose_new_agent_fails_to_load_counts_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The old agent is removed as the restart is seen; the new one fails to load. The
+    next handshake loads it, without removing the old one again or counting again."""
+    metrics, backend = Metrics(), FailingLoad()
+    links = _links(metrics, backend)
+    layout, address, epoch = layout_for_model(MODEL), "127.0.0.1:1", 1
+
+    async def hello(*args: Any, **kwargs: Any) -> Any:
+        return SimpleNamespace(
+            layout=layout, protocol_version=PROTOCOL_VERSION, epoch=epoch, engine_id="e-p",
+            agent_metadata=b"%d" % epoch, sidecar_id="p", lane_port=0,
+        )  # fmt: skip
+
+    monkeypatch.setattr(links, "hello", hello)
+    with links.use(address):
+        await links.link(address, "e-1", layout, epoch, "e-p")
+        epoch, backend.failing = 2, True
+        with pytest.raises(DataPlaneError):
+            await links.link(address, "e-1", layout, epoch, "e-p")
+        backend.failing = False
+        await links.link(address, "e-1", layout, epoch, "e-p")
+    assert _value(metrics, "kvxfer_peer_epoch_changes_total", peer="p") == 1
+    assert backend.removed == ["agent-1"]
+    assert links._nixl_peers[address] == (2, "agent-2")
     await links._dialer.close()
 
 
