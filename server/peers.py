@@ -325,6 +325,7 @@ class PeerLinks:
         # Serialises handshakes and reloads of one (address, rank); never held by a pull
         # waiting for another peer.
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._loading: dict[str, asyncio.Lock] = {}  # address -> its agent being loaded
         # A handshake under way, and whether its caller logs a refused negotiation itself
         # (`link(quiet=True)`): a caller that joins it and does not, logs it then.
         self._pending: dict[tuple[str, int], tuple[asyncio.Future[PeerLink], bool]] = {}
@@ -397,6 +398,8 @@ class PeerLinks:
             self._links.pop(key).stale = True  # nothing holds it (unclaimed): belt and braces
         for key in [key for key in self._locks if key[0] in gone]:
             del self._locks[key]  # unclaimed, no handshake pending: no one holds or awaits it
+        for address in [address for address in self._loading if address in gone]:
+            del self._loading[address]  # the same: no handshake is loading its agent
         for token in [token for token in self._read_tokens if token[0] in gone]:
             del self._read_tokens[token]  # reads ended without EndRead (their lease lost)
         agents: dict[str, str | None] = {}  # address -> its loaded agent's name
@@ -660,6 +663,13 @@ class PeerLinks:
         self._metrics.init_peer(identity)
 
     async def _load_agent(self, address: str, hello: PeerHello) -> str:
+        """The name of `address`'s agent loaded from `hello`, one load per address at a
+        time: the ranks of a restarted peer handshake at once, and each would otherwise
+        count the restart and remove the old agent."""
+        async with self._loading.setdefault(address, asyncio.Lock()):
+            return await self._load_agent_alone(address, hello)
+
+    async def _load_agent_alone(self, address: str, hello: PeerHello) -> str:
         known = self._nixl_peers.get(address)
         # Forgotten since it was last linked: its agent and links went then. Counted here
         # once, also when the new agent's load then fails.

@@ -289,6 +289,47 @@ async def test_a_restart_whose_new_agent_fails_to_load_counts_once(
     await links._dialer.close()
 
 
+class SlowRemoval(RecordingBackend):
+    """Removing an agent takes a while, as the serving agent's round trip does: two
+    handshakes with one address interleave there."""
+
+    async def remove_peer(self, peer: str) -> None:
+        await asyncio.sleep(0.05)
+        await super().remove_peer(peer)
+
+
+async def test_two_ranks_seeing_one_restart_count_it_and_remove_the_agent_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both TP ranks of a restarted peer handshake at once: one restart, one removal of
+    the old agent, and both links on the new one."""
+    metrics, backend = Metrics(), SlowRemoval()
+    links = _links(metrics, backend)
+    layout, address, epoch = layout_for_model(MODEL), "127.0.0.1:1", 1
+
+    async def hello(*args: Any, **kwargs: Any) -> Any:
+        return SimpleNamespace(
+            layout=layout, protocol_version=PROTOCOL_VERSION, epoch=epoch, engine_id="e-p",
+            agent_metadata=b"%d" % epoch, sidecar_id="p", lane_port=0,
+        )  # fmt: skip
+
+    monkeypatch.setattr(links, "hello", hello)
+    with links.use(address):
+        for rank in (0, 1):
+            await links.link(address, "e-1", layout, epoch, "e-p", rank)
+        old = links._nixl_peers[address][1]
+        epoch = 2
+        both = await asyncio.gather(
+            *(links.link(address, "e-1", layout, epoch, "e-p", rank) for rank in (0, 1))
+        )
+    assert _value(metrics, "kvxfer_peer_epoch_changes_total", peer="p") == 1
+    assert backend.removed == [old]
+    assert links._nixl_peers[address][0] == 2
+    assert [link.hello.epoch for link, _ in both] == [2, 2]
+    assert backend.added[2:] == [b"2", b"2"]  # the new agent, loaded by each rank
+    await links._dialer.close()
+
+
 async def test_epochs_kept_for_forgotten_addresses_are_bounded() -> None:
     """Only a peer with a metric label of its own keeps its epoch when forgotten (as it
     keeps its identity), and at most limits.max_peer_labels addresses do: a labelled peer
