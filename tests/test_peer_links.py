@@ -24,6 +24,7 @@ from prometheus_client import generate_latest
 from sidecars import engine_link, scrape, spans, start_engine, start_sidecar
 
 from kvxfer._exceptions import DataPlaneError, NegotiationError, PeerUnavailableError
+from kvxfer.core.layout import EngineLayout
 from kvxfer.core.negotiation import PROTOCOL_VERSION
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.dataplane.adapter import TransferBackend
@@ -198,6 +199,31 @@ async def test_a_forgotten_peer_keeps_its_metric_label(hung_peer: str) -> None:
     await links._dialer.close()
 
 
+class RestartingPeer:
+    """What a peer's handshake answers (`PeerLinks.hello`), under the epoch it is at:
+    set `epoch` to restart it. Its agent's metadata names the epoch."""
+
+    def __init__(self, layout: EngineLayout) -> None:
+        self.layout, self.epoch = layout, 1
+
+    async def hello(self, *args: Any, **kwargs: Any) -> Any:
+        return SimpleNamespace(
+            layout=self.layout, protocol_version=PROTOCOL_VERSION, epoch=self.epoch,
+            engine_id="e-p", agent_metadata=b"%d" % self.epoch, sidecar_id="p", lane_port=0,
+        )  # fmt: skip
+
+
+def _restarting(
+    monkeypatch: pytest.MonkeyPatch, backend: RecordingBackend
+) -> tuple[Metrics, PeerLinks, RestartingPeer]:
+    """Links over `backend` whose every handshake reaches one `RestartingPeer`."""
+    metrics = Metrics()
+    links = _links(metrics, backend)
+    peer = RestartingPeer(layout_for_model(MODEL))
+    monkeypatch.setattr(links, "hello", peer.hello)
+    return metrics, links, peer
+
+
 async def test_a_restart_while_forgotten_counts_once_and_the_same_epoch_none(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -205,21 +231,13 @@ async def test_a_restart_while_forgotten_counts_once_and_the_same_epoch_none(
     restarted meanwhile was linked again uncounted. Its last epoch is kept: back with
     another one, the restart counts and is logged once (the old agent was removed when
     forgotten, and is not removed again); back with the same one, nothing counts."""
-    metrics, backend = Metrics(), RecordingBackend()
-    links = _links(metrics, backend)
-    layout, address, epoch = layout_for_model(MODEL), "127.0.0.1:1", 1
-
-    async def hello(*args: Any, **kwargs: Any) -> Any:
-        return SimpleNamespace(
-            layout=layout, protocol_version=PROTOCOL_VERSION, epoch=epoch, engine_id="e-p",
-            agent_metadata=b"%d" % epoch, sidecar_id="p", lane_port=0,
-        )  # fmt: skip
-
-    monkeypatch.setattr(links, "hello", hello)
+    backend = RecordingBackend()
+    metrics, links, peer = _restarting(monkeypatch, backend)
+    layout, address = peer.layout, "127.0.0.1:1"
 
     async def linked() -> None:
         with links.use(address):
-            await links.link(address, "e-1", layout, epoch, "e-p")
+            await links.link(address, "e-1", layout, peer.epoch, "e-p")
 
     async def forgotten() -> None:
         links.use(address).release()
@@ -237,7 +255,7 @@ async def test_a_restart_while_forgotten_counts_once_and_the_same_epoch_none(
         await linked()  # the same epoch: no restart
         assert restarts() == 0 and logged() == []
         await forgotten()
-        epoch = 2
+        peer.epoch = 2
         await linked()
         assert restarts() == 1
         assert logged() == [f"peer {address} restarted while forgotten (epoch 1 -> 2)"]
@@ -265,24 +283,16 @@ async def test_a_restart_whose_new_agent_fails_to_load_counts_once(
 ) -> None:
     """The old agent is removed as the restart is seen; the new one fails to load. The
     next handshake loads it, without removing the old one again or counting again."""
-    metrics, backend = Metrics(), FailingLoad()
-    links = _links(metrics, backend)
-    layout, address, epoch = layout_for_model(MODEL), "127.0.0.1:1", 1
-
-    async def hello(*args: Any, **kwargs: Any) -> Any:
-        return SimpleNamespace(
-            layout=layout, protocol_version=PROTOCOL_VERSION, epoch=epoch, engine_id="e-p",
-            agent_metadata=b"%d" % epoch, sidecar_id="p", lane_port=0,
-        )  # fmt: skip
-
-    monkeypatch.setattr(links, "hello", hello)
+    backend = FailingLoad()
+    metrics, links, peer = _restarting(monkeypatch, backend)
+    layout, address = peer.layout, "127.0.0.1:1"
     with links.use(address):
-        await links.link(address, "e-1", layout, epoch, "e-p")
-        epoch, backend.failing = 2, True
+        await links.link(address, "e-1", layout, peer.epoch, "e-p")
+        peer.epoch, backend.failing = 2, True
         with pytest.raises(DataPlaneError):
-            await links.link(address, "e-1", layout, epoch, "e-p")
+            await links.link(address, "e-1", layout, peer.epoch, "e-p")
         backend.failing = False
-        await links.link(address, "e-1", layout, epoch, "e-p")
+        await links.link(address, "e-1", layout, peer.epoch, "e-p")
     assert _value(metrics, "kvxfer_peer_epoch_changes_total", peer="p") == 1
     assert backend.removed == ["agent-1"]
     assert links._nixl_peers[address] == (2, "agent-2")
@@ -303,24 +313,16 @@ async def test_two_ranks_seeing_one_restart_count_it_and_remove_the_agent_once(
 ) -> None:
     """Both TP ranks of a restarted peer handshake at once: one restart, one removal of
     the old agent, and both links on the new one."""
-    metrics, backend = Metrics(), SlowRemoval()
-    links = _links(metrics, backend)
-    layout, address, epoch = layout_for_model(MODEL), "127.0.0.1:1", 1
-
-    async def hello(*args: Any, **kwargs: Any) -> Any:
-        return SimpleNamespace(
-            layout=layout, protocol_version=PROTOCOL_VERSION, epoch=epoch, engine_id="e-p",
-            agent_metadata=b"%d" % epoch, sidecar_id="p", lane_port=0,
-        )  # fmt: skip
-
-    monkeypatch.setattr(links, "hello", hello)
+    backend = SlowRemoval()
+    metrics, links, peer = _restarting(monkeypatch, backend)
+    layout, address = peer.layout, "127.0.0.1:1"
     with links.use(address):
         for rank in (0, 1):
-            await links.link(address, "e-1", layout, epoch, "e-p", rank)
+            await links.link(address, "e-1", layout, peer.epoch, "e-p", rank)
         old = links._nixl_peers[address][1]
-        epoch = 2
+        peer.epoch = 2
         both = await asyncio.gather(
-            *(links.link(address, "e-1", layout, epoch, "e-p", rank) for rank in (0, 1))
+            *(links.link(address, "e-1", layout, peer.epoch, "e-p", rank) for rank in (0, 1))
         )
     assert _value(metrics, "kvxfer_peer_epoch_changes_total", peer="p") == 1
     assert backend.removed == [old]
