@@ -8,7 +8,10 @@ P (prefill) pushes into D (decode, accepts push) and is refused by DP (decode,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -116,6 +119,20 @@ async def test_progressive_push_writes_exactly_the_needed_blocks(pair: Pair) -> 
     assert received.bytes_moved == pushed.bytes_moved == moved
 
 
+HOLD_S = 0.3  # how long BeginWrite goes unanswered for a push "still starting"
+
+
+@contextlib.contextmanager
+def _begin_write_held(pair: Pair) -> Iterator[None]:
+    """The decode sidecar frozen: a push started meanwhile waits in BeginWrite, so calls
+    sent during it find it still starting, however fast the machine answers."""
+    os.kill(pair.d.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pair.d.pid, signal.SIGCONT)
+
+
 async def test_calls_for_a_push_still_starting_wait_for_its_start(pair: Pair) -> None:
     """The engine's next readiness (or a retry after a deadline) sent while its first call
     still links and begins the write: it joins that push instead of beginning a second
@@ -127,11 +144,15 @@ async def test_calls_for_a_push_still_starting_wait_for_its_start(pair: Pair) ->
         engine_link(pair.d, pair.de) as (d, d_events),
     ):
         params = await d.expect("sent-at-once", tokens, dst)
-        answers = await asyncio.gather(
-            p.push(params, src, 100, final=False),
-            p.push(params, src, tokens, final=True),
-            p.push(params, src, 200, final=False),  # sent at once: no order, not going back
-        )
+        with _begin_write_held(pair):  # every call arrives while the push is starting
+            calls = [
+                asyncio.ensure_future(p.push(params, src, 100, final=False)),
+                asyncio.ensure_future(p.push(params, src, tokens, final=True)),
+                # sent at once: no order, not going back
+                asyncio.ensure_future(p.push(params, src, 200, final=False)),
+            ]
+            await asyncio.sleep(HOLD_S)
+        answers = await asyncio.gather(*calls)
         assert len({a.bytes_planned for a in answers}) == 1 and answers[0].bytes_planned > 0
         received = await d_events.next()
         pushed = await p_events.next()
@@ -289,10 +310,10 @@ async def test_an_abort_while_the_push_is_starting_stops_it_before_any_write(
         engine_link(pair.d, pair.de) as (d, d_events),
     ):
         params = await d.expect(request_id, 800, _blocks(800, 60))
-        # Sent back to back: the Abort reaches the sidecar before BeginWrite's answer can.
-        pushing = asyncio.create_task(p.push(params, _blocks(800, 0), 800, final=True))
-        aborting = asyncio.create_task(p.abort(request_id))
-        assert await aborting is AbortState.PUSHING
+        with _begin_write_held(pair):  # the Abort reaches the sidecar before BeginWrite's answer
+            pushing = asyncio.create_task(p.push(params, _blocks(800, 0), 800, final=True))
+            await asyncio.sleep(HOLD_S)
+            assert await p.abort(request_id) is AbortState.PUSHING
         accepted = await pushing
         pushed = await p_events.next()
         received = await d_events.next()
