@@ -261,7 +261,7 @@ async def test_writes_that_end_together_share_one_kill(decode: Decode) -> None:
 
 
 @dataclass
-class Retiring:
+class DecodeSidecar:
     sidecar: Sidecar
     backend: SlowRevoke
     engine: Engine
@@ -289,15 +289,19 @@ def _no_agents(prefix: str) -> NoReturn:
     raise AssertionError("a destination lease needs no reading or writing agent")
 
 
+def _retiring() -> contextlib.AbstractAsyncContextManager[DecodeSidecar]:
+    return _decode_sidecar("--lease.ttl-s", str(TTL_S), "--transfer.stall-deadline-s", "1")
+
+
 @contextlib.asynccontextmanager
-async def _retiring() -> AsyncIterator[Retiring]:
+async def _decode_sidecar(*flags: str) -> AsyncIterator[DecodeSidecar]:
+    """A real sidecar in this process with one decode engine; its sweeper not started."""
     settings = load_settings(
         [
             "--peer-address", "127.0.0.1:9",  # never served: peers are this test
             "--engine-address", "127.0.0.1:0",
             "--insecure-engine-tcp",
-            "--lease.ttl-s", str(TTL_S),
-            "--transfer.stall-deadline-s", "1",
+            *flags,
         ]
     )  # fmt: skip
     backend = SlowRevoke()
@@ -305,13 +309,13 @@ async def _retiring() -> AsyncIterator[Retiring]:
     with shm_kv_cache(layout_for_model(MODEL), 8, prefix=f"kvxfer-retire-{os.getpid()}") as kv:
         engine = await sidecar.register_engine(kv.layout, kv.buffers, "decode")
         try:
-            yield Retiring(sidecar, backend, engine)
+            yield DecodeSidecar(sidecar, backend, engine)
         finally:
             backend.done.set()
             await sidecar.shutdown(0.0)
 
 
-async def _retires_after_the_kill(retiring: Retiring, ended: asyncio.Task[int] | None) -> None:
+async def _retires_after_the_kill(retiring: DecodeSidecar, ended: asyncio.Task[int] | None) -> None:
     """The engine retires while the revocation its write began is still under way: the
     memory goes only once that kill returned, and no second kill is made for it."""
     retired = retiring.retire()
