@@ -152,9 +152,10 @@ class Sidecar:
         while True:
             await asyncio.sleep(self.settings.lease.sweep_s)
             self._clock.tick(self.settings.lease.sweep_s)
+            pushed: list[Lease] = []
             for lease in self._leases.expire():
-                if lease.push:
-                    await self.destinations.expired(lease)
+                if lease.push:  # handed over together: one kill fences every silent writer
+                    pushed.append(lease)
                     continue
                 log.info("lease of %s expired unconsumed", lease.request_id)
                 self.metrics.expired_leases.inc()
@@ -163,6 +164,7 @@ class Sidecar:
                     LeaseExpired(lease.request_id, time.monotonic() - lease.created),
                 )
                 self._lease_ended(lease.engine_id)
+            await self.destinations.expired_all(pushed)
             self._lease_gauges()
 
     async def shutdown(self, grace_s: float) -> None:
