@@ -38,7 +38,7 @@ from typing import NoReturn
 import pytest
 from sidecars import spans
 
-from kvxfer._exceptions import LeaseError
+from kvxfer._exceptions import DataPlaneError, LeaseError
 from kvxfer.client.shm import shm_kv_cache
 from kvxfer.core.layout import EngineLayout
 from kvxfer.core.profiles import layout_for_model
@@ -62,11 +62,13 @@ TTL_S = 5.0
 
 @dataclass
 class SlowRevoke:
-    """A ServingBackend whose `revoke` returns only once `done` is set."""
+    """A ServingBackend whose `revoke` returns only once `done` is set; the first
+    `failures` revocations raise instead (the agent could not be killed)."""
 
     done: asyncio.Event = field(default_factory=asyncio.Event)
     revoking: asyncio.Event = field(default_factory=asyncio.Event)
     revocations: int = 0
+    failures: int = 0
 
     @property
     def name(self) -> str:
@@ -93,6 +95,9 @@ class SlowRevoke:
     async def revoke(self, reason: str) -> None:
         self.revocations += 1
         self.revoking.set()
+        if self.failures:
+            self.failures -= 1
+            raise DataPlaneError(f"cannot kill the serving agent ({reason})")
         await self.done.wait()
 
     async def close(self) -> None:
@@ -526,3 +531,22 @@ async def test_a_writer_silent_alone_is_fenced_by_one_kill() -> None:
         assert _failed_revoked(await watched.until(1)) == ["r"]
         assert swept.backend.revocations == 1
         assert swept.counted() == 1
+
+
+async def test_a_kill_that_failed_leaves_its_leases_unreported_and_the_sweeper_going(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A WRITE of the writer it was to fence may still land: its lease is not reported
+    (its engine keeps the blocks). The next sweeps go on: a later lease expires, and is
+    fenced by a new kill."""
+    async with _sweeping() as swept, _watched(swept) as watched:
+        swept.backend.failures = 1
+        swept.backend.done.set()
+        swept.begun("unfenced")
+        swept.sidecar.start()
+        await swept.backend.revoking.wait()
+        swept.begun("next")
+        assert _failed_revoked(await watched.until(1)) == ["next"]
+        assert swept.backend.revocations == 2
+        assert swept.counted() == 1, "a kill that failed was counted"
+        assert "'unfenced' expired, but remote access could not be revoked" in caplog.text
