@@ -273,14 +273,44 @@ class Destinations:
         await self._backend.revoke(why)
         self._metrics.push_revocations.inc()
 
-    async def expired(self, lease: Lease) -> None:
-        """A destination lease's TTL passed without heartbeat or EndWrite. A writer that
-        began may still have WRITEs posted: revoke every peer's access first."""
-        if lease.state is LeaseState.HELD:
-            why = "no prefill sidecar began writing it within the lease TTL"
-        else:
-            why = "its writer went silent past the lease TTL; remote access was revoked first"
-            await self._fence(lease, f"the writer of {lease.request_id!r} went silent")
+    async def expired_all(self, leases: Iterable[Lease]) -> None:
+        """Destination leases whose TTL passed without heartbeat or EndWrite (one sweep's),
+        each reported failed: at once when nobody began writing it; else only once every
+        peer's access was revoked (its writer may still have WRITEs posted), by one kill
+        for all of them, or the one already begun for a lease (`_fence_all`): a kill each
+        would kill the agents that replaced the first, and count revocations that fence
+        nothing. Shielded: out of the table, they are reported by nothing else, so a
+        cancelled sweep still reports them once the kill returned. When the kill fails
+        they are not reported at all (a WRITE may still land): logged, never raised."""
+        begun: list[Lease] = []
+        for lease in leases:
+            if lease.state is LeaseState.HELD:
+                self._expire(lease, "no prefill sidecar began writing it within the lease TTL")
+            else:
+                begun.append(lease)
+        if begun:
+            await asyncio.shield(self._fence_expired(begun))
+
+    async def _fence_expired(self, leases: list[Lease]) -> None:
+        ids = ", ".join(repr(lease.request_id) for lease in leases)
+        writers = "the writer" if len(leases) == 1 else "the writers"
+        try:
+            await self._fence_all(leases, f"{writers} of {ids} went silent")
+        except Exception:  # logged here: after a cancelled sweep nothing awaits this
+            # A WRITE posted before may still land: better blocks held than written into
+            # after their engine reused them.
+            log.exception(
+                "expected requests %s expired, but remote access could not be revoked: "
+                "not reported, so their engine keeps their blocks",
+                ids,
+            )
+            return
+        for lease in leases:
+            self._expire(
+                lease, "its writer went silent past the lease TTL; remote access was revoked first"
+            )
+
+    def _expire(self, lease: Lease, why: str) -> None:
         log.warning("expected request %s failed: %s", lease.request_id, why)
         self._fail_all(lease, PullStatus.FAILED, why)
 

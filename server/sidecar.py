@@ -152,18 +152,28 @@ class Sidecar:
         while True:
             await asyncio.sleep(self.settings.lease.sweep_s)
             self._clock.tick(self.settings.lease.sweep_s)
-            for lease in self._leases.expire():
-                if lease.push:
-                    await self.destinations.expired(lease)
-                    continue
-                log.info("lease of %s expired unconsumed", lease.request_id)
-                self.metrics.expired_leases.inc()
-                self._emit(
-                    lease.engine_id,
-                    LeaseExpired(lease.request_id, time.monotonic() - lease.created),
-                )
-                self._lease_ended(lease.engine_id)
+            try:
+                await self._expire_leases()
+            except Exception:  # a bug must not stop the next sweeps (leases would never end)
+                log.exception("sweeping expired leases failed")
             self._lease_gauges()
+
+    async def _expire_leases(self) -> None:
+        """End the leases whose TTL passed: a published one is reported expired; one
+        sweep's destination leases go to `Destinations.expired_all` together."""
+        pushed: list[Lease] = []
+        for lease in self._leases.expire():
+            if lease.push:  # handed over together: one kill fences every silent writer
+                pushed.append(lease)
+                continue
+            log.info("lease of %s expired unconsumed", lease.request_id)
+            self.metrics.expired_leases.inc()
+            self._emit(
+                lease.engine_id,
+                LeaseExpired(lease.request_id, time.monotonic() - lease.created),
+            )
+            self._lease_ended(lease.engine_id)
+        await self.destinations.expired_all(pushed)
 
     async def shutdown(self, grace_s: float) -> None:
         """Take no new work; within `grace_s`, let our pulls finish and peers finish

@@ -16,12 +16,14 @@ before its memory goes when a write of it has not ended by the deadline; a
 revocation already begun for that write (its EndWrite's, cancelled or still
 running) fences it, and the retirement waits for that one instead of killing the
 agent that replaced it. Writes that end together (two writers giving up at once)
-share one kill too. `kvxfer_push_revocations` counts kills, not the callers that
-waited for one.
+share one kill too, and so do writers that go silent together: their leases expire
+in one sweep, and one kill fences them all (a lease nobody began writing needs none,
+and is not held up by it). `kvxfer_push_revocations` counts kills, not the callers
+that waited for one.
 
-The lease table and the destinations are the real ones (for a retirement, a real
-`Sidecar` in this process); the serving agent is a fake whose revocation lasts
-until the test ends it, as a slow kill and reap would.
+The lease table and the destinations are the real ones (for a retirement and for
+the sweeper, a real `Sidecar` in this process); the serving agent is a fake whose
+revocation lasts until the test ends it, as a slow kill and reap would.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import NoReturn
 import pytest
 from sidecars import spans
 
-from kvxfer._exceptions import LeaseError
+from kvxfer._exceptions import DataPlaneError, LeaseError
 from kvxfer.client.shm import shm_kv_cache
 from kvxfer.core.layout import EngineLayout
 from kvxfer.core.profiles import layout_for_model
@@ -60,11 +62,13 @@ TTL_S = 5.0
 
 @dataclass
 class SlowRevoke:
-    """A ServingBackend whose `revoke` returns only once `done` is set."""
+    """A ServingBackend whose `revoke` returns only once `done` is set; the first
+    `failures` revocations raise instead (the agent could not be killed)."""
 
     done: asyncio.Event = field(default_factory=asyncio.Event)
     revoking: asyncio.Event = field(default_factory=asyncio.Event)
     revocations: int = 0
+    failures: int = 0
 
     @property
     def name(self) -> str:
@@ -91,6 +95,9 @@ class SlowRevoke:
     async def revoke(self, reason: str) -> None:
         self.revocations += 1
         self.revoking.set()
+        if self.failures:
+            self.failures -= 1
+            raise DataPlaneError(f"cannot kill the serving agent ({reason})")
         await self.done.wait()
 
     async def close(self) -> None:
@@ -108,8 +115,7 @@ class Decode:
 
     async def sweep(self) -> None:
         """What the sidecar's sweeper does with expired destination leases."""
-        for lease in self.leases.expire():
-            await self.destinations.expired(lease)
+        await self.destinations.expired_all(self.leases.expire())
 
 
 @pytest.fixture
@@ -241,6 +247,54 @@ async def test_the_sweeper_waits_for_a_cancelled_end_writes_revocation(decode: D
     assert not decode.leases.all()
 
 
+async def test_the_sweeper_fences_a_silent_writer_with_a_cancelled_end_writes_kill(
+    decode: Decode,
+) -> None:
+    """One writer's EndWrite was cancelled while the agent is killed; the other writer
+    is silent. Both leases expire in one sweep while that kill runs: it fences both,
+    whichever of them the sweep finds first."""
+    end = _begun(decode)
+    _begun(decode, "silent")
+    await _cancelled_mid_revocation(decode, end)
+    decode.clock[0] += 2 * TTL_S
+    sweeping = asyncio.create_task(decode.sweep())
+    await asyncio.sleep(0.05)
+    assert not decode.events, "a lease was reported before the revocation ended"
+    decode.backend.done.set()
+    await sweeping
+    assert decode.backend.revocations == 1, "the sweeper killed the agent that replaced it"
+    assert sorted(_failed_revoked(decode.events)) == ["r", "silent"]
+    assert not decode.leases.all()
+
+
+async def test_a_cancelled_sweep_still_reports_once_the_kill_returned(decode: Decode) -> None:
+    """The expired leases left the table: nothing but the sweep that took them out
+    reports them, so it does even when it is cancelled while the agent is killed."""
+    _begun(decode, "r")
+    _begun(decode, "s")
+    decode.clock[0] += 2 * TTL_S
+    sweeping = asyncio.create_task(decode.sweep())
+    await decode.backend.revoking.wait()
+    sweeping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sweeping
+    assert not decode.events, "a lease was reported before the revocation ended"
+    decode.backend.done.set()
+    await asyncio.sleep(0.05)
+    assert decode.backend.revocations == 1
+    assert sorted(_failed_revoked(decode.events)) == ["r", "s"]
+
+
+def _failed_revoked(events: Sequence[EngineEvent]) -> list[str]:
+    """The requests of `events`, each a write reported failed after the revocation."""
+    requests = []
+    for event in events:
+        assert isinstance(event, Received), event
+        assert event.status is PullStatus.FAILED and "revoked" in event.reason, event
+        requests.append(event.request_id)
+    return requests
+
+
 async def test_writes_that_end_together_share_one_kill(decode: Decode) -> None:
     ends = {r: _begun(decode, r) for r in ("r", "s")}
     first = asyncio.create_task(decode.destinations.end_write(decode.engine, "r", ends["r"]))
@@ -261,16 +315,20 @@ async def test_writes_that_end_together_share_one_kill(decode: Decode) -> None:
 
 
 @dataclass
-class Retiring:
+class DecodeSidecar:
     sidecar: Sidecar
     backend: SlowRevoke
     engine: Engine
 
+    def expect(self, request_id: str) -> None:
+        ids = list(range(7))
+        push = self.sidecar.push_side
+        push.expect(self.engine.engine_id, request_id, TOKENS, tuple(spans({0: ids, 1: ids})), 0)
+
     def begun(self, request_id: str = "r") -> WriteEnd:
         """`_begun`, through the sidecar (its lease table, its engine)."""
-        ids = list(range(7))
+        self.expect(request_id)
         push, epoch = self.sidecar.push_side, self.sidecar.epoch
-        push.expect(self.engine.engine_id, request_id, TOKENS, tuple(spans({0: ids, 1: ids})), 0)
         return _gave_up(push.begin_write(epoch, 0, request_id, "writer").read_token)
 
     def end_write(self, end: WriteEnd, request_id: str = "r") -> asyncio.Task[int]:
@@ -289,15 +347,19 @@ def _no_agents(prefix: str) -> NoReturn:
     raise AssertionError("a destination lease needs no reading or writing agent")
 
 
+def _retiring() -> contextlib.AbstractAsyncContextManager[DecodeSidecar]:
+    return _decode_sidecar("--lease.ttl-s", str(TTL_S), "--transfer.stall-deadline-s", "1")
+
+
 @contextlib.asynccontextmanager
-async def _retiring() -> AsyncIterator[Retiring]:
+async def _decode_sidecar(*flags: str) -> AsyncIterator[DecodeSidecar]:
+    """A real sidecar in this process with one decode engine; its sweeper not started."""
     settings = load_settings(
         [
             "--peer-address", "127.0.0.1:9",  # never served: peers are this test
             "--engine-address", "127.0.0.1:0",
             "--insecure-engine-tcp",
-            "--lease.ttl-s", str(TTL_S),
-            "--transfer.stall-deadline-s", "1",
+            *flags,
         ]
     )  # fmt: skip
     backend = SlowRevoke()
@@ -305,13 +367,13 @@ async def _retiring() -> AsyncIterator[Retiring]:
     with shm_kv_cache(layout_for_model(MODEL), 8, prefix=f"kvxfer-retire-{os.getpid()}") as kv:
         engine = await sidecar.register_engine(kv.layout, kv.buffers, "decode")
         try:
-            yield Retiring(sidecar, backend, engine)
+            yield DecodeSidecar(sidecar, backend, engine)
         finally:
             backend.done.set()
             await sidecar.shutdown(0.0)
 
 
-async def _retires_after_the_kill(retiring: Retiring, ended: asyncio.Task[int] | None) -> None:
+async def _retires_after_the_kill(retiring: DecodeSidecar, ended: asyncio.Task[int] | None) -> None:
     """The engine retires while the revocation its write began is still under way: the
     memory goes only once that kill returned, and no second kill is made for it."""
     retired = retiring.retire()
@@ -374,3 +436,117 @@ async def test_an_engine_retiring_under_a_silent_writer_revokes_once() -> None:
         await retiring.retire()
         assert retiring.backend.revocations == 1
         assert retiring.counted() == 1
+
+
+# -- the sidecar's sweeper: the writers silent together, one kill -------------
+
+SWEPT_TTL_S = 0.3
+SWEEP_S = 0.6  # above the TTL: the first sweep finds every lease begun before it expired
+
+
+def _sweeping() -> contextlib.AbstractAsyncContextManager[DecodeSidecar]:
+    return _decode_sidecar(
+        "--lease.ttl-s", str(SWEPT_TTL_S),
+        "--lease.sweep-s", str(SWEEP_S),
+        "--transfer.stall-deadline-s", "0.1",
+    )  # fmt: skip
+
+
+@dataclass
+class Watched:
+    """The engine's events as its watcher gets them."""
+
+    events: list[EngineEvent] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def until(self, count: int) -> list[EngineEvent]:
+        async with asyncio.timeout(5):
+            while len(self.events) < count:
+                self.arrived.clear()
+                await self.arrived.wait()
+        return self.events
+
+
+@contextlib.asynccontextmanager
+async def _watched(swept: DecodeSidecar) -> AsyncIterator[Watched]:
+    watched = Watched()
+
+    async def watch() -> None:
+        async for event in swept.sidecar.watch(swept.engine.engine_id):
+            watched.events.append(event)
+            watched.arrived.set()
+
+    watching = asyncio.create_task(watch())
+    try:
+        yield watched
+    finally:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
+
+
+async def _kill_under_way(swept: DecodeSidecar, watched: Watched, reported: int = 0) -> None:
+    """Start the sweeper; once its kill is under way, `reported` events are out (none of
+    a lease the kill fences)."""
+    swept.sidecar.start()
+    await swept.backend.revoking.wait()
+    await asyncio.sleep(0.05)
+    assert len(watched.events) == reported, "a write was reported before the kill returned"
+
+
+async def test_writers_silent_together_are_fenced_by_one_kill() -> None:
+    """Both leases expire in one sweep: one kill fences both writers, counted once (a
+    kill each would kill the agent that replaced the first, for nothing)."""
+    async with _sweeping() as swept, _watched(swept) as watched:
+        swept.begun("r")
+        swept.begun("s")
+        await _kill_under_way(swept, watched)
+        swept.backend.done.set()
+        assert sorted(_failed_revoked(await watched.until(2))) == ["r", "s"]
+        await asyncio.sleep(0.05)  # time for a second kill to show
+        assert swept.backend.revocations == 1, "the agent that replaced the first was killed"
+        assert swept.counted() == 1
+
+
+async def test_a_lease_nobody_began_writing_expires_without_waiting_for_the_kill() -> None:
+    """It needs no fence: reported at once, in the sweep whose kill fences the other."""
+    async with _sweeping() as swept, _watched(swept) as watched:
+        swept.begun("silent")
+        swept.expect("held")
+        await _kill_under_way(swept, watched, reported=1)
+        (held,) = watched.events
+        assert isinstance(held, Received) and held.request_id == "held", held
+        assert held.status is PullStatus.FAILED and "began writing" in held.reason, held
+        swept.backend.done.set()
+        assert _failed_revoked((await watched.until(2))[1:]) == ["silent"]
+        assert swept.backend.revocations == 1
+        assert swept.counted() == 1
+
+
+async def test_a_writer_silent_alone_is_fenced_by_one_kill() -> None:
+    async with _sweeping() as swept, _watched(swept) as watched:
+        swept.begun("r")
+        await _kill_under_way(swept, watched)
+        swept.backend.done.set()
+        assert _failed_revoked(await watched.until(1)) == ["r"]
+        assert swept.backend.revocations == 1
+        assert swept.counted() == 1
+
+
+async def test_a_kill_that_failed_leaves_its_leases_unreported_and_the_sweeper_going(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A WRITE of the writer it was to fence may still land: its lease is not reported
+    (its engine keeps the blocks). The next sweeps go on: a later lease expires, and is
+    fenced by a new kill."""
+    async with _sweeping() as swept, _watched(swept) as watched:
+        swept.backend.failures = 1
+        swept.backend.done.set()
+        swept.begun("unfenced")
+        swept.sidecar.start()
+        await swept.backend.revoking.wait()
+        swept.begun("next")
+        assert _failed_revoked(await watched.until(1)) == ["next"]
+        assert swept.backend.revocations == 2
+        assert swept.counted() == 1, "a kill that failed was counted"
+        assert "'unfenced' expired, but remote access could not be revoked" in caplog.text
