@@ -414,7 +414,10 @@ class PeerLinks:
             known = self._nixl_peers.pop(address, None)
             agents[address] = None if known is None else known[1]
             if labelled:
-                self._keep_epoch(address, None if known is None else known[0])
+                # No agent loaded since it was last forgotten (its handshakes failed, as a
+                # restarting peer's do): the epoch kept then is still the one to compare.
+                epoch = self._forgotten_epochs.get(address) if known is None else known[0]
+                self._keep_epoch(address, epoch)
             self._forgetting[address] = asyncio.Event()
         # Memory safety: an agent removed here is one our serving agent loaded for these
         # peers; no link points at it and no transfer claims their addresses. One that

@@ -201,12 +201,15 @@ async def test_a_forgotten_peer_keeps_its_metric_label(hung_peer: str) -> None:
 
 class RestartingPeer:
     """What a peer's handshake answers (`PeerLinks.hello`), under the epoch it is at:
-    set `epoch` to restart it. Its agent's metadata names the epoch."""
+    set `epoch` to restart it, `down` to have its handshakes fail. Its agent's metadata
+    names the epoch."""
 
     def __init__(self, layout: EngineLayout) -> None:
-        self.layout, self.epoch = layout, 1
+        self.layout, self.epoch, self.down = layout, 1, False
 
     async def hello(self, *args: Any, **kwargs: Any) -> Any:
+        if self.down:
+            raise PeerUnavailableError("injected: the peer is restarting")
         return SimpleNamespace(
             layout=self.layout, protocol_version=PROTOCOL_VERSION, epoch=self.epoch,
             engine_id="e-p", agent_metadata=b"%d" % self.epoch, sidecar_id="p", lane_port=0,
@@ -264,6 +267,29 @@ async def test_a_restart_while_forgotten_counts_once_and_the_same_epoch_none(
         await linked()  # back with epoch 2 again
         assert restarts() == 1 and len(logged()) == 1
     assert backend.removed == ["agent-1", "agent-2", "agent-3"]  # one per forgetting
+    await links._dialer.close()
+
+
+async def test_an_address_forgotten_again_before_it_is_linked_keeps_its_epoch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pull to a forgotten peer that is restarting fails its handshake, and the address
+    idles out again with no agent loaded: the epoch kept from before stays, so the
+    restart still counts once the peer is back."""
+    metrics, links, peer = _restarting(monkeypatch, RecordingBackend())
+    layout, address = peer.layout, "127.0.0.1:1"
+    with links.use(address):
+        await links.link(address, "e-1", layout, peer.epoch, "e-p")
+    links.use(address).release()
+    await links.forget_idle(0.0)
+    peer.down = True
+    with links.use(address), pytest.raises(PeerUnavailableError):
+        await links.link(address, "e-1", layout, peer.epoch, "e-p")
+    await links.forget_idle(0.0)
+    peer.down, peer.epoch = False, 2
+    with links.use(address):
+        await links.link(address, "e-1", layout, peer.epoch, "e-p")
+    assert _value(metrics, "kvxfer_peer_epoch_changes_total", peer="p") == 1
     await links._dialer.close()
 
 
