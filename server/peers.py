@@ -14,10 +14,13 @@ touch a link there. An address with no claim, no handshake under way and no call
 `transfer.idle_agent_s` is forgotten (`forget_idle`): its links, its loaded NIXL agent,
 its gRPC channel and lanes. Prefill pods come back under new addresses, and a
 long-lived decode sidecar kept all of that for every pod that ever existed; a later
-pull to a forgotten address simply handshakes again. A forgotten peer with a metric
-label of its own keeps its identity and the epoch it was last linked with, so that a
-restart while it was forgotten still counts (kvxfer_peer_epoch_changes) when it is
-linked again; for its latest limits.max_peer_labels forgotten addresses only.
+pull to a forgotten address simply handshakes again. A forgotten peer keeps the epoch
+it was last linked with, so that a restart while it was forgotten still counts
+(kvxfer_peer_epoch_changes, under its label or `other`) and is logged when it is linked
+again. One with a metric label of its own keeps its identity with it, for the latest
+limits.max_peer_labels forgotten addresses of such peers; one folded into `other` keeps
+the epoch alone, for the latest _MAX_FORGOTTEN_OTHERS forgotten addresses of those,
+which never push out the labelled peers' ones.
 """
 
 from __future__ import annotations
@@ -78,6 +81,12 @@ LANE_RETRY_S = 5.0
 LANE_RETRY_MAX_S = 300.0
 LANE_CONNECT_S = 2.0
 _MAX_RETIRED_LANES = 1024
+# Forgotten addresses of peers folded into "other" that keep their epoch, the oldest
+# forgotten dropped first. Bounded apart from the labelled peers' (limits.max_peer_labels,
+# a bound on metric series), so that the many unlabelled peers of a large fleet never push
+# a labelled peer's identity and epoch out; and larger, since they are the peers beyond
+# the labelled ones and each keeps only an address and an int.
+_MAX_FORGOTTEN_OTHERS = 1024
 
 
 def channel_options(settings: Settings) -> list[tuple[str, int]]:
@@ -338,6 +347,11 @@ class PeerLinks:
         # peer that comes back under new addresses (pods do) leaves no identity and no
         # epoch behind for each old one, the oldest forgotten dropped first.
         self._forgotten_epochs: dict[str, int | None] = {}
+        # A forgotten address of a peer folded into "other" -> the epoch its agent was
+        # loaded with, compared the same way; no identity (it names no label of its own)
+        # and only where an agent was loaded (addresses named by bad params never had
+        # one). At most _MAX_FORGOTTEN_OTHERS addresses, the oldest forgotten dropped first.
+        self._forgotten_others: dict[str, int] = {}
         # (address, rank, request id) -> the read token BeginRead returned; bounded, since
         # a read that ends without EndRead (its lease lost) leaves its token behind.
         self._read_tokens: dict[tuple[str, int, str], str] = {}
@@ -405,16 +419,9 @@ class PeerLinks:
         agents: dict[str, str | None] = {}  # address -> its loaded agent's name
         for address in idle:
             self._last_used.pop(address, None)
-            # A peer with a metric label of its own keeps it (its errors after this still
-            # count under its name), and its epoch (a restart meanwhile still counts when
-            # it is linked again); one folded into "other" keeps neither.
-            labelled = self._identities.get(address) in self._labels
-            if not labelled:
-                self._identities.pop(address, None)
             known = self._nixl_peers.pop(address, None)
             agents[address] = None if known is None else known[1]
-            if labelled:
-                self._keep_epoch(address, None if known is None else known[0])
+            self._keep_epoch(address, None if known is None else known[0])
             self._forgetting[address] = asyncio.Event()
         # Memory safety: an agent removed here is one our serving agent loaded for these
         # peers; no link points at it and no transfer claims their addresses. One that
@@ -441,8 +448,24 @@ class PeerLinks:
                     done.set()
         return len(gone & seen)
 
-    def _keep_epoch(self, address: str, epoch: int | None) -> None:
-        self._forgotten_epochs.pop(address, None)  # kept again: now the newest
+    def _keep_epoch(self, address: str, loaded: int | None) -> None:
+        """Keep, for `address` being forgotten, the epoch its agent was `loaded` with, so
+        that a restart meanwhile still counts when it is linked again. None: no agent was
+        loaded since it was last forgotten (its handshakes failed, as a restarting peer's
+        do), and the epoch kept then is still the one to compare.
+
+        A peer with a metric label of its own keeps its identity too (its errors after
+        this still count under its name), with None if it has no epoch; one folded into
+        "other" keeps the epoch alone, if it has one."""
+        kept = self._forgotten_epoch(address)  # kept again below, then as the newest
+        epoch = kept if loaded is None else loaded
+        if self._identities.get(address) not in self._labels:
+            self._identities.pop(address, None)
+            if epoch is not None:
+                self._forgotten_others[address] = epoch
+                while len(self._forgotten_others) > _MAX_FORGOTTEN_OTHERS:
+                    del self._forgotten_others[next(iter(self._forgotten_others))]  # oldest
+            return
         self._forgotten_epochs[address] = epoch
         while len(self._forgotten_epochs) > self._settings.limits.max_peer_labels:
             oldest = next(iter(self._forgotten_epochs))
@@ -673,7 +696,7 @@ class PeerLinks:
         known = self._nixl_peers.get(address)
         # Forgotten since it was last linked: its agent and links went then. Counted here
         # once, also when the new agent's load then fails.
-        forgotten_epoch = self._forgotten_epochs.pop(address, None)
+        forgotten_epoch = self._forgotten_epoch(address)
         if known is None and forgotten_epoch is not None and forgotten_epoch != hello.epoch:
             log.info(
                 "peer %s restarted while forgotten (epoch %d -> %d)",
@@ -701,6 +724,14 @@ class PeerLinks:
         name = await self._backend.add_peer(hello.agent_metadata)  # reloads in place if known
         self._nixl_peers[address] = (hello.epoch, name)
         return name
+
+    def _forgotten_epoch(self, address: str) -> int | None:
+        """The epoch `address` was last linked with, kept when it was forgotten (None:
+        none was kept), taken out of what is kept: the address is being linked (or
+        forgotten) again."""
+        labelled_epoch = self._forgotten_epochs.pop(address, None)
+        other_epoch = self._forgotten_others.pop(address, None)
+        return other_epoch if labelled_epoch is None else labelled_epoch
 
     async def begin_read(
         self, link: PeerLink, request_id: str, reader_id: str

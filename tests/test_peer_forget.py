@@ -7,8 +7,9 @@ a loaded NIXL agent, a gRPC channel and a lane for every one that ever existed
 `kvxfer_peers`, the log), and the next pull handshakes again and moves the right
 bytes; a pull held in BeginRead by a frozen publisher keeps its address past the idle
 time; a publisher that restarts (same address, new epoch) while its address is
-forgotten is counted as restarted once when linked again, and not again when it comes
-back with the epoch it had. Then a real `Sidecar` in this process (real NIXL agents,
+forgotten is counted as restarted once when linked again (under its own label, or
+under `other` when another peer took the only one), and not again when it comes back
+with the epoch it had. Then a real `Sidecar` in this process (real NIXL agents,
 serving agent and gRPC), where a pull arrives while the address is being forgotten.
 """
 
@@ -134,22 +135,32 @@ async def test_an_idle_peer_is_forgotten_and_linked_again_by_the_next_pull(
         image.check_all()
 
 
+@pytest.mark.parametrize("label", ["p", "other"])
 async def test_a_restart_while_forgotten_is_counted_once_when_linked_again(
-    tmp_path: Path,
+    tmp_path: Path, label: str
 ) -> None:
     """The publisher restarts (same peer address, new epoch) while the decode sidecar
     has its address forgotten: the next pull's handshake counts the restart
     (kvxfer_peer_epoch_changes) and logs both epochs, once; the address forgotten again
-    and linked with the same epoch counts nothing more."""
+    and linked with the same epoch counts nothing more. `other`: the decode sidecar has
+    one peer label, which a publisher "q" pulled from first takes; "p" is counted under
+    `other`."""
     port = free_port()
     p = start_sidecar(tmp_path, "p", peer_port=port)
-    d = start_sidecar(tmp_path, "d", *IDLE)
+    d = start_sidecar(tmp_path, "d", *IDLE, "--limits.max-peer-labels", "1")
     procs: list[Proc | EngineSim] = [p, d]
     try:
         pe = start_engine(tmp_path, p, MODEL, "prefill", num_blocks=16)
         de = start_engine(tmp_path, d, MODEL, "decode", num_blocks=16)
         procs += [pe, de]
         image, address = DecodeImage(de), p.ready["peer_address"]
+        if label == "other":
+            q = start_sidecar(tmp_path, "q")
+            procs.append(q)
+            qe = start_engine(tmp_path, q, MODEL, "prefill", num_blocks=16)
+            procs.append(qe)
+            async with engine_link(q, qe) as (qc, _), engine_link(d, de) as (dc, d_events):
+                await pull_checked(qc, dc, d_events, image, qe, "from-q", 0, 12)
         async with engine_link(p, pe) as (pc, _), engine_link(d, de) as (dc, d_events):
             await pull_checked(pc, dc, d_events, image, pe, "before", 0, 0)
         assert await forgotten(d, address), f"{address} still linked after idle 1 s"
@@ -165,7 +176,11 @@ async def test_a_restart_while_forgotten_is_counted_once_when_linked_again(
         assert p.ready["peer_address"] == address and new_epoch != old_epoch
 
         def restarts() -> float:
-            return metric(scrape(d), "kvxfer_peer_epoch_changes_total", peer="p")
+            samples = scrape(d)
+            total = metric(samples, "kvxfer_peer_epoch_changes_total")
+            counted = metric(samples, "kvxfer_peer_epoch_changes_total", peer=label)
+            assert counted == total  # under its label, nowhere else
+            return counted
 
         said = f"peer {address} restarted while forgotten (epoch {old_epoch} -> {new_epoch})"
         async with engine_link(p, pe) as (pc, _), engine_link(d, de) as (dc, d_events):
@@ -176,7 +191,7 @@ async def test_a_restart_while_forgotten_is_counted_once_when_linked_again(
             await pull_checked(pc, dc, d_events, image, pe, "same-epoch", 8, 8)
         assert restarts() == 1
         assert d.log_text().count(f"peer {address} restarted") == 1
-        assert handshakes_ok(d) == 3
+        assert handshakes_ok(d) == (3 if label == "p" else 4)
         image.check_all()
     finally:
         for proc in reversed(procs):

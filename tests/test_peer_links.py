@@ -28,6 +28,7 @@ from kvxfer.core.layout import EngineLayout
 from kvxfer.core.negotiation import PROTOCOL_VERSION
 from kvxfer.core.profiles import layout_for_model
 from kvxfer.dataplane.adapter import TransferBackend
+from kvxfer.server import peers
 from kvxfer.server.guard import PeerPortGuard, client_host
 from kvxfer.server.lane import LaneContext
 from kvxfer.server.metrics import ActiveClock, Metrics
@@ -201,38 +202,47 @@ async def test_a_forgotten_peer_keeps_its_metric_label(hung_peer: str) -> None:
 
 class RestartingPeer:
     """What a peer's handshake answers (`PeerLinks.hello`), under the epoch it is at:
-    set `epoch` to restart it. Its agent's metadata names the epoch."""
+    set `epoch` to restart it, `down` to have its handshakes fail, `sidecar_id` to be
+    another peer. Its agent's metadata names the epoch."""
 
     def __init__(self, layout: EngineLayout) -> None:
-        self.layout, self.epoch = layout, 1
+        self.layout, self.epoch, self.down, self.sidecar_id = layout, 1, False, "p"
 
     async def hello(self, *args: Any, **kwargs: Any) -> Any:
+        if self.down:
+            raise PeerUnavailableError("injected: the peer is restarting")
         return SimpleNamespace(
             layout=self.layout, protocol_version=PROTOCOL_VERSION, epoch=self.epoch,
-            engine_id="e-p", agent_metadata=b"%d" % self.epoch, sidecar_id="p", lane_port=0,
+            engine_id="e-p", agent_metadata=b"%d" % self.epoch, sidecar_id=self.sidecar_id,
+            lane_port=0,
         )  # fmt: skip
 
 
 def _restarting(
-    monkeypatch: pytest.MonkeyPatch, backend: RecordingBackend
+    monkeypatch: pytest.MonkeyPatch, backend: RecordingBackend, label: str = "p"
 ) -> tuple[Metrics, PeerLinks, RestartingPeer]:
-    """Links over `backend` whose every handshake reaches one `RestartingPeer`."""
+    """Links over `backend` whose every handshake reaches one `RestartingPeer`, whose
+    metric `label` is its identity "p", or "other" (the one label is taken by "x")."""
     metrics = Metrics()
-    links = _links(metrics, backend)
+    links = _links(metrics, backend, "--limits.max-peer-labels", "1")
+    if label == "other":
+        links._name_peer("127.0.0.1:9", "x")  # what its handshake left
     peer = RestartingPeer(layout_for_model(MODEL))
     monkeypatch.setattr(links, "hello", peer.hello)
     return metrics, links, peer
 
 
+@pytest.mark.parametrize("label", ["p", "other"])
 async def test_a_restart_while_forgotten_counts_once_and_the_same_epoch_none(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, label: str
 ) -> None:
     """Forgetting an address dropped the epoch its agent was loaded with, so a peer that
     restarted meanwhile was linked again uncounted. Its last epoch is kept: back with
     another one, the restart counts and is logged once (the old agent was removed when
-    forgotten, and is not removed again); back with the same one, nothing counts."""
+    forgotten, and is not removed again); back with the same one, nothing counts. A peer
+    folded into "other" keeps it too (not its identity), its restart counted there."""
     backend = RecordingBackend()
-    metrics, links, peer = _restarting(monkeypatch, backend)
+    metrics, links, peer = _restarting(monkeypatch, backend, label)
     layout, address = peer.layout, "127.0.0.1:1"
 
     async def linked() -> None:
@@ -244,7 +254,10 @@ async def test_a_restart_while_forgotten_counts_once_and_the_same_epoch_none(
         assert await links.forget_idle(0.0) == 1
 
     def restarts() -> float:
-        return _value(metrics, "kvxfer_peer_epoch_changes_total", peer="p")
+        assert _total(metrics, "kvxfer_peer_epoch_changes_total") == _value(
+            metrics, "kvxfer_peer_epoch_changes_total", peer=label
+        )  # counted under its label, nowhere else
+        return _value(metrics, "kvxfer_peer_epoch_changes_total", peer=label)
 
     def logged() -> list[str]:
         return [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]
@@ -252,6 +265,7 @@ async def test_a_restart_while_forgotten_counts_once_and_the_same_epoch_none(
     with caplog.at_level(logging.INFO, logger="kvxfer.server.peers"):
         await linked()
         await forgotten()
+        assert (address in links._identities) == (label == "p")
         await linked()  # the same epoch: no restart
         assert restarts() == 0 and logged() == []
         await forgotten()
@@ -264,6 +278,30 @@ async def test_a_restart_while_forgotten_counts_once_and_the_same_epoch_none(
         await linked()  # back with epoch 2 again
         assert restarts() == 1 and len(logged()) == 1
     assert backend.removed == ["agent-1", "agent-2", "agent-3"]  # one per forgetting
+    await links._dialer.close()
+
+
+@pytest.mark.parametrize("label", ["p", "other"])
+async def test_an_address_forgotten_again_before_it_is_linked_keeps_its_epoch(
+    monkeypatch: pytest.MonkeyPatch, label: str
+) -> None:
+    """A pull to a forgotten peer that is restarting fails its handshake, and the address
+    idles out again with no agent loaded: the epoch kept from before stays, so the
+    restart still counts once the peer is back."""
+    metrics, links, peer = _restarting(monkeypatch, RecordingBackend(), label)
+    layout, address = peer.layout, "127.0.0.1:1"
+    with links.use(address):
+        await links.link(address, "e-1", layout, peer.epoch, "e-p")
+    links.use(address).release()
+    await links.forget_idle(0.0)
+    peer.down = True
+    with links.use(address), pytest.raises(PeerUnavailableError):
+        await links.link(address, "e-1", layout, peer.epoch, "e-p")
+    await links.forget_idle(0.0)
+    peer.down, peer.epoch = False, 2
+    with links.use(address):
+        await links.link(address, "e-1", layout, peer.epoch, "e-p")
+    assert _value(metrics, "kvxfer_peer_epoch_changes_total", peer=label) == 1
     await links._dialer.close()
 
 
@@ -333,9 +371,10 @@ async def test_two_ranks_seeing_one_restart_count_it_and_remove_the_agent_once(
 
 
 async def test_epochs_kept_for_forgotten_addresses_are_bounded() -> None:
-    """Only a peer with a metric label of its own keeps its epoch when forgotten (as it
-    keeps its identity), and at most limits.max_peer_labels addresses do: a labelled peer
-    that came back under many addresses keeps those of its latest."""
+    """A peer with a metric label of its own keeps its epoch when forgotten with its
+    identity, and at most limits.max_peer_labels addresses do: a labelled peer that came
+    back under many addresses keeps those of its latest. One folded into "other" keeps
+    its epoch apart, without its identity."""
     links = _links(Metrics(), RecordingBackend(), "--limits.max-peer-labels", "2")
 
     async def forget(address: str, identity: str, epoch: int) -> None:
@@ -350,10 +389,48 @@ async def test_epochs_kept_for_forgotten_addresses_are_bounded() -> None:
     await forget("127.0.0.1:10", "q", 10)
     assert links.label("127.0.0.1:10") == "other"
     assert links._forgotten_epochs == {"127.0.0.1:2": 2, "127.0.0.1:3": 3}
+    assert links._forgotten_others == {"127.0.0.1:10": 10}
     # The identities of the addresses it left go with their epochs: not one kept per
     # address a pod ever had. The two latest still count under "p".
     assert [links.label(f"127.0.0.1:{i}") for i in range(4)] == ["other", "other", "p", "p"]
     assert set(links._identities) == {"127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:9"}
+    await links._dialer.close()
+
+
+async def test_epochs_kept_for_forgotten_other_peers_are_bounded_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Many peers folded into "other" forgotten one after another: the latest
+    _MAX_FORGOTTEN_OTHERS keep their epochs (and no identity), the oldest dropped first,
+    and none takes the place of the labelled peer's identity and epoch. A restart is
+    counted for a kept address, under "other", not for a dropped one."""
+    metrics, links, peer = _restarting(monkeypatch, RecordingBackend(), "other")
+    labelled, bound = "127.0.0.1:9", peers._MAX_FORGOTTEN_OTHERS
+    addresses = [f"10.0.{i // 256}.{i % 256}:1" for i in range(bound + 1)]
+    for address in [labelled, *addresses]:
+        links._nixl_peers[address] = (1, "agent")  # what its handshake left
+        if address != labelled:
+            links._name_peer(address, f"o-{address}")
+        links.use(address).release()
+        assert await links.forget_idle(0.0) == 1
+    assert set(links._identities) == {labelled}
+
+    def restarts(label: str) -> float:
+        return _value(metrics, "kvxfer_peer_epoch_changes_total", peer=label)
+
+    peer.epoch = 2
+    dropped, oldest_kept = addresses[:2]
+    for address, counted in ((dropped, 0), (oldest_kept, 1)):
+        with links.use(address):
+            await links.link(address, "e-1", peer.layout, peer.epoch, "e-p")
+        assert restarts("other") == counted
+    # The latest are kept still (the one linked again no longer), the labelled one too.
+    assert list(links._forgotten_others) == addresses[2:]
+    assert links._forgotten_epochs == {labelled: 1}
+    peer.sidecar_id = "x"
+    with links.use(labelled):
+        await links.link(labelled, "e-1", peer.layout, peer.epoch, "e-p")
+    assert restarts("x") == 1
     await links._dialer.close()
 
 
