@@ -9,7 +9,9 @@ buffers registered until no read of its blocks is in flight.
 
 Events (PullDone, Released, LeaseExpired) wait in a per-engine queue until
 the engine's watcher takes them, so an event emitted before the engine
-started watching is not lost; one watcher at a time.
+started watching is not lost; one watcher at a time. The queue goes with the
+engine: a watch on it drains what the retirement emitted, one that arrives
+later is refused (not found).
 """
 
 from __future__ import annotations

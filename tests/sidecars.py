@@ -30,7 +30,7 @@ from kvxfer.cli.fleet import scrape as scrape_metrics
 from kvxfer.client.engine import EngineClient
 from kvxfer.client.shm import ShmKVCache, shm_kv_cache
 from kvxfer.core.layout import BlockId, BlockSpan, GroupId
-from kvxfer.core.requests import EngineEvent
+from kvxfer.core.requests import AbortState, EngineEvent, Received
 from kvxfer.dataplane.adapter import AgentOptions, NixlAgent
 from kvxfer.dataplane.readers import BackendFactory, Readers
 from kvxfer.dataplane.serving import ServingAgent
@@ -159,27 +159,61 @@ class DecodeImage:
         assert problem is None, problem
 
 
+WATCH_PROBE = "watch-probe"
+
+
 class Events:
-    """Collects an engine's events in the background for the length of a test."""
+    """Collects an engine's events in the background for the length of a test.
+
+    The watch reaches the sidecar some time after this starts it, perhaps after the
+    test's next calls. Until then the sidecar holds the engine's events for it, but only
+    while the engine is registered: an engine that retires first takes its events with
+    it, and the watch is refused. A test that makes its engine go away awaits `watching`
+    first."""
 
     def __init__(self, client: EngineClient) -> None:
-        self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        self._client = client
+        self._queue: asyncio.Queue[EngineEvent | Exception] = asyncio.Queue()
+        self._failure: Exception | None = None  # the watch's, until `next` raised it
         self._task = asyncio.create_task(self._pump(client))
 
     async def _pump(self, client: EngineClient) -> None:
-        async for event in client.events():
-            await self._queue.put(event)
+        try:
+            async for event in client.events():
+                await self._queue.put(event)
+        except Exception as exc:  # the watch refused or broken
+            self._failure = exc
+            await self._queue.put(exc)  # `next` raises it at once, not at its timeout
+
+    async def watching(self, blocks: Sequence[BlockSpan]) -> None:
+        """Return once the sidecar watches this engine's events. Only an event can show
+        it: `blocks` (logical block 0 of every group) expected for one token and aborted
+        at once, heard as Received(aborted) (its sidecar must take part in pushes). The
+        first event: await this before any other."""
+        await self._client.expect(WATCH_PROBE, 1, blocks)
+        assert await self._client.abort(WATCH_PROBE) is AbortState.EXPECTED
+        heard = await self.next()
+        assert isinstance(heard, Received) and heard.request_id == WATCH_PROBE, heard
 
     async def next(self, timeout_s: float = 20.0) -> EngineEvent:
-        return await asyncio.wait_for(self._queue.get(), timeout_s)
+        """The next event; what ended the watch, if it failed (not a timeout later)."""
+        got = await asyncio.wait_for(self._queue.get(), timeout_s)
+        if isinstance(got, Exception):
+            self._failure = None
+            raise got
+        return got
 
     def pending(self) -> int:
+        """Events (or the watch's failure) not yet taken by `next`."""
         return self._queue.qsize()
 
     async def close(self) -> None:
+        """Stop watching; raises the watch's failure if `next` did not."""
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+        if self._failure is not None:
+            raise self._failure
 
 
 @contextlib.asynccontextmanager

@@ -344,6 +344,7 @@ async def test_an_engine_that_unregisters_hears_its_expected_requests_aborted(
     try:
         async with EngineClient(d.ready["engine_address"], engine_id=de.engine_id) as client:
             events = Events(client)
+            await events.watching(_blocks(1, 100))  # else it may reach d after the engine left
             await client.expect("expected", 64, _blocks(64, 0))
             await client.unregister()
             heard = await events.next(timeout_s=10)

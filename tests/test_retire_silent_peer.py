@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(120)]
 MODEL = "gpt-oss-20b"
 TOKENS = 64  # 4 blocks of 16
 BLOCKS = spans({0: [0, 1, 2, 3], 1: [0, 1, 2, 3]})
+PROBE = spans({0: [8], 1: [8]})  # to see the engine's event watch on (`Events.watching`)
 STALL_S = 4.0  # the transferring sidecar's stall deadline: every chunk fails at it
 STALLING = ("--faults.stall-rate", "1", "--transfer.stall-deadline-s", str(STALL_S))
 
@@ -52,6 +53,7 @@ async def test_an_engine_retires_while_its_pulls_end_read_waits_on_a_frozen_peer
             engine_link(p, pair.pe) as (p_client, _),
             engine_link(d, de) as (d_client, d_events),
         ):
+            await d_events.watching(PROBE)  # before the engine may go
             params = await p_client.publish("r", TOKENS, BLOCKS)
             pulling = time.monotonic()
             await d_client.pull(params, BLOCKS, 0)
@@ -78,6 +80,7 @@ async def test_an_engine_retires_while_its_pushs_end_write_waits_on_a_frozen_pee
             engine_link(d, pair.de) as (d_client, _),
             engine_link(p, pe) as (p_client, p_events),
         ):
+            await p_events.watching(PROBE)
             params = await d_client.expect("r", TOKENS, BLOCKS)
             await p_client.push(params, BLOCKS, TOKENS)  # BeginWrite answered
             await asyncio.sleep(1.0)
@@ -100,6 +103,7 @@ async def test_a_queued_pull_does_not_hold_up_its_engines_retirement(tmp_path: P
             engine_link(p, pair.pe) as (p_client, _),
             engine_link(d, de) as (d_client, d_events),
         ):
+            await d_events.watching(PROBE)
             for request_id in ("running", "queued"):
                 params = await p_client.publish(request_id, TOKENS, BLOCKS)
                 await d_client.pull(params, BLOCKS, 0)
