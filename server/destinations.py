@@ -198,10 +198,10 @@ class Destinations:
         except PlanError as exc:
             raise InvalidInputError("failed_blocks", exc.detail) from exc
         check_reader(lease, end.writer, end.token)  # before anything is revoked for it
-        if lease.ending:  # a retry while its first call revokes: that call reports
+        if lease.ending:  # a retry while its first call revokes, or the sweeper: it reports
             raise LeaseError(
-                f"request {request_id!r} is being ended by an earlier EndWrite of its "
-                "writer (revoking remote access), which reports the write"
+                f"request {request_id!r} is being ended (remote access is being revoked, "
+                "for an earlier EndWrite of its writer or its lease's expiry), which reports it"
             )
         gave_up = failed or reason is ReleaseReason.ABORTED or lease.state is LeaseState.ABORTED
         if gave_up and not end.settled:
@@ -279,9 +279,13 @@ class Destinations:
         peer's access was revoked (its writer may still have WRITEs posted), by one kill
         for all of them, or the one already begun for a lease (`_fence_all`): a kill each
         would kill the agents that replaced the first, and count revocations that fence
-        nothing. Shielded: out of the table, they are reported by nothing else, so a
-        cancelled sweep still reports them once the kill returned. When the kill fails
-        they are not reported at all (a WRITE may still land): logged, never raised."""
+        nothing. Those stay in the table, marked ending, until fenced (`LeaseTable.expire`):
+        an engine retiring meanwhile waits for the fence before its memory goes.
+
+        Shielded: a cancelled sweep still reports them once the kill returned. When the
+        kill fails they are not reported (a WRITE may still land) and stay in the table,
+        no longer ending: the next sweep fences them again, and a retirement fences them
+        itself. Logged, never raised (after a cancelled sweep nothing awaits this)."""
         begun: list[Lease] = []
         for lease in leases:
             if lease.state is LeaseState.HELD:
@@ -296,23 +300,30 @@ class Destinations:
         writers = "the writer" if len(leases) == 1 else "the writers"
         try:
             await self._fence_all(leases, f"{writers} of {ids} went silent")
-        except Exception:  # logged here: after a cancelled sweep nothing awaits this
+        except Exception:
             # A WRITE posted before may still land: better blocks held than written into
             # after their engine reused them.
             log.exception(
                 "expected requests %s expired, but remote access could not be revoked: "
-                "not reported, so their engine keeps their blocks",
+                "not reported; fenced again at the next sweep",
                 ids,
             )
+            for lease in leases:
+                lease.ending = False
             return
         for lease in leases:
-            self._expire(
-                lease, "its writer went silent past the lease TTL; remote access was revoked first"
-            )
+            if self._leases.discard(lease):  # else its engine retired, fencing it meanwhile
+                self._expire(
+                    lease,
+                    "its writer went silent past the lease TTL; remote access was revoked first",
+                )
 
     def _expire(self, lease: Lease, why: str) -> None:
         log.warning("expected request %s failed: %s", lease.request_id, why)
-        self._fail_all(lease, PullStatus.FAILED, why)
+        try:
+            self._fail_all(lease, PullStatus.FAILED, why)
+        except Exception:  # one report's bug must not lose the rest of the sweep's
+            log.exception("reporting expected request %s failed", lease.request_id)
 
     def abort(self, engine_id: str, request_id: str) -> AbortState:
         """The decode engine aborts an expected request: released at once when nobody

@@ -11,7 +11,7 @@ Events (PullDone, Released, LeaseExpired) wait in a per-engine queue until
 the engine's watcher takes them, so an event emitted before the engine
 started watching is not lost; one watcher at a time. The queue goes with the
 engine: a watch on it drains what the retirement emitted, one that arrives
-later is refused (not found).
+once the retirement has begun is refused (not found).
 """
 
 from __future__ import annotations

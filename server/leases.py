@@ -243,11 +243,33 @@ class LeaseTable:
         return before, None
 
     def expire(self) -> list[Lease]:
+        """The leases whose TTL passed, taken out of the table; but a destination lease
+        whose write began stays in it, marked ending, until its writer is fenced
+        (`Destinations.expired_all`, then `discard`): an engine retiring meanwhile still
+        sees it, and its memory waits for that fence."""
         now = self._clock()
-        gone = [
-            key for key, lease in self._leases.items() if lease.expires <= now and not lease.ending
+        due = [
+            (key, lease)
+            for key, lease in self._leases.items()
+            if lease.expires <= now and not lease.ending
         ]
-        return [self._remove(key) for key in gone]
+        expired = []
+        for key, lease in due:
+            if lease.push and lease.state is not LeaseState.HELD:
+                lease.ending = True
+                expired.append(lease)
+            else:
+                expired.append(self._remove(key))
+        return expired
+
+    def discard(self, lease: Lease) -> bool:
+        """Take `lease` out of the table if it is still there (a retirement may have
+        dropped it meanwhile): whether it was."""
+        key = (lease.engine_id, lease.request_id)
+        if self._leases.get(key) is not lease:
+            return False
+        self._remove(key)
+        return True
 
     def drop_engine(self, engine_id: str) -> list[Lease]:
         gone = [key for key in self._leases if key[0] == engine_id]

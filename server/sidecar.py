@@ -166,13 +166,16 @@ class Sidecar:
             if lease.push:  # handed over together: one kill fences every silent writer
                 pushed.append(lease)
                 continue
-            log.info("lease of %s expired unconsumed", lease.request_id)
-            self.metrics.expired_leases.inc()
-            self._emit(
-                lease.engine_id,
-                LeaseExpired(lease.request_id, time.monotonic() - lease.created),
-            )
-            self._lease_ended(lease.engine_id)
+            try:  # one report's bug must not lose the rest of the sweep
+                log.info("lease of %s expired unconsumed", lease.request_id)
+                self.metrics.expired_leases.inc()
+                self._emit(
+                    lease.engine_id,
+                    LeaseExpired(lease.request_id, time.monotonic() - lease.created),
+                )
+                self._lease_ended(lease.engine_id)
+            except Exception:
+                log.exception("reporting the expiry of %s failed", lease.request_id)
         await self.destinations.expired_all(pushed)
 
     async def shutdown(self, grace_s: float) -> None:

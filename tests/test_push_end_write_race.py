@@ -48,7 +48,7 @@ from kvxfer.dataplane.memory import MappedBuffer
 from kvxfer.dataplane.readers import Readers
 from kvxfer.server.destinations import Destinations, WriteEnd
 from kvxfer.server.engines import Engine, EventQueue
-from kvxfer.server.leases import LeaseTable
+from kvxfer.server.leases import Lease, LeaseTable
 from kvxfer.server.metrics import Metrics
 from kvxfer.server.settings import load_settings
 from kvxfer.server.sidecar import Sidecar
@@ -533,20 +533,61 @@ async def test_a_writer_silent_alone_is_fenced_by_one_kill() -> None:
         assert swept.counted() == 1
 
 
-async def test_a_kill_that_failed_leaves_its_leases_unreported_and_the_sweeper_going(
+async def test_a_kill_that_failed_is_tried_again_before_its_lease_is_reported(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A WRITE of the writer it was to fence may still land: its lease is not reported
-    (its engine keeps the blocks). The next sweeps go on: a later lease expires, and is
-    fenced by a new kill."""
+    (its engine keeps the blocks) and stays in the table, and the next sweep kills
+    again; only once that kill returned is it reported, the failed kill not counted."""
     async with _sweeping() as swept, _watched(swept) as watched:
         swept.backend.failures = 1
-        swept.backend.done.set()
         swept.begun("unfenced")
         swept.sidecar.start()
-        await swept.backend.revoking.wait()
-        swept.begun("next")
-        assert _failed_revoked(await watched.until(1)) == ["next"]
+        await swept.backend.revoking.wait()  # the first kill, failing
+        swept.backend.revoking.clear()
+        await swept.backend.revoking.wait()  # the next sweep's, under way
         assert swept.backend.revocations == 2
+        assert watched.events == [], "reported before any kill fenced its writer"
+        swept.backend.done.set()
+        assert _failed_revoked(await watched.until(1)) == ["unfenced"]
         assert swept.counted() == 1, "a kill that failed was counted"
         assert "'unfenced' expired, but remote access could not be revoked" in caplog.text
+
+
+async def test_an_engine_retiring_under_the_sweepers_kill_keeps_its_memory_until_it_returned() -> (
+    None
+):
+    """The swept lease stays in the table while its writer is fenced: the retirement
+    sees it and joins that kill (not a second), and the memory goes only after it."""
+    async with _sweeping() as swept, _watched(swept) as watched:
+        swept.begun("silent")
+        await _kill_under_way(swept, watched)
+        retired = swept.retire()
+        await asyncio.sleep(0.3)  # past its 0.05 s reads deadline
+        assert not retired.done(), "the engine's memory went before the sweeper's kill returned"
+        swept.backend.done.set()
+        await retired
+        assert swept.backend.revocations == 1
+        assert swept.counted() == 1
+
+
+async def test_a_sweep_that_raised_does_not_stop_the_next(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with _sweeping() as swept, _watched(swept) as watched:
+        expire = swept.sidecar._leases.expire
+        calls = 0
+
+        def broken_once() -> list[Lease]:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("a bug in a sweep")
+            return expire()
+
+        monkeypatch.setattr(swept.sidecar._leases, "expire", broken_once)
+        swept.backend.done.set()
+        swept.begun("r")
+        swept.sidecar.start()
+        assert _failed_revoked(await watched.until(1)) == ["r"]
+        assert calls >= 2 and "sweeping expired leases failed" in caplog.text

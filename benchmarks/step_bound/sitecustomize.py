@@ -57,10 +57,10 @@ def install() -> None:
 
     def remembered_plan(src: Any, dst: Any, src_spans: Any, dst_spans: Any, *rest: Any) -> Any:
         key = (id(src), id(dst), tuple(src_spans), tuple(dst_spans), rest)
-        plan = _remembered("plan", plans, key)
-        if plan is None:
-            plan = plans[key] = plan_transfer(src, dst, src_spans, dst_spans, *rest)
-        return plan
+        known = _remembered("plan", plans, key)
+        if known is None:  # the layouts kept with it: their ids stay theirs
+            known = plans[key] = (src, dst, plan_transfer(src, dst, src_spans, dst_spans, *rest))
+        return known[2]
 
     def remembered_binding(
         chunks: Any, peer: str, local: Any, remote: Any, options: Any, write: bool = False,
