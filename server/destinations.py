@@ -242,7 +242,12 @@ class Destinations:
         retires under a writer that never ended): return once no WRITE posted for any
         of them can land. One revocation fences them all, and one already begun for a
         lease (its EndWrite's, cancelled or still running) is waited for, not repeated."""
-        await self._fence_all([lease for lease in leases if lease.push], why)
+        dropped = [lease for lease in leases if lease.push]
+        try:
+            await self._fence_all(dropped, why)
+        except Exception:  # a kill it joined (the sweeper's, an EndWrite's) failed
+            log.exception("revoking remote access (%s) failed: killing once more", why)
+            await self._fence_all(dropped, why)  # a new kill: a failed one fences nothing
 
     async def _fence_all(self, leases: list[Lease], why: str) -> None:
         """Record on each lease not yet fenced the kill that fences it (the one under
@@ -300,16 +305,19 @@ class Destinations:
         writers = "the writer" if len(leases) == 1 else "the writers"
         try:
             await self._fence_all(leases, f"{writers} of {ids} went silent")
-        except Exception:
+        except BaseException as exc:
             # A WRITE posted before may still land: better blocks held than written into
-            # after their engine reused them.
+            # after their engine reused them. Back in the table as they were, expired:
+            # the next sweep kills again (an EndWrite may end one first, revoking itself).
+            for lease in leases:
+                lease.ending = lease.swept = False
+            if not isinstance(exc, Exception):
+                raise
             log.exception(
                 "expected requests %s expired, but remote access could not be revoked: "
-                "not reported; fenced again at the next sweep",
+                "not reported; fenced again by the next sweep",
                 ids,
             )
-            for lease in leases:
-                lease.ending = False
             return
         for lease in leases:
             if self._leases.discard(lease):  # else its engine retired, fencing it meanwhile

@@ -90,9 +90,13 @@ class Lease:
     # reader fields are then the writer's (READING: being written).
     push: bool = False
     computed_tokens: int = 0
-    # Its writer's EndWrite is revoking remote access before it reports: nothing else
-    # ends the lease meanwhile (the sweeper passes it over; a second EndWrite is refused).
+    # Remote access is being revoked before the lease is reported, by its writer's
+    # EndWrite or by the sweeper (`swept`): nothing else ends the lease meanwhile (the
+    # sweeper passes it over; an EndWrite is refused).
     ending: bool = False
+    # Expired by the sweeper, kept until its writer is fenced: no longer the writer's
+    # (its heartbeat hears it gone, and renews nothing).
+    swept: bool = False
     # The revocation of remote access that fences its writer's given-up chunks (begun
     # for it, or a kill under way it joined): it runs on when the call that began it is
     # cancelled, and what ends the lease after (a retried EndWrite, the sweeper, its
@@ -201,6 +205,7 @@ class LeaseTable:
         for lease, token in zip(leases, tokens, strict=True):
             if lease is not None:
                 check_reader(lease, reader, token)
+        leases = [None if lease is not None and lease.swept else lease for lease in leases]
         now = self._clock()
         for lease in leases:
             if lease is not None:
@@ -256,7 +261,7 @@ class LeaseTable:
         expired = []
         for key, lease in due:
             if lease.push and lease.state is not LeaseState.HELD:
-                lease.ending = True
+                lease.ending = lease.swept = True
                 expired.append(lease)
             else:
                 expired.append(self._remove(key))

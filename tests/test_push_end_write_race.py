@@ -42,7 +42,7 @@ from kvxfer._exceptions import DataPlaneError, LeaseError
 from kvxfer.client.shm import shm_kv_cache
 from kvxfer.core.layout import EngineLayout
 from kvxfer.core.profiles import layout_for_model
-from kvxfer.core.requests import EngineEvent, PullStatus, Received, ReleaseReason
+from kvxfer.core.requests import AbortState, EngineEvent, PullStatus, Received, ReleaseReason
 from kvxfer.dataplane.descriptors import BoundBuffer
 from kvxfer.dataplane.memory import MappedBuffer
 from kvxfer.dataplane.readers import Readers
@@ -268,8 +268,9 @@ async def test_the_sweeper_fences_a_silent_writer_with_a_cancelled_end_writes_ki
 
 
 async def test_a_cancelled_sweep_still_reports_once_the_kill_returned(decode: Decode) -> None:
-    """The expired leases left the table: nothing but the sweep that took them out
-    reports them, so it does even when it is cancelled while the agent is killed."""
+    """Nothing but the sweep that expired the leases reports them (kept in the table,
+    ending, they are passed over by the next sweeps), so it does even when it is
+    cancelled while the agent is killed."""
     _begun(decode, "r")
     _begun(decode, "s")
     decode.clock[0] += 2 * TTL_S
@@ -591,3 +592,101 @@ async def test_a_sweep_that_raised_does_not_stop_the_next(
         swept.sidecar.start()
         assert _failed_revoked(await watched.until(1)) == ["r"]
         assert calls >= 2 and "sweeping expired leases failed" in caplog.text
+
+
+# -- a swept lease, kept in the table while its writer is fenced ---------------
+
+
+@dataclass
+class FailsLate(SlowRevoke):
+    """A kill that runs until `done` is set and then fails (the first `late_failures`)."""
+
+    late_failures: int = 0
+
+    async def revoke(self, reason: str) -> None:
+        self.revocations += 1
+        self.revoking.set()
+        await self.done.wait()
+        if self.late_failures:
+            self.late_failures -= 1
+            raise DataPlaneError(f"cannot kill the serving agent ({reason})")
+
+
+async def test_a_writers_heartbeat_during_the_sweepers_kill_is_not_told_to_go_on() -> None:
+    """Its lease is being expired: the heartbeat hears it is gone (as it did when the
+    sweeper took the lease out of the table first), not HELD, and renews nothing."""
+    async with _sweeping() as swept, _watched(swept) as watched:
+        end = swept.begun("silent")
+        await _kill_under_way(swept, watched)
+        beat = swept.sidecar.read_side.heartbeat
+        states = beat(swept.sidecar.epoch, 0, ["silent"], "writer", [end.token])
+        swept.backend.done.set()
+        assert _failed_revoked(await watched.until(1)) == ["silent"]
+        assert states == [None], f"a lease being expired was answered {states}"
+
+
+async def test_a_retirement_that_joined_a_sweepers_kill_that_failed_kills_again_itself() -> None:
+    """The engine's reads deadline passed while the sweeper's kill ran: it dropped the
+    lease and joined that kill. The kill fails: the retirement must fence the writer
+    with a kill of its own, not fail for good (its engine left registered and half
+    retired, an Unregister answering that error forever)."""
+    async with _sweeping() as swept, _watched(swept) as watched:
+        backend = swept.backend = FailsLate(late_failures=1)
+        swept.sidecar._backend = swept.sidecar.destinations._backend = backend
+        swept.begun("silent")
+        await _kill_under_way(swept, watched)
+        retired = swept.retire()
+        await asyncio.sleep(0.3)  # past its 0.05 s deadline: dropped, joined the kill
+        assert not retired.done(), "the engine's memory went before the kill returned"
+        backend.done.set()  # the kill returns, failing
+        (outcome,) = await asyncio.gather(retired, return_exceptions=True)
+        assert not isinstance(outcome, BaseException), f"the retirement failed: {outcome!r}"
+        assert swept.engine.engine_id not in {e.engine_id for e in swept.sidecar.engines()}
+        assert backend.revocations == 2
+
+
+async def test_an_end_write_after_the_sweepers_failed_kill_fences_and_reports_once() -> None:
+    async with _sweeping() as swept, _watched(swept) as watched:
+        swept.backend.failures = 1
+        end = swept.begun("r")
+        swept.sidecar.start()
+        await swept.backend.revoking.wait()  # the sweeper's kill, failing
+        await asyncio.sleep(0.05)
+        ended = swept.end_write(end, "r")  # gave up, unsettled: kills again itself
+        await asyncio.sleep(0.05)
+        assert not ended.done() and watched.events == []
+        swept.backend.done.set()
+        assert await ended == 96
+        await asyncio.sleep(2 * SWEEP_S)  # later sweeps do not report it again
+        (received,) = watched.events
+        assert isinstance(received, Received) and received.status is PullStatus.PARTIAL
+        assert swept.backend.revocations == 2
+
+
+async def test_an_abort_during_the_sweepers_kill_is_answered_writing_and_reported_once() -> None:
+    async with _sweeping() as swept, _watched(swept) as watched:
+        swept.begun("silent")
+        await _kill_under_way(swept, watched)
+        state = await swept.sidecar.abort(swept.engine.engine_id, "silent")
+        assert state is AbortState.WRITING
+        swept.backend.done.set()
+        assert _failed_revoked(await watched.until(1)) == ["silent"]
+        await asyncio.sleep(SWEEP_S)
+        assert len(watched.events) == 1 and swept.backend.revocations == 1
+
+
+async def test_a_long_retirement_after_a_failed_kill_waits_for_the_next_sweeps() -> None:
+    async with _sweeping() as swept, _watched(swept) as watched:
+        swept.backend.failures = 1
+        swept.begun("silent")
+        swept.sidecar.start()
+        await swept.backend.revoking.wait()  # the first kill, failing at once
+        swept.backend.revoking.clear()
+        retired = asyncio.create_task(swept.sidecar.unregister(swept.engine.engine_id, 5.0))
+        await swept.backend.revoking.wait()  # the next sweep's
+        await asyncio.sleep(0.05)
+        assert not retired.done(), "the engine's memory went before any kill fenced"
+        swept.backend.done.set()
+        await retired
+        assert _failed_revoked(watched.events) == ["silent"]
+        assert swept.backend.revocations == 2
