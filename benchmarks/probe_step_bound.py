@@ -22,12 +22,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import bench_child  # benchmarks/, beside this script
 
 BOUND_DIR = Path(__file__).resolve().parent / "step_bound"
 ENV = "STEP_BOUND_DIR"  # step_bound/sitecustomize.py reads it
@@ -37,25 +37,12 @@ STEPS = ("params", "plan", "bind")
 
 def run_bench(models: list[str], repeat: int, bounded: bool) -> dict[str, Any]:
     """One bench run at 1k; its case rows, and when `bounded`, the steps' counts."""
-    cli = Path(sys.executable).parent / "kvxfer-cli"
-    command = [str(cli), "bench", "--models", *models, "--sizes", "1k", "--repeat", str(repeat)]
-    env = dict(os.environ)
-    env.pop(ENV, None)
+    arguments = ["--models", *models, "--sizes", "1k", "--repeat", str(repeat)]
     with tempfile.TemporaryDirectory(prefix="kvxfer-bound-") as tmp:
-        if bounded:
-            env[ENV] = tmp
-            env["PYTHONPATH"] = os.pathsep.join(
-                filter(None, [str(BOUND_DIR), env.get("PYTHONPATH")])
-            )
-        done = subprocess.run(
-            [*command, "--json"], env=env, capture_output=True, text=True, check=False, timeout=1800
-        )
-        if done.returncode != 0:
-            raise SystemExit(f"bench failed ({done.returncode}): {done.stderr[-2000:]}")
-        if "Error in sitecustomize" in done.stderr:  # site.py prints it and goes on
-            raise SystemExit(f"the bound failed to install: {done.stderr[-2000:]}")
+        # Unbounded: the variable set empty (the sitecustomize acts only when it is not).
+        site, env = (BOUND_DIR, {ENV: tmp}) if bounded else (None, {ENV: ""})
+        cases = bench_child.run_bench(arguments, site, env)["cases"]
         counts = _counts(Path(tmp))
-    cases = json.loads(done.stdout)["cases"]
     if bounded and min(counts["hits"].values()) < repeat * len(models):
         raise SystemExit(f"the bounded run skipped a step too rarely: {counts}")
     return {"cases": cases, "bounded": bounded, "steps": counts if bounded else None}

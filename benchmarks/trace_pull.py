@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import bench_child  # benchmarks/, beside this script
 
 TRACE_DIR = Path(__file__).resolve().parent / "pull_trace"
 ENV = "PULL_TRACE_DIR"  # pull_trace/sitecustomize.py reads it
@@ -127,19 +126,8 @@ def missing(steps: Sequence[Step]) -> list[str]:
 
 def run_bench(model: str, size: str, repeat: int, logs: Path) -> dict[str, object]:
     """One traced bench case; its JSON row."""
-    cli = Path(sys.executable).parent / "kvxfer-cli"
-    env = dict(os.environ)
-    env[ENV] = str(logs)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TRACE_DIR), env.get("PYTHONPATH")]))
-    command = [str(cli), "bench", "--models", model, "--sizes", size, "--repeat", str(repeat)]
-    done = subprocess.run(
-        [*command, "--json"], env=env, capture_output=True, text=True, check=False, timeout=1800
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"bench failed ({done.returncode}): {done.stderr[-2000:]}")
-    if "Error in sitecustomize" in done.stderr:  # site.py prints it and goes on
-        raise SystemExit(f"the tracer failed to install: {done.stderr[-2000:]}")
-    cases = json.loads(done.stdout)["cases"]
+    arguments = ["--models", model, "--sizes", size, "--repeat", str(repeat)]
+    cases = bench_child.run_bench(arguments, TRACE_DIR, {ENV: str(logs)})["cases"]
     if len(cases) != 1:
         raise SystemExit(f"the bench ran {len(cases)} cases of {model} {size}, not one")
     return dict(cases[0])

@@ -17,6 +17,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _trace_pull() -> ModuleType:
+    if str(BENCHMARKS) not in sys.path:  # its sibling bench_child.py, as when run
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location("trace_pull", BENCHMARKS / "trace_pull.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

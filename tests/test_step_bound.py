@@ -18,6 +18,8 @@ pytestmark = [pytest.mark.nixl, pytest.mark.e2e]
 
 def _probe() -> ModuleType:
     path = BENCHMARKS / "probe_step_bound.py"
+    if str(BENCHMARKS) not in sys.path:  # its sibling bench_child.py, as when run
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location("probe_step_bound", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
